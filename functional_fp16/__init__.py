@@ -1,0 +1,69 @@
+"""functional_fp16: pure, composable FP16 mixed-precision training for PyTorch."""
+
+from functional_fp16._tree import NAMESPACE
+from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from functional_fp16.clipping import clip_by_global_norm, global_norm
+from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
+from functional_fp16.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    unscale_factor,
+)
+from functional_fp16.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    join_schedules,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from functional_fp16.sgd import (
+    ScaleByScheduleState,
+    TraceState,
+    add_decayed_weights,
+    scale_by_learning_rate,
+    sgd,
+    trace,
+)
+from functional_fp16.update import FP16State, fp16_init, fp16_update
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NAMESPACE",
+    # transforms
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "chain",
+    "apply_updates",
+    "sgd",
+    "trace",
+    "TraceState",
+    "scale_by_learning_rate",
+    "ScaleByScheduleState",
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "global_norm",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    # schedules
+    "constant_schedule",
+    "linear_schedule",
+    "cosine_decay_schedule",
+    "join_schedules",
+    "warmup_cosine_decay_schedule",
+    # loss scaling
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "LossScale",
+    "all_finite",
+    "unscale_factor",
+    # the FP16 state and update
+    "FP16State",
+    "fp16_init",
+    "fp16_update",
+]

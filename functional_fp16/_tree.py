@@ -1,0 +1,116 @@
+"""Pytree plumbing shared by every module: one namespace, readable leaf paths.
+
+The library's own containers (:class:`~functional_fp16.FP16State` and the loss
+scales) are registered with ``optree`` under :data:`NAMESPACE`, so that their
+static configuration stays out of the leaves. Every tree operation inside the
+library goes through the helpers here so that the namespace is never forgotten.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+NAMESPACE = "functional_fp16"
+"""The ``optree`` namespace under which the library's containers are registered."""
+
+PyTree = Any
+
+
+def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` (``None`` is an empty subtree, as in optax)."""
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def tree_leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in flattening order."""
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def tree_unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of :func:`tree_flatten`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``optree.tree_map`` in the library's namespace."""
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def tree_paths(tree: PyTree) -> list[str]:
+    """Human-readable paths (``['conv1']['weight']``, ``[0].bias``) of every leaf."""
+    accessors = optree.tree_accessors(tree, namespace=NAMESPACE)
+    return [format_path(a) for a in accessors]
+
+
+def format_path(accessor: optree.PyTreeAccessor) -> str:
+    """Formats an ``optree`` accessor as Python indexing syntax, ``<root>`` for the root."""
+    text = "".join(entry.codify("") for entry in accessor)
+    return text or "<root>"
+
+
+def describe_tensor(x: Any) -> str:
+    """A short description used in error messages: dtype, shape and device."""
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    return f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple, dict)) else type(x).__name__
+
+
+def check_same_structure(
+    reference: PyTree, other: PyTree, *, name: str, reference_name: str
+) -> list[Any]:
+    """Checks that ``other`` has ``reference``'s tree structure; returns its leaves.
+
+    Leaves are returned in ``reference``'s flattening order. Raises ``ValueError``
+    naming both structures when they differ.
+    """
+    ref_spec = optree.tree_structure(reference, namespace=NAMESPACE)
+    try:
+        return ref_spec.flatten_up_to(other)
+    except (ValueError, TypeError) as err:
+        other_spec = optree.tree_structure(other, namespace=NAMESPACE)
+        raise ValueError(
+            f"{name} has a different tree structure than {reference_name}: "
+            f"expected {ref_spec}, got {other_spec} ({err})"
+        ) from None
+
+
+def check_like(
+    reference: PyTree,
+    other: PyTree,
+    *,
+    name: str,
+    reference_name: str,
+    check_dtype: bool = True,
+) -> list[torch.Tensor]:
+    """Checks that ``other`` matches ``reference`` leaf by leaf.
+
+    Structure, tensor-ness, shape, dtype (unless ``check_dtype`` is false) and
+    device must agree. The error names the path of the first offending leaf.
+    Returns the leaves of ``other`` in flattening order. Only metadata is read,
+    never tensor values, so the check never synchronises with the device.
+    """
+    leaves = check_same_structure(reference, other, name=name, reference_name=reference_name)
+    ref_leaves = tree_leaves(reference)
+    paths = tree_paths(reference)
+    for path, ref, leaf in zip(paths, ref_leaves, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{name}{path}: expected a tensor, got {describe_tensor(leaf)}")
+        if leaf.shape != ref.shape:
+            raise ValueError(
+                f"{name}{path}: shape {tuple(leaf.shape)} does not match "
+                f"{reference_name}{path} shape {tuple(ref.shape)}"
+            )
+        if check_dtype and leaf.dtype != ref.dtype:
+            raise TypeError(
+                f"{name}{path}: dtype {leaf.dtype} does not match "
+                f"{reference_name}{path} dtype {ref.dtype}"
+            )
+        if leaf.device != ref.device:
+            raise ValueError(
+                f"{name}{path}: device {leaf.device} does not match "
+                f"{reference_name}{path} device {ref.device}"
+            )
+    return leaves

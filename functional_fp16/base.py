@@ -1,0 +1,109 @@
+"""The optax-style transform interface: ``GradientTransformation``, ``chain``, ``apply_updates``.
+
+A gradient transformation is a pair of pure functions::
+
+    state = tx.init(params)
+    updates, new_state = tx.update(updates, state, params)
+
+Everything that changes from step to step lives in ``state`` (a NamedTuple of
+tensors); everything fixed is closed over by the factory that built ``tx``.
+No function here modifies its arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "chain",
+    "apply_updates",
+]
+
+InitFn = Callable[[PyTree], Any]
+UpdateFn = Callable[..., tuple[PyTree, Any]]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure ``(init, update)`` pair.
+
+    ``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``.
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def identity() -> GradientTransformation:
+    """The transformation that returns its updates unchanged."""
+
+    def init(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    r"""Composes transformations left to right.
+
+    .. math:: u \mapsto t_n(\dots t_2(t_1(u)))
+
+    The state is the tuple of the inner states, in order.
+
+    Args:
+      *transforms: the transformations to apply, first one first.
+
+    Returns:
+      A :class:`GradientTransformation`.
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain argument {i} must be a GradientTransformation, got {type(t).__name__}"
+            )
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates: PyTree, state: tuple[Any, ...], params: Optional[PyTree] = None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain state must be a tuple of {len(transforms)} inner states, "
+                f"got {type(state).__name__}"
+            )
+        new_states = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    r"""Returns :math:`p + u` for every leaf, in the dtype of :math:`p`.
+
+    Args:
+      params: the tree of parameters.
+      updates: a tree of the same structure.
+
+    Returns:
+      A new tree; ``params`` and ``updates`` are left untouched.
+    """
+    p_leaves, spec = tree_flatten(params)
+    u_leaves = check_same_structure(params, updates, name="updates", reference_name="params")
+    out = [p + u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+    return tree_unflatten(spec, out)

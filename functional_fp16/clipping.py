@@ -1,0 +1,64 @@
+"""Gradient clipping by global norm, computed in float32."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
+from functional_fp16.base import EmptyState, GradientTransformation
+
+__all__ = ["global_norm", "clip_by_global_norm"]
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \sum_j x_{ij}^2}`.
+
+    Computed in float32 whatever the leaves' dtype (an FP16 square overflows
+    above about 256). Returns a 0-d float32 tensor.
+    """
+    leaves = tree_flatten(tree)[0]
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    sq = [torch.sum(torch.square(x.float())) for x in leaves]
+    return torch.sqrt(torch.stack(sq).sum())
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    r"""Rescales the updates so that their global norm is at most ``max_norm``.
+
+    .. math:: u \leftarrow \begin{cases} u & \lVert u\rVert < c \\ (u / \lVert u\rVert)\, c & \text{otherwise}\end{cases}
+
+    This is optax's rule (no epsilon, the division before the multiplication).
+    Inside :func:`~functional_fp16.fp16_update` it sees unscaled FP32 gradients.
+
+    Args:
+      max_norm: :math:`c`, finite and > 0.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm must be a real number, got {type(max_norm).__name__}")
+    max_norm = float(max_norm)
+    if not math.isfinite(max_norm) or max_norm <= 0.0:
+        raise ValueError(f"max_norm must be finite and > 0, got {max_norm}")
+
+    def init(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+        del params
+        leaves, spec = tree_flatten(updates)
+        if not leaves:
+            return updates, state
+        norm = global_norm(updates).to(leaves[0].device)
+        inside = norm < max_norm
+        one = torch.ones_like(norm)
+        # u / 1 * 1 == u exactly, so no per-element select is needed.
+        divisor = torch.where(inside, one, norm)
+        factor = torch.where(inside, one, torch.full_like(norm, max_norm))
+        out = [(u / divisor.to(u.dtype)) * factor.to(u.dtype) for u in leaves]
+        return tree_unflatten(spec, out), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,78 @@
+"""Transforms that apply an inner transform only under a condition."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from functional_fp16._tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from functional_fp16.base import GradientTransformation
+from functional_fp16.loss_scale import all_finite
+
+__all__ = ["ApplyIfFiniteState", "apply_if_finite"]
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite`."""
+
+    notfinite_count: torch.Tensor  # 0-d int32: consecutive non-finite updates
+    last_finite: torch.Tensor  # 0-d bool: whether the last updates were finite
+    total_notfinite: torch.Tensor  # 0-d int32: non-finite updates seen in total
+    inner_state: Any  # the wrapped transform's state
+
+
+def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    return tree_map(lambda n, o: torch.where(flag, n, o), new, old)
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+    r"""Skips updates that contain inf or NaN (optax's ``apply_if_finite``).
+
+    With :math:`n` the number of consecutive non-finite updates (this one
+    included), the inner transform is applied when the updates are finite or
+    :math:`n > \text{max\_consecutive\_errors}`; otherwise it outputs zeros and
+    its state is left exactly as it was.
+
+    Args:
+      inner: the transform to protect.
+      max_consecutive_errors: how many consecutive bad updates to reject
+        before giving up and applying them anyway, ``>= 0``.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__}")
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
+        raise TypeError("max_consecutive_errors must be an int")
+    if max_consecutive_errors < 0:
+        raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+
+    def init(params: PyTree) -> ApplyIfFiniteState:
+        leaves = tree_flatten(params)[0]
+        device = leaves[0].device if leaves else None
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        return ApplyIfFiniteState(
+            notfinite_count=zero,
+            last_finite=torch.tensor(True, device=device),
+            total_notfinite=zero.clone(),
+            inner_state=inner.init(params),
+        )
+
+    def update(updates: PyTree, state: ApplyIfFiniteState, params: Optional[PyTree] = None):
+        finite = all_finite(updates).to(state.notfinite_count.device)
+        bumped = torch.clamp(state.notfinite_count + 1, max=_INT32_MAX).to(torch.int32)
+        notfinite_count = torch.where(finite, torch.zeros_like(bumped), bumped)
+        apply = finite | (notfinite_count > max_consecutive_errors)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        leaves, spec = tree_flatten(new_updates)
+        out = tree_unflatten(spec, [torch.where(apply, u, torch.zeros_like(u)) for u in leaves])
+        total = torch.clamp(state.total_notfinite + 1, max=_INT32_MAX).to(torch.int32)
+        return out, ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=finite,
+            total_notfinite=torch.where(finite, state.total_notfinite, total),
+            inner_state=_select(apply, new_inner, state.inner_state),
+        )
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,411 @@
+"""Loss scaling: static configuration plus a few 0-d tensors of state.
+
+A loss scale multiplies the loss before differentiation so that small FP16
+gradients do not flush to zero, and divides the gradients afterwards. Each loss
+scale here is an immutable pytree: its tensors (the scale, a 0-d float32, and
+int32 counters) are leaves, its configuration is static metadata that survives
+``optree`` flattening, ``torch.compile`` and checkpoints unchanged. Every method
+returns new tensors; nothing is modified in place and nothing reads a tensor's
+value on the host.
+
+Three kinds exist:
+
+* :class:`DynamicLossScale` — grows after a run of finite steps, backs off on
+  overflow (the rule of ``torch.amp.GradScaler``, ``jmp.DynamicLossScale`` and,
+  with ``hysteresis``, Megatron-LM).
+* :class:`StaticLossScale` — a fixed scale.
+* :class:`NoOpLossScale` — a scale of one (for BF16 or FP32 training).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import optree
+import torch
+
+from functional_fp16._tree import NAMESPACE, PyTree, tree_map
+
+__all__ = [
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "LossScale",
+    "all_finite",
+    "unscale_factor",
+]
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """Whether every element of every tensor in ``tree`` is finite.
+
+    Returns a 0-d bool tensor (``True`` for an empty tree) on the device of the
+    first leaf. No host synchronisation.
+    """
+    leaves = [x for x in optree.tree_leaves(tree, namespace=NAMESPACE)]
+    if not leaves:
+        return torch.tensor(True)
+    flags = [torch.isfinite(x).all() for x in leaves]
+    return torch.stack(flags).all()
+
+
+def unscale_factor(loss_scale: torch.Tensor) -> torch.Tensor:
+    r"""The float32 reciprocal of ``loss_scale``, computed in float64.
+
+    .. math:: s^{-1} = \operatorname{fl}_{32}(1 / \operatorname{fl}_{64}(s))
+
+    This is what ``torch.amp.GradScaler`` multiplies by when it unscales, so
+    unscaled gradients are bitwise equal to its own.
+    """
+    return loss_scale.double().reciprocal().float()
+
+
+def _scale_leaf(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # Low-precision losses are promoted to float32 so the product cannot
+    # overflow in FP16 (2**16 alone is already inf there).
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return x * scale.to(x.dtype)
+
+
+def _unscale_tree(tree: PyTree, scale: torch.Tensor) -> PyTree:
+    inv = unscale_factor(scale)
+    return tree_map(lambda g: g.float() * inv, tree)
+
+
+def _check_positive_finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    return value
+
+
+def _check_int(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > 2**31 - 1:
+        raise ValueError(f"{name} must fit in int32, got {value}")
+    return value
+
+
+class DynamicLossScale:
+    r"""Dynamic loss scale with optional Megatron-LM hysteresis.
+
+    State (tensor leaves): ``loss_scale`` (0-d float32), ``growth_count`` (0-d
+    int32, consecutive finite steps since the last change) and
+    ``hysteresis_count`` (0-d int32, overflows still tolerated before a backoff).
+    Configuration (static): the constructor's other arguments.
+
+    :meth:`adjust` with a finite flag :math:`f` and scale :math:`s`:
+
+    * finite (:math:`f`): ``growth_count += 1``; when it reaches
+      ``growth_interval``, :math:`s \leftarrow \min(s\,\gamma, s_{max})` unless
+      that product is not finite, ``growth_count`` returns to 0 and
+      ``hysteresis_count`` refills to ``hysteresis``;
+    * non-finite: ``growth_count`` returns to 0 and ``hysteresis_count`` drops
+      by one (never below 0); once it is 0,
+      :math:`s \leftarrow \max(s\,\beta, s_{min})`.
+
+    So growth happens on the ``growth_interval``-th consecutive finite step,
+    the cadence of ``torch.amp.GradScaler`` and ``jmp.DynamicLossScale``. With
+    ``hysteresis=1`` (the default) every overflow backs off. With ``h > 1`` the
+    first ``h - 1`` overflows after a growth (or after the start) keep the scale;
+    the hysteresis counter refills only when the scale grows, as in
+    Megatron-LM's ``DynamicGradScaler``, so after ``h`` overflows every further
+    overflow backs off until the next growth. The overflowed steps themselves
+    are always skipped by :func:`~functional_fp16.fp16_update`.
+
+    Args:
+      init_scale: starting scale, in ``[min_scale, max_scale]``.
+      growth_factor: :math:`\gamma > 1`.
+      backoff_factor: :math:`\beta \in (0, 1)`.
+      growth_interval: finite steps per growth, ``>= 1``.
+      min_scale: :math:`s_{min} > 0`, the floor of backoff.
+      max_scale: :math:`s_{max} \ge s_{min}`, the ceiling of growth (may be inf;
+        the scale still never becomes inf).
+      hysteresis: overflows tolerated before backing off, ``>= 1``.
+    """
+
+    __slots__ = (
+        "loss_scale",
+        "growth_count",
+        "hysteresis_count",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+    )
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+    ) -> None:
+        growth_factor = _check_positive_finite("growth_factor", growth_factor)
+        if growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        backoff_factor = _check_positive_finite("backoff_factor", backoff_factor)
+        if backoff_factor >= 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        growth_interval = _check_int("growth_interval", growth_interval, 1)
+        hysteresis = _check_int("hysteresis", hysteresis, 1)
+        min_scale = _check_positive_finite("min_scale", min_scale)
+        if isinstance(max_scale, bool) or not isinstance(max_scale, (int, float)):
+            raise TypeError(f"max_scale must be a real number, got {type(max_scale).__name__}")
+        max_scale = float(max_scale)
+        if math.isnan(max_scale) or max_scale < min_scale:
+            raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
+        init_scale = _check_positive_finite("init_scale", init_scale)
+        if not min_scale <= init_scale <= max_scale:
+            raise ValueError(
+                f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = "
+                f"[{min_scale}, {max_scale}]"
+            )
+        if not math.isfinite(float(torch.tensor(init_scale, dtype=torch.float32))):
+            raise ValueError(f"init_scale ({init_scale}) overflows float32")
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.hysteresis = hysteresis
+        self.loss_scale = torch.tensor(init_scale, dtype=torch.float32)
+        self.growth_count = torch.tensor(0, dtype=torch.int32)
+        self.hysteresis_count = torch.tensor(hysteresis, dtype=torch.int32)
+
+    # -- pytree plumbing -------------------------------------------------
+    def config(self) -> tuple[Any, ...]:
+        """The static configuration, as a hashable tuple."""
+        return (
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.min_scale,
+            self.max_scale,
+            self.hysteresis,
+        )
+
+    @classmethod
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "DynamicLossScale":
+        obj = object.__new__(cls)
+        (
+            obj.growth_factor,
+            obj.backoff_factor,
+            obj.growth_interval,
+            obj.min_scale,
+            obj.max_scale,
+            obj.hysteresis,
+        ) = config
+        obj.loss_scale, obj.growth_count, obj.hysteresis_count = tensors
+        return obj
+
+    def _replace(self, **tensors: torch.Tensor) -> "DynamicLossScale":
+        current = {
+            "loss_scale": self.loss_scale,
+            "growth_count": self.growth_count,
+            "hysteresis_count": self.hysteresis_count,
+        }
+        current.update(tensors)
+        return self._from_parts(
+            self.config(),
+            (current["loss_scale"], current["growth_count"], current["hysteresis_count"]),
+        )
+
+    def to(self, device: Union[torch.device, str]) -> "DynamicLossScale":
+        """A copy whose tensors live on ``device``."""
+        return self._replace(
+            loss_scale=self.loss_scale.to(device),
+            growth_count=self.growth_count.to(device),
+            hysteresis_count=self.hysteresis_count.to(device),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScale(loss_scale={self.loss_scale!r}, growth_count={self.growth_count!r}, "
+            f"hysteresis_count={self.hysteresis_count!r}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"min_scale={self.min_scale}, max_scale={self.max_scale}, hysteresis={self.hysteresis})"
+        )
+
+    # -- the loss-scale interface ---------------------------------------
+    def scale(self, tree: PyTree) -> PyTree:
+        r"""Multiplies every leaf by the scale: :math:`x \cdot s`.
+
+        FP16/BF16 leaves are promoted to float32 first, so the result cannot
+        overflow merely because the scale exceeds the FP16 range.
+        """
+        return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        r"""Returns the float32 tree :math:`\operatorname{fl}_{32}(g) \cdot s^{-1}`.
+
+        See :func:`unscale_factor` for how :math:`s^{-1}` is rounded.
+        """
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: torch.Tensor) -> "DynamicLossScale":
+        """The next loss scale given whether this step's gradients were finite."""
+        finite = _as_flag(grads_finite, self.loss_scale.device)
+        scale = self.loss_scale
+        zero = torch.zeros_like(self.growth_count)
+
+        # Finite branch.
+        count = self.growth_count + 1
+        grow = count >= self.growth_interval
+        # Products are formed in float64 and rounded once to float32, as
+        # torch._amp_update_scale_ does, so odd factors agree with it bitwise.
+        grown = torch.clamp(scale.double() * self.growth_factor, max=self.max_scale).float()
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        scale_if_finite = torch.where(grow, grown, scale)
+        count_if_finite = torch.where(grow, zero, count)
+        hyst_if_finite = torch.where(
+            grow, torch.full_like(self.hysteresis_count, self.hysteresis), self.hysteresis_count
+        )
+
+        # Non-finite branch.
+        hyst_if_overflow = torch.clamp(self.hysteresis_count - 1, min=0)
+        backed_off = torch.clamp(scale.double() * self.backoff_factor, min=self.min_scale).float()
+        scale_if_overflow = torch.where(hyst_if_overflow <= 0, backed_off, scale)
+
+        return self._replace(
+            loss_scale=torch.where(finite, scale_if_finite, scale_if_overflow),
+            growth_count=torch.where(finite, count_if_finite, zero),
+            hysteresis_count=torch.where(finite, hyst_if_finite, hyst_if_overflow),
+        )
+
+
+class StaticLossScale:
+    r"""A fixed loss scale :math:`s`; :meth:`adjust` returns it unchanged.
+
+    Args:
+      scale: the scale, finite and > 0.
+    """
+
+    __slots__ = ("loss_scale",)
+
+    def __init__(self, scale: float) -> None:
+        scale = _check_positive_finite("scale", scale)
+        self.loss_scale = torch.tensor(scale, dtype=torch.float32)
+        if not torch.isfinite(self.loss_scale):
+            raise ValueError(f"scale ({scale}) overflows float32")
+
+    def config(self) -> tuple[Any, ...]:
+        """The static configuration (none: the scale itself is a leaf)."""
+        return ()
+
+    @classmethod
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "StaticLossScale":
+        obj = object.__new__(cls)
+        (obj.loss_scale,) = tensors
+        return obj
+
+    def to(self, device: Union[torch.device, str]) -> "StaticLossScale":
+        """A copy whose tensor lives on ``device``."""
+        return self._from_parts((), (self.loss_scale.to(device),))
+
+    def __repr__(self) -> str:
+        return f"StaticLossScale(loss_scale={self.loss_scale!r})"
+
+    def scale(self, tree: PyTree) -> PyTree:
+        r""":math:`x \cdot s`, with FP16/BF16 leaves promoted to float32."""
+        return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        r""":math:`\operatorname{fl}_{32}(g) \cdot s^{-1}` (see :func:`unscale_factor`)."""
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: torch.Tensor) -> "StaticLossScale":
+        """Returns ``self``: a static scale never changes."""
+        _as_flag(grads_finite, self.loss_scale.device)
+        return self
+
+
+class NoOpLossScale:
+    """A loss scale of one: :meth:`scale` is the identity, :meth:`unscale` casts to float32."""
+
+    __slots__ = ("loss_scale",)
+
+    def __init__(self) -> None:
+        self.loss_scale = torch.tensor(1.0, dtype=torch.float32)
+
+    def config(self) -> tuple[Any, ...]:
+        """The static configuration (none)."""
+        return ()
+
+    @classmethod
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "NoOpLossScale":
+        obj = object.__new__(cls)
+        (obj.loss_scale,) = tensors
+        return obj
+
+    def to(self, device: Union[torch.device, str]) -> "NoOpLossScale":
+        """A copy whose tensor lives on ``device``."""
+        return self._from_parts((), (self.loss_scale.to(device),))
+
+    def __repr__(self) -> str:
+        return "NoOpLossScale()"
+
+    def scale(self, tree: PyTree) -> PyTree:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        """Casts every leaf to float32; values are unchanged."""
+        return tree_map(lambda g: g.float(), tree)
+
+    def adjust(self, grads_finite: torch.Tensor) -> "NoOpLossScale":
+        """Returns ``self``."""
+        _as_flag(grads_finite, self.loss_scale.device)
+        return self
+
+
+LossScale = Union[DynamicLossScale, StaticLossScale, NoOpLossScale]
+
+
+def _as_flag(grads_finite: Any, device: torch.device) -> torch.Tensor:
+    if not isinstance(grads_finite, torch.Tensor):
+        raise TypeError(
+            f"grads_finite must be a 0-d bool tensor, got {type(grads_finite).__name__}"
+        )
+    if grads_finite.ndim != 0 or grads_finite.dtype != torch.bool:
+        raise ValueError(
+            f"grads_finite must be a 0-d bool tensor, got {grads_finite.dtype} of shape "
+            f"{tuple(grads_finite.shape)}"
+        )
+    if grads_finite.device != device:
+        raise ValueError(
+            f"grads_finite is on {grads_finite.device} but the loss scale is on {device}"
+        )
+    return grads_finite
+
+
+_FIELDS = {
+    DynamicLossScale: ("loss_scale", "growth_count", "hysteresis_count"),
+    StaticLossScale: ("loss_scale",),
+    NoOpLossScale: ("loss_scale",),
+}
+
+for _cls, _names in _FIELDS.items():
+    optree.register_pytree_node(
+        _cls,
+        lambda obj, _names=_names: (
+            tuple(getattr(obj, n) for n in _names),
+            obj.config(),
+            _names,
+        ),
+        lambda config, children, _cls=_cls: _cls._from_parts(config, children),
+        path_entry_type=optree.GetAttrEntry,
+        namespace=NAMESPACE,
+    )

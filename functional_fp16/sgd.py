@@ -1,0 +1,228 @@
+"""SGD with momentum as a chain of small transforms, following ``torch.optim.SGD``.
+
+``sgd(lr, momentum, nesterov, dampening, weight_decay)`` is::
+
+    chain(add_decayed_weights(weight_decay),   # g <- g + wd * p
+          trace(momentum, nesterov, dampening), # b <- m b + (1 - d) g   (b_1 = g)
+          scale_by_learning_rate(lr))           # u <- -lr * b
+
+which is ``torch.optim.SGD``'s update rule written as composable pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_map, tree_unflatten
+from functional_fp16.base import EmptyState, GradientTransformation, chain
+from functional_fp16.schedules import Schedule
+
+__all__ = [
+    "TraceState",
+    "ScaleByScheduleState",
+    "trace",
+    "scale_by_learning_rate",
+    "add_decayed_weights",
+    "sgd",
+]
+
+
+class TraceState(NamedTuple):
+    """State of :func:`trace`."""
+
+    trace: PyTree  # momentum buffers, one per parameter, same shape and dtype
+    initialized: torch.Tensor  # 0-d bool: whether any step has filled `trace` yet
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a schedule."""
+
+    count: torch.Tensor  # 0-d int32: number of updates applied so far
+
+
+def _check_hyper(name: str, value: float, *, upper: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper}, got {value}")
+    return value
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:
+    r"""Momentum, with ``torch.optim.SGD``'s first step and dampening.
+
+    .. math::
+        b_1 = g_1, \qquad b_t = \mu\, b_{t-1} + (1 - d)\, g_t \quad (t > 1)
+
+    and the output is :math:`b_t`, or :math:`g_t + \mu\, b_t` with Nesterov.
+    The first buffer is the gradient itself, undampened, exactly as PyTorch
+    creates it; ``TraceState.initialized`` records whether that has happened,
+    so a state whose first step was skipped has no momentum yet.
+
+    Args:
+      decay: momentum :math:`\mu \ge 0`.
+      nesterov: use Nesterov momentum (needs ``decay > 0`` and ``dampening == 0``).
+      dampening: :math:`d \in [0, 1]`.
+    """
+    decay = _check_hyper("momentum", decay)
+    dampening = _check_hyper("dampening", dampening, upper=1.0)
+    if nesterov and (decay <= 0.0 or dampening != 0.0):
+        raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
+
+    def init(params: PyTree) -> TraceState:
+        leaves = tree_flatten(params)[0]
+        device = leaves[0].device if leaves else None
+        return TraceState(
+            trace=tree_map(lambda p: torch.zeros_like(p), params),
+            initialized=torch.tensor(False, device=device),
+        )
+
+    def update(updates: PyTree, state: TraceState, params: Optional[PyTree] = None):
+        del params
+        g_leaves, spec = tree_flatten(updates)
+        b_leaves = check_same_structure(updates, state.trace, name="trace", reference_name="updates")
+        if not g_leaves:
+            return updates, state
+        like = g_leaves[0]
+        started = state.initialized
+        # On the first step the buffer (all zeros) is multiplied by 0 and the
+        # gradient taken whole: b_1 = 0 * 0 + g = g, bitwise.
+        keep = torch.where(started, _scalar(decay, like), _scalar(0.0, like))
+        if dampening == 0.0:
+            new_b = [torch.add(b * keep, g) for b, g in zip(b_leaves, g_leaves)]
+        else:
+            take = torch.where(started, _scalar(1.0 - dampening, like), _scalar(1.0, like))
+            new_b = [b * keep + g * take for b, g in zip(b_leaves, g_leaves)]
+        if nesterov:
+            out = [torch.add(g, b, alpha=decay) for g, b in zip(g_leaves, new_b)]
+        else:
+            out = new_b
+        new_state = TraceState(
+            trace=tree_unflatten(spec, new_b), initialized=torch.ones_like(started)
+        )
+        return tree_unflatten(spec, out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: Union[float, Schedule], *, flip_sign: bool = True
+) -> GradientTransformation:
+    r"""Multiplies updates by :math:`-\eta` (or :math:`+\eta` with ``flip_sign=False``).
+
+    With a schedule, :math:`\eta_t = \text{schedule}(t)` where :math:`t` is the
+    number of updates this transform has produced, kept as ``count`` in its
+    state. (Inside :func:`~functional_fp16.fp16_update`, skipped steps roll the
+    state back, so :math:`t` counts applied steps.)
+
+    Args:
+      learning_rate: a finite float >= 0, or a schedule ``step -> lr``.
+      flip_sign: negate, so that the updates descend.
+    """
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        schedule = learning_rate
+
+        def init(params: PyTree) -> ScaleByScheduleState:
+            leaves = tree_flatten(params)[0]
+            device = leaves[0].device if leaves else None
+            return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int32, device=device))
+
+        def update(updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None):
+            del params
+            lr = schedule(state.count).to(torch.float32) * sign
+            new = tree_map(lambda u: u * lr.to(u.dtype), updates)
+            count = torch.clamp(state.count + 1, max=torch.iinfo(torch.int32).max)
+            return new, ScaleByScheduleState(count=count.to(torch.int32))
+
+        return GradientTransformation(init, update)
+
+    lr = _check_hyper("learning_rate", learning_rate)
+
+    def init_const(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_const(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+        del params
+        return tree_map(lambda u: u * (sign * lr), updates), state
+
+    return GradientTransformation(init_const, update_const)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    r"""Adds :math:`\lambda p` to the updates (L2 weight decay, ``torch.optim.SGD``'s form).
+
+    .. math:: u \leftarrow u + \lambda\, p
+
+    Inside :func:`~functional_fp16.fp16_update`, :math:`u` is the unscaled FP32
+    gradient and :math:`p` the FP32 master.
+
+    Args:
+      weight_decay: :math:`\lambda \ge 0`.
+    """
+    wd = _check_hyper("weight_decay", weight_decay)
+
+    def init(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+        if params is None:
+            raise ValueError("add_decayed_weights needs params; pass params= to update")
+        u_leaves, spec = tree_flatten(updates)
+        p_leaves = check_same_structure(updates, params, name="params", reference_name="updates")
+        out = [torch.add(u, p.to(u.dtype), alpha=wd) for u, p in zip(u_leaves, p_leaves)]
+        return tree_unflatten(spec, out), state
+
+    return GradientTransformation(init, update)
+
+
+def sgd(
+    learning_rate: Union[float, Schedule],
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    r"""Stochastic gradient descent with ``torch.optim.SGD``'s semantics.
+
+    .. math::
+        g &\leftarrow g + \lambda p \\
+        b_t &= \mu b_{t-1} + (1-d) g \quad (b_1 = g) \\
+        u &= -\eta\,(g + \mu b_t \text{ if Nesterov else } b_t)
+
+    Args:
+      learning_rate: :math:`\eta`, a float >= 0 or a schedule.
+      momentum: :math:`\mu \ge 0`; 0 disables the momentum buffer.
+      nesterov: Nesterov momentum.
+      dampening: :math:`d \in [0, 1]`.
+      weight_decay: :math:`\lambda \ge 0`.
+
+    Returns:
+      ``chain(add_decayed_weights, trace, scale_by_learning_rate)``, with the
+      first two left out when their coefficient is 0.
+    """
+    if not callable(learning_rate):
+        _check_hyper("learning_rate", learning_rate)
+    momentum = _check_hyper("momentum", momentum)
+    weight_decay = _check_hyper("weight_decay", weight_decay)
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
+    parts = []
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay))
+    if momentum:
+        parts.append(trace(momentum, nesterov=nesterov, dampening=dampening))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)

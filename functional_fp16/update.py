@@ -1,0 +1,272 @@
+"""The FP16 training state and its one pure update.
+
+``FP16State`` holds everything that changes during training: the FP16 working
+copy of the parameters, the FP32 master copy, the optimiser state, the loss
+scale, the step counter and whether the last step was applied. The optimiser
+itself (a :class:`~functional_fp16.GradientTransformation`) is static
+configuration carried alongside, not a leaf.
+
+``fp16_update(state, grads)`` is the whole mixed-precision step::
+
+    g32       = fl32(grads) * fl32(1 / fl64(s))          # unscale in FP32
+    finite    = all(isfinite(g32))
+    u, opt'   = tx.update(g32, opt, master)               # on FP32 values only
+    master'   = finite ? master + u : master              # bitwise no-op if skipped
+    opt'      = finite ? opt'       : opt
+    params'   = fl16(master')                             # round to nearest
+    s'        = loss_scale.adjust(finite)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import optree
+import torch
+
+from functional_fp16._tree import (
+    NAMESPACE,
+    PyTree,
+    check_like,
+    describe_tensor,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_paths,
+    tree_unflatten,
+)
+from functional_fp16.base import GradientTransformation, apply_updates
+from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+
+__all__ = ["FP16State", "fp16_init", "fp16_update"]
+
+_LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
+_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
+
+
+class FP16State:
+    """Everything that changes during mixed-precision training (an immutable pytree).
+
+    Fields (leaves, or subtrees of leaves):
+
+    * ``params`` — the working copy in ``param_dtype`` (FP16 by default), same
+      tree structure as the parameters given to :func:`fp16_init`; the round-
+      to-nearest cast of ``master``.
+    * ``master`` — FP32 copies; the source of truth, never rebuilt from ``params``.
+    * ``opt_state`` — the optimiser's state, from ``tx.init(master)``.
+    * ``loss_scale`` — a loss-scale pytree (:class:`DynamicLossScale`, ...).
+    * ``step`` — 0-d int32, the number of :func:`fp16_update` calls, skipped ones included.
+    * ``grads_finite`` — 0-d bool, whether the last update was applied.
+
+    Static configuration: ``tx``, the :class:`GradientTransformation`.
+    """
+
+    __slots__ = _FIELDS + ("tx",)
+
+    def __init__(
+        self,
+        params: PyTree,
+        master: PyTree,
+        opt_state: Any,
+        loss_scale: LossScale,
+        step: torch.Tensor,
+        grads_finite: torch.Tensor,
+        tx: GradientTransformation,
+    ) -> None:
+        self.params = params
+        self.master = master
+        self.opt_state = opt_state
+        self.loss_scale = loss_scale
+        self.step = step
+        self.grads_finite = grads_finite
+        self.tx = tx
+
+    def replace(self, **changes: Any) -> "FP16State":
+        """A copy with the given fields replaced."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"FP16State has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return FP16State(**fields)
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in tree_leaves(self.params))
+        return (
+            f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
+            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params)"
+        )
+
+
+optree.register_pytree_node(
+    FP16State,
+    lambda s: (tuple(getattr(s, n) for n in _FIELDS), s.tx, _FIELDS),
+    lambda tx, children: FP16State(*children, tx=tx),
+    path_entry_type=optree.GetAttrEntry,
+    namespace=NAMESPACE,
+)
+
+
+def _check_params(params: PyTree) -> list[torch.Tensor]:
+    leaves = tree_leaves(params)
+    paths = tree_paths(params)
+    if not leaves:
+        raise ValueError("params is an empty tree: there is nothing to train")
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
+        if not leaf.is_floating_point():
+            raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
+    device = leaves[0].device
+    for path, leaf in zip(paths, leaves):
+        if leaf.device != device:
+            raise ValueError(
+                f"params{path}: on {leaf.device}, but params{paths[0]} is on {device}; "
+                "all parameters must live on one device"
+            )
+    return leaves
+
+
+def fp16_init(
+    params: PyTree,
+    tx: GradientTransformation,
+    loss_scale: Optional[LossScale] = None,
+    *,
+    param_dtype: torch.dtype = torch.float16,
+) -> FP16State:
+    r"""Builds the initial :class:`FP16State` from a tree of parameters.
+
+    .. math:: m_0 = \operatorname{fl}_{32}(p), \quad p_0 = \operatorname{fl}_{16}(m_0)
+
+    Args:
+      params: a pytree (dicts, lists, tuples, NamedTuples) of floating-point
+        tensors of any dtype, all on one device. They are copied, never aliased.
+      tx: the optimiser, e.g. ``sgd(1e-3, momentum=0.9)``.
+      loss_scale: a loss scale; default :class:`DynamicLossScale` for FP16
+        ``param_dtype`` and :class:`NoOpLossScale` otherwise. It is moved to
+        the parameters' device.
+      param_dtype: dtype of the working copy ``state.params`` (default FP16).
+
+    Returns:
+      The initial state: ``step == 0`` and ``grads_finite == True``.
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}")
+    if not isinstance(param_dtype, torch.dtype) or not param_dtype.is_floating_point:
+        raise TypeError(f"param_dtype must be a floating torch.dtype, got {param_dtype!r}")
+    if loss_scale is None:
+        loss_scale = DynamicLossScale() if param_dtype == torch.float16 else NoOpLossScale()
+    if not isinstance(loss_scale, _LOSS_SCALES):
+        raise TypeError(
+            "loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "
+            f"got {type(loss_scale).__name__}"
+        )
+    leaves = _check_params(params)
+    device = leaves[0].device
+    master = tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+    working = tree_map(lambda m: m.to(param_dtype), master)
+    return FP16State(
+        params=working,
+        master=master,
+        opt_state=tx.init(master),
+        loss_scale=loss_scale.to(device),
+        step=torch.zeros((), dtype=torch.int32, device=device),
+        grads_finite=torch.ones((), dtype=torch.bool, device=device),
+        tx=tx,
+    )
+
+
+def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    new_leaves, spec = tree_flatten(new)
+    old_leaves = tree_leaves(old)
+    return tree_unflatten(spec, [torch.where(flag, n, o) for n, o in zip(new_leaves, old_leaves)])
+
+
+FiniteHook = Callable[[torch.Tensor], torch.Tensor]
+UpdateImpl = Callable[[FP16State, PyTree, Optional[FiniteHook], bool], FP16State]
+
+
+def _reference_update(
+    state: FP16State, grads: PyTree, agree: Optional[FiniteHook], donate: bool
+) -> FP16State:
+    """The plain tree-map implementation; the specification the fast paths are tested against.
+
+    It never writes in place, so ``donate`` is accepted and ignored.
+    """
+    del donate
+    grads32 = state.loss_scale.unscale(grads)
+    finite = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)]).all()
+    if agree is not None:
+        finite = agree(finite)
+    updates, opt_state = state.tx.update(grads32, state.opt_state, state.master)
+    master = _select(finite, apply_updates(state.master, updates), state.master)
+    opt_state = _select(finite, opt_state, state.opt_state)
+    params = tree_map(lambda m, p: m.to(p.dtype), master, state.params)
+    return state.replace(
+        params=params,
+        master=master,
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        step=state.step + 1,
+        grads_finite=finite,
+    )
+
+
+_IMPLEMENTATIONS: dict[str, UpdateImpl] = {"reference": _reference_update}
+"""Every implementation of the update, by name. All of them run the same tests."""
+
+
+def _default_impl(state: FP16State) -> str:
+    del state
+    return "reference"
+
+
+def fp16_update(
+    state: FP16State,
+    grads: PyTree,
+    *,
+    impl: str = "auto",
+    donate: bool = False,
+    agree: Optional[FiniteHook] = None,
+) -> FP16State:
+    r"""One mixed-precision optimiser step, as a pure function.
+
+    ``grads`` are the gradients of the *scaled* loss with respect to
+    ``state.params`` (same structure, shapes, dtypes and device). With
+    :math:`s` the loss scale and :math:`m` the FP32 master:
+
+    .. math::
+        \hat g &= \operatorname{fl}_{32}(g)\cdot \operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s)) \\
+        f &= \textstyle\bigwedge_i \operatorname{isfinite}(\hat g_i) \\
+        (u, o') &= \text{tx.update}(\hat g, o, m) \\
+        m' &= m + u \text{ if } f \text{ else } m, \qquad o' = o' \text{ if } f \text{ else } o \\
+        p' &= \operatorname{fl}_{16}(m'), \qquad s' = \text{adjust}(s, f)
+
+    A skipped step (:math:`f` false) leaves ``master``, ``params`` and every
+    optimiser-state tensor bitwise unchanged; only the loss scale, ``step`` and
+    ``grads_finite`` move. No input tensor is modified and nothing is read back
+    to the host, so the function runs on CUDA without synchronisation and
+    compiles with ``torch.compile(fullgraph=True)``.
+
+    Args:
+      state: the current :class:`FP16State`.
+      grads: gradients of the scaled loss, shaped like ``state.params``.
+      impl: which implementation to run (``"auto"`` picks the fastest for the
+        state); all give the same results.
+      donate: the caller promises never to use ``state`` (or ``grads``) again,
+        so the implementation may reuse their memory (like JAX's
+        ``donate_argnums``). Off by default: the update is pure.
+      agree: maps the local finite flag to the one every replica agrees on
+        (e.g. an all-reduce across processes); ``None`` on one process.
+
+    Returns:
+      The next :class:`FP16State`; ``grads_finite`` says whether it was applied.
+    """
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if impl == "auto":
+        impl = _default_impl(state)
+    if impl not in _IMPLEMENTATIONS:
+        raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    check_like(state.params, grads, name="grads", reference_name="params")
+    return _IMPLEMENTATIONS[impl](state, grads, agree, bool(donate))

@@ -1,0 +1,20 @@
+"""Shared fixtures and settings for the test suite."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+# Keep the suite predictable on small shared machines.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
