@@ -184,10 +184,12 @@ def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
 UpdateImpl = Callable[[FP16State, PyTree, Optional[FiniteHook], bool], FP16State]
+"""``impl(state, grads, decide, donate)``: ``decide`` (or ``None``) maps the local
+all-finite flag of the unscaled grads to the final apply/skip decision."""
 
 
 def _reference_update(
-    state: FP16State, grads: PyTree, agree: Optional[FiniteHook], donate: bool
+    state: FP16State, grads: PyTree, decide: Optional[FiniteHook], donate: bool
 ) -> FP16State:
     """The plain tree-map implementation; the specification the fast paths are tested against.
 
@@ -196,8 +198,8 @@ def _reference_update(
     del donate
     grads32 = state.loss_scale.unscale(grads)
     finite = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)]).all()
-    if agree is not None:
-        finite = agree(finite)
+    if decide is not None:
+        finite = decide(finite)
     updates, opt_state = state.tx.update(grads32, state.opt_state, state.master)
     master = _select(finite, apply_updates(state.master, updates), state.master)
     opt_state = _select(finite, opt_state, state.opt_state)
@@ -226,6 +228,7 @@ def fp16_update(
     grads: PyTree,
     *,
     impl: str = "auto",
+    loss: Optional[torch.Tensor] = None,
     donate: bool = False,
     agree: Optional[FiniteHook] = None,
 ) -> FP16State:
@@ -251,6 +254,8 @@ def fp16_update(
     Args:
       state: the current :class:`FP16State`.
       grads: gradients of the scaled loss, shaped like ``state.params``.
+      loss: optionally, the loss of this step (scaled or not); a non-finite
+        loss skips the step like non-finite gradients do.
       impl: which implementation to run (``"auto"`` picks the fastest for the
         state); all give the same results.
       donate: the caller promises never to use ``state`` (or ``grads``) again,
@@ -269,4 +274,21 @@ def fp16_update(
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
     check_like(state.params, grads, name="grads", reference_name="params")
-    return _IMPLEMENTATIONS[impl](state, grads, agree, bool(donate))
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
+    return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
+
+
+def _decision(loss: Optional[torch.Tensor], agree: Optional[FiniteHook]) -> Optional[FiniteHook]:
+    """Combines the optional loss check and cross-replica agreement into one hook."""
+    if loss is None and agree is None:
+        return None
+
+    def decide(finite: torch.Tensor) -> torch.Tensor:
+        if loss is not None:
+            finite = finite & torch.isfinite(loss.detach()).all().to(finite.device)
+        if agree is not None:
+            finite = agree(finite)
+        return finite
+
+    return decide
