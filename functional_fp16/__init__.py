@@ -2,6 +2,13 @@
 
 from functional_fp16._tree import NAMESPACE
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from functional_fp16.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from functional_fp16.clipping import clip_by_global_norm, global_norm
 from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.loss_scale import (
@@ -66,4 +73,10 @@ __all__ = [
     "FP16State",
     "fp16_init",
     "fp16_update",
+    # checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
 ]

@@ -1,0 +1,388 @@
+"""Checkpoints: plain format, exact restore, validation against a template, integrity."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import functional_fp16 as ff
+from functional_fp16._tree import tree_leaves, tree_map, tree_paths
+from functional_fp16.checkpoint import FORMAT, VERSION
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of ``t`` (so NaN == NaN and -0.0 != 0.0)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def assert_trees_bitwise_equal(a, b) -> None:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    assert len(la) == len(lb)
+    for path, x, y in zip(tree_paths(a), la, lb, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor), path
+            assert x.dtype == y.dtype and x.shape == y.shape, path
+            assert torch.equal(bits(x), bits(y)), path
+        else:
+            assert type(x) is type(y) and x == y, path
+
+
+class Head(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def make_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "scalar": torch.randn((), generator=g),
+        "body": (torch.randn(5, 3, generator=g), torch.randn(7, generator=g)),
+        "head": Head(torch.randn(2, 5, generator=g), torch.randn(2, generator=g)),
+    }
+
+
+def make_tx():
+    return ff.chain(ff.clip_by_global_norm(10.0), ff.sgd(0.05, momentum=0.9, weight_decay=1e-4))
+
+
+def make_scale(**kw):
+    cfg = dict(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=1.0)
+    cfg.update(kw)
+    return ff.DynamicLossScale(**cfg)
+
+
+def trained_state(steps: int = 7, seed: int = 0):
+    state = ff.fp16_init(make_params(seed), make_tx(), make_scale())
+    g = torch.Generator().manual_seed(seed + 100)
+    for i in range(steps):
+        grads = tree_map(lambda p: (torch.randn(p.shape, generator=g) * 300).half(), state.params)
+        if i == 3:  # one overflow, so the counters are not at their initial values
+            grads["scalar"] = torch.tensor(float("inf"), dtype=torch.float16)
+        state = ff.fp16_update(state, grads)
+    return state
+
+
+def fresh_like():
+    return ff.fp16_init(make_params(1), make_tx(), make_scale())
+
+
+def plain_types_only(obj) -> bool:
+    if isinstance(obj, torch.Tensor) or obj is None or type(obj) in (bool, int, float, str):
+        return True
+    if type(obj) in (list, tuple):
+        return all(plain_types_only(x) for x in obj)
+    if type(obj) is dict:
+        return all(
+            type(k) in (str, int, float, bool) and plain_types_only(v) for k, v in obj.items()
+        )
+    return False
+
+
+# -- round trips ------------------------------------------------------------
+
+
+def test_state_round_trip_is_bitwise_and_keeps_template_tx(tmp_path):
+    state = trained_state()
+    path = tmp_path / "state.ckpt"
+    ff.save_checkpoint(path, state)
+    like = fresh_like()
+    loaded = ff.load_checkpoint(path, like)
+    assert isinstance(loaded, ff.FP16State)
+    assert loaded.tx is like.tx
+    assert isinstance(loaded.opt_state[1][1], ff.TraceState)
+    assert isinstance(loaded.params["head"], Head)
+    assert_trees_bitwise_equal(loaded, state)
+    assert loaded.loss_scale.config() == state.loss_scale.config()
+    # The counters are not the fresh ones: the restore is of the trained state.
+    assert int(loaded.step) == 7 and int(like.step) == 0
+
+
+def test_resumed_state_continues_bitwise_like_the_original(tmp_path):
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "s.ckpt", state)
+    resumed = ff.load_checkpoint(tmp_path / "s.ckpt", fresh_like())
+    g = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        grads = tree_map(lambda p: (torch.randn(p.shape, generator=g) * 100).half(), state.params)
+        state = ff.fp16_update(state, grads)
+        resumed = ff.fp16_update(resumed, grads)
+    assert_trees_bitwise_equal(resumed, state)
+
+
+def test_whole_training_state_round_trip(tmp_path):
+    state = trained_state()
+    tree = {
+        "state": state,
+        "epoch": 3,
+        "lr": 0.125,
+        "name": "run-1",
+        "done": False,
+        "rng": {"cpu": torch.get_rng_state(), "seed": 1234},
+        "order": torch.randperm(50),
+        "history": [1.5, float("nan"), None],
+        "static": ff.StaticLossScale(128.0),
+    }
+    ff.save_checkpoint(tmp_path / "all.ckpt", tree)
+    like = {
+        "state": fresh_like(),
+        "epoch": 0,
+        "lr": 0.0,
+        "name": "",
+        "done": True,
+        "rng": {"cpu": torch.get_rng_state(), "seed": 0},
+        "order": torch.arange(50),
+        "history": [0.0, 0.0, None],
+        "static": ff.StaticLossScale(1.0),
+    }
+    out = ff.load_checkpoint(tmp_path / "all.ckpt", like)
+    assert out["epoch"] == 3 and out["lr"] == 0.125 and out["name"] == "run-1"
+    assert out["done"] is False and out["rng"]["seed"] == 1234
+    assert out["history"][0] == 1.5 and out["history"][1] != out["history"][1]
+    assert torch.equal(out["order"], tree["order"])
+    assert torch.equal(out["rng"]["cpu"], tree["rng"]["cpu"])
+    assert float(out["static"].loss_scale) == 128.0
+    assert_trees_bitwise_equal(out["state"], state)
+
+
+def test_file_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "s.ckpt", {"state": state, "epoch": 2})
+    raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
+    assert plain_types_only(raw)
+    assert raw["format"] == FORMAT and raw["version"] == VERSION
+    # The loss-scale configuration is stored as plain numbers.
+    scale_node = raw["tree"]["values"][0]["fields"]["loss_scale"]
+    assert scale_node["kind"] == "DynamicLossScale"
+    assert scale_node["config"]["growth_interval"] == 3 and scale_node["config"]["hysteresis"] == 2
+    # Every tensor is listed with its path; the master is stored in float32.
+    paths = [info["path"] for info in raw["tensor_info"]]
+    assert "['state'].master['scalar']" in paths
+    i = paths.index("['state'].master['body'][0]")
+    assert raw["tensors"][i].dtype == torch.float32
+    assert torch.equal(bits(raw["tensors"][i]), bits(state.master["body"][0]))
+
+
+def test_load_without_template_returns_the_plain_structure(tmp_path):
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "s.ckpt", {"state": state, "epoch": 5, "t": (1, "a")})
+    out = ff.load_checkpoint(tmp_path / "s.ckpt")
+    assert out["epoch"] == 5 and out["t"] == (1, "a")
+    plain = out["state"]
+    assert set(plain) == {"params", "master", "opt_state", "loss_scale", "step", "grads_finite"}
+    assert plain["params"]["head"] == {
+        "weight": plain["params"]["head"]["weight"],
+        "bias": plain["params"]["head"]["bias"],
+    }
+    assert isinstance(plain["loss_scale"], ff.DynamicLossScale)
+    assert plain["loss_scale"].config() == state.loss_scale.config()
+    assert torch.equal(bits(plain["master"]["head"]["weight"]), bits(state.master["head"].weight))
+    trace = plain["opt_state"][1][1]
+    assert set(trace) == {"trace", "initialized"}
+    assert torch.equal(bits(trace["trace"]["scalar"]), bits(state.opt_state[1][1].trace["scalar"]))
+
+
+def test_loaded_tensors_do_not_alias_each_other_or_the_saved_tree(tmp_path):
+    base = torch.arange(6.0)
+    tree = {"a": base, "b": base.view(2, 3), "c": base[2:4]}
+    ff.save_checkpoint(tmp_path / "v.ckpt", tree)
+    out = ff.load_checkpoint(
+        tmp_path / "v.ckpt", {"a": torch.zeros(6), "b": torch.zeros(2, 3), "c": torch.zeros(2)}
+    )
+    out["a"].add_(1)
+    assert torch.equal(out["b"], base.view(2, 3)) and torch.equal(out["c"], base[2:4])
+    assert torch.equal(base, torch.arange(6.0))
+    raw = torch.load(tmp_path / "v.ckpt", weights_only=True)
+    # The slice is stored compactly, not as its whole storage.
+    assert raw["tensors"][2].untyped_storage().nbytes() == 2 * 4
+
+
+def test_map_location_and_template_device(tmp_path):
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "s.ckpt", state)
+    out = ff.load_checkpoint(tmp_path / "s.ckpt", fresh_like(), map_location="cpu")
+    assert all(x.device.type == "cpu" for x in tree_leaves(out))
+    raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
+    assert all(info["device"] == "cpu" for info in raw["tensor_info"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_both_ways(tmp_path):
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "cpu.ckpt", state)
+    like_cuda = ff.fp16_init(tree_map(lambda p: p.cuda(), make_params(1)), make_tx(), make_scale())
+    on_cuda = ff.load_checkpoint(tmp_path / "cpu.ckpt", like_cuda)
+    assert all(x.is_cuda for x in tree_leaves(on_cuda))
+    assert_trees_bitwise_equal(on_cuda, state)
+    ff.save_checkpoint(tmp_path / "cuda.ckpt", on_cuda)
+    back = ff.load_checkpoint(tmp_path / "cuda.ckpt", fresh_like())
+    assert all(x.device.type == "cpu" for x in tree_leaves(back))
+    assert_trees_bitwise_equal(back, state)
+    plain = ff.load_checkpoint(tmp_path / "cuda.ckpt")
+    assert plain["master"]["scalar"].is_cuda
+
+
+# -- validation against the template -----------------------------------------
+
+
+def _mismatch(tmp_path, like, match):
+    ff.save_checkpoint(tmp_path / "s.ckpt", trained_state())
+    with pytest.raises(ff.CheckpointMismatchError, match=match):
+        ff.load_checkpoint(tmp_path / "s.ckpt", like)
+
+
+def test_shape_mismatch_names_the_leaf(tmp_path):
+    params = make_params(1)
+    params["body"] = (torch.randn(5, 4), params["body"][1])
+    like = ff.fp16_init(params, make_tx(), make_scale())
+    _mismatch(tmp_path, like, r"\.params\['body'\]\[0\].*shape \(5, 3\) != \(5, 4\)")
+
+
+def test_dtype_mismatch_names_the_leaf(tmp_path):
+    like = ff.fp16_init(make_params(1), make_tx(), make_scale(), param_dtype=torch.bfloat16)
+    _mismatch(tmp_path, like, r"\.params\['scalar'\].*dtype torch.float16 != torch.bfloat16")
+
+
+def test_missing_key_names_the_dict(tmp_path):
+    params = make_params(1)
+    params["extra"] = torch.zeros(3)
+    like = ff.fp16_init(params, make_tx(), make_scale())
+    _mismatch(
+        tmp_path,
+        like,
+        r"checkpoint\.params does not match.*missing from the checkpoint \['extra'\]",
+    )
+
+
+def test_loss_scale_configuration_mismatch_is_named(tmp_path):
+    like = ff.fp16_init(make_params(1), make_tx(), make_scale(hysteresis=1))
+    _mismatch(
+        tmp_path,
+        like,
+        r"loss_scale\.hysteresis.*hysteresis=2 in the checkpoint, hysteresis=1 in like",
+    )
+
+
+def test_loss_scale_kind_mismatch_is_named(tmp_path):
+    like = ff.fp16_init(make_params(1), make_tx(), ff.StaticLossScale(8.0))
+    _mismatch(tmp_path, like, r"\.loss_scale.*expected a StaticLossScale.*DynamicLossScale")
+
+
+def test_optimizer_state_mismatch_is_named(tmp_path):
+    like = ff.fp16_init(make_params(1), ff.sgd(0.1), make_scale())
+    _mismatch(tmp_path, like, r"\.opt_state.*length 2 != 1")
+
+
+def test_template_of_another_type_is_refused(tmp_path):
+    _mismatch(tmp_path, {"state": fresh_like()}, r"checkpoint does not match like: expected a dict")
+
+
+# -- integrity ------------------------------------------------------------------
+
+
+def test_truncated_files_are_rejected(tmp_path):
+    path = tmp_path / "s.ckpt"
+    ff.save_checkpoint(path, trained_state())
+    data = path.read_bytes()
+    cuts = sorted({0, 1, 10, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 1})
+    for cut in cuts:
+        bad = tmp_path / f"cut{cut}.ckpt"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ff.CheckpointCorruptError, match=f"cut{cut}.ckpt"):
+            ff.load_checkpoint(bad, fresh_like())
+
+
+def test_flipped_tensor_byte_is_detected(tmp_path):
+    path = tmp_path / "s.ckpt"
+    state = trained_state()
+    ff.save_checkpoint(path, state)
+    data = bytearray(path.read_bytes())
+    # Find the bytes of the first master tensor in the (uncompressed) archive.
+    needle = bits(state.master["body"][0]).numpy().tobytes()
+    at = bytes(data).find(needle)
+    assert at > 0
+    data[at + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ff.CheckpointCorruptError, match="checksum mismatch"):
+        ff.load_checkpoint(path, fresh_like())
+    with pytest.raises(ff.CheckpointCorruptError, match="checksum mismatch"):
+        ff.load_checkpoint(path)
+
+
+def test_rewritten_metadata_is_detected(tmp_path):
+    path = tmp_path / "s.ckpt"
+    ff.save_checkpoint(path, trained_state())
+    raw = torch.load(path, weights_only=True)
+    raw["tree"]["fields"]["loss_scale"]["config"]["min_scale"] = 4.0
+    torch.save(raw, path)
+    with pytest.raises(ff.CheckpointCorruptError, match="checksum mismatch"):
+        ff.load_checkpoint(path, fresh_like())
+
+
+def test_foreign_files_are_rejected(tmp_path):
+    torch.save({"weight": torch.zeros(3)}, tmp_path / "plain.pt")
+    with pytest.raises(ff.CheckpointCorruptError, match="not a functional_fp16 checkpoint"):
+        ff.load_checkpoint(tmp_path / "plain.pt")
+    torch.save(Head(torch.zeros(1), torch.zeros(1)), tmp_path / "pickled.pt")  # a pickled class
+    with pytest.raises(ff.CheckpointCorruptError, match="not a readable checkpoint"):
+        ff.load_checkpoint(tmp_path / "pickled.pt")
+    path = tmp_path / "future.ckpt"
+    ff.save_checkpoint(path, {"a": 1})
+    raw = torch.load(path, weights_only=True)
+    raw["version"] = VERSION + 1
+    torch.save(raw, path)
+    with pytest.raises(ff.CheckpointCorruptError, match="version 2 is not supported"):
+        ff.load_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        ff.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+# -- atomic writes ----------------------------------------------------------------
+
+
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "s.ckpt"
+    ff.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match=r"tree\['bad'\]: cannot store object"):
+        ff.save_checkpoint(path, {"step": 2, "bad": object()})
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["s.ckpt"]
+
+
+def test_save_replaces_atomically_via_os_replace(tmp_path, monkeypatch):
+    path = tmp_path / "s.ckpt"
+    ff.save_checkpoint(path, {"step": 1})
+    calls = []
+    real_replace, real_fsync = os.replace, os.fsync
+
+    def spy_fsync(fd):
+        calls.append("fsync")
+        return real_fsync(fd)
+
+    def failing_replace(src, dst):
+        calls.append("replace")
+        assert os.path.dirname(os.fspath(src)) == os.path.dirname(os.fspath(dst))
+        assert ff.load_checkpoint(src) == {"step": 2}  # the new file is complete first
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        ff.save_checkpoint(path, {"step": 2})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert calls == ["fsync", "replace"]
+    assert ff.load_checkpoint(path) == {"step": 1}
+    assert os.listdir(tmp_path) == ["s.ckpt"]
+    calls.clear()
+    ff.save_checkpoint(path, {"step": 3})
+    assert calls == ["fsync", "fsync"]  # the file, then its directory
+    assert ff.load_checkpoint(path) == {"step": 3}
