@@ -55,7 +55,8 @@ def _check_hyper(name: str, value: float, *, upper: Optional[float] = None) -> f
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    # A fill, not a host-to-device copy: stays capturable in CUDA graphs.
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:

@@ -1,0 +1,53 @@
+"""Small shared utilities for the tests: random trees and ulp distances."""
+
+from typing import NamedTuple
+
+import torch
+
+SIZES = (1, 7, 8, 9, 64, 65)
+
+
+class Block(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def random_tree(seed: int = 0, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    """A nested tree (dict, tuple, NamedTuple) with a 0-d leaf and awkward sizes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+    return {
+        "scalar": r(),
+        "vecs": tuple(r(n) for n in SIZES),
+        "block": Block(weight=r(9, 7), bias=r(9)),
+    }
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between two float32 tensors."""
+    assert a.dtype == b.dtype == torch.float32
+    ia = a.contiguous().view(torch.int32).long()
+    ib = b.contiguous().view(torch.int32).long()
+    # Map the sign-magnitude bit patterns onto a monotonic integer line.
+    ia = torch.where(ia < 0, -(2**31) - ia, ia)
+    ib = torch.where(ib < 0, -(2**31) - ib, ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def scaled_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units of float32 epsilon times the tensor's magnitude.
+
+    Plain ulp counts blow up wherever a value passes near zero (the operands
+    were large, the result small), so results computed with different but
+    equally valid rounding sequences are compared at the scale of the tensor.
+    """
+    assert a.dtype == b.dtype == torch.float32
+    if a.numel() == 0:
+        return 0.0
+    magnitude = float(torch.maximum(a.abs().max(), b.abs().max()))
+    if magnitude == 0.0:
+        return 0.0
+    return float((a - b).abs().max()) / (torch.finfo(torch.float32).eps * magnitude)

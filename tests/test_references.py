@@ -1,0 +1,148 @@
+"""Live comparisons with the JAX originals: jmp's loss scaling and optax's transforms.
+
+Skipped when JAX, optax or jmp are not installed.
+"""
+
+import math
+
+import numpy as np
+import optree
+import pytest
+import torch
+
+import functional_fp16 as ff
+from tests.helpers import random_tree, scaled_error
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+optax = pytest.importorskip("optax")
+jmp = pytest.importorskip("jmp")
+
+NS = ff.NAMESPACE
+
+
+def leaves(tree):
+    return optree.tree_leaves(tree, namespace=NS)
+
+
+def to_jax(tree):
+    return [jnp.asarray(x.numpy()) for x in leaves(tree)]
+
+
+def to_torch(x):
+    return torch.from_numpy(np.asarray(x).copy())
+
+
+def grads16(state, seed, inject):
+    g = torch.Generator().manual_seed(seed)
+    out = [(torch.randn(p.shape, generator=g) * 50).half() for p in leaves(state.params)]
+    if inject is not None:
+        out[inject[0]].view(-1)[0] = inject[1]
+    return optree.tree_unflatten(optree.tree_structure(state.params, namespace=NS), out)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_fp16_update_matches_jmp_and_optax_sgd(nesterov):
+    """The JAX recipe: jmp.DynamicLossScale + optax.sgd + jmp.select_tree."""
+    lr, momentum, period, steps = 0.01, 0.9, 3, 30
+    params = random_tree(0)
+    state = ff.fp16_init(params, ff.sgd(lr, momentum=momentum, nesterov=nesterov), ff.DynamicLossScale(init_scale=2.0**10, growth_interval=period, max_scale=math.inf))
+
+    tx = optax.sgd(lr, momentum=momentum, nesterov=nesterov)
+    j_master = to_jax(state.master)
+    j_opt = tx.init(j_master)
+    j_scale = jmp.DynamicLossScale(jnp.asarray(2.0**10, jnp.float32), period=period, factor=2)
+
+    @jax.jit
+    def j_step(master, opt, scale, grads):
+        g = scale.unscale(grads)
+        finite = jmp.all_finite(g)
+        updates, new_opt = tx.update(g, opt, master)
+        new_master = optax.apply_updates(master, updates)
+        master = jmp.select_tree(finite, new_master, master)
+        opt = jmp.select_tree(finite, new_opt, opt)
+        return master, opt, scale.adjust(finite), finite
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    skipped = 0
+    for step in range(steps):
+        inject = (int(rng.integers(0, 9)), [math.inf, math.nan][step % 2]) if rng.random() < 0.2 else None
+        grads = grads16(state, step, inject)
+        j_master, j_opt, j_scale, j_finite = j_step(j_master, j_opt, j_scale, to_jax(grads))
+        state = ff.fp16_update(state, grads)
+        assert bool(state.grads_finite) == bool(j_finite)
+        skipped += int(not bool(j_finite))
+        assert float(state.loss_scale.loss_scale) == float(j_scale.loss_scale)
+        assert int(state.loss_scale.growth_count) == int(j_scale.counter)
+        for ours, theirs in zip(leaves(state.master), j_master):
+            worst = max(worst, scaled_error(ours, to_torch(theirs)))
+    assert skipped > 0
+    # The two recipes perform the same float32 operations in the same order.
+    assert worst <= 1.0, f"max deviation {worst} eps"
+
+
+def test_apply_if_finite_matches_optax():
+    params = {"w": torch.zeros(5), "b": torch.zeros(())}
+    ours_tx = ff.apply_if_finite(ff.sgd(0.1, momentum=0.5), max_consecutive_errors=2)
+    their_tx = optax.apply_if_finite(optax.sgd(0.1, momentum=0.5), max_consecutive_errors=2)
+    ours = ours_tx.init(params)
+    j_params = {k: jnp.asarray(v.numpy()) for k, v in params.items()}
+    theirs = their_tx.init(j_params)
+    rng = np.random.default_rng(1)
+    for step in range(40):
+        g = {"w": torch.from_numpy(rng.standard_normal(5).astype(np.float32)), "b": torch.tensor(float(rng.standard_normal()))}
+        if rng.random() < 0.4:
+            g["w"][int(rng.integers(0, 5))] = math.nan
+        u, ours = ours_tx.update(g, ours, params)
+        ju, theirs = their_tx.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, theirs, j_params)
+        assert int(ours.notfinite_count) == int(theirs.notfinite_count)
+        assert int(ours.total_notfinite) == int(theirs.total_notfinite)
+        assert bool(ours.last_finite) == bool(theirs.last_finite)
+        for k in g:
+            np.testing.assert_array_equal(u[k].numpy(), np.asarray(ju[k]))
+
+
+def test_clip_by_global_norm_matches_optax():
+    tree = random_tree(4, scale=3.0)
+    j_tree = to_jax(tree)
+    for max_norm in [0.5, 5.0, 100.0]:
+        ours, _ = ff.clip_by_global_norm(max_norm).update(tree, ff.EmptyState())
+        tx = optax.clip_by_global_norm(max_norm)
+        theirs, _ = tx.update(j_tree, tx.init(j_tree))
+        for a, b in zip(leaves(ours), theirs):
+            # The global norm is a sum reduced in a different order: ~1 eps apart.
+            assert scaled_error(a, to_torch(b)) <= 2.0
+    assert float(ff.global_norm(tree)) == pytest.approx(float(optax.tree.norm(j_tree)), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (ff.cosine_decay_schedule(0.1, 100, alpha=0.05), optax.cosine_decay_schedule(0.1, 100, alpha=0.05)),
+        (ff.linear_schedule(0.0, 0.3, 20, transition_begin=5), optax.linear_schedule(0.0, 0.3, 20, transition_begin=5)),
+        (ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001), optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001)),
+    ],
+    ids=["cosine", "linear", "warmup_cosine"],
+)
+def test_schedules_match_optax(ours, theirs):
+    for t in range(0, 150, 3):
+        a = float(ours(torch.tensor(t, dtype=torch.int32)))
+        b = float(theirs(t))
+        # optax evaluates in float32 arithmetic, we in float64 rounded once.
+        assert a == pytest.approx(b, rel=2e-6, abs=1e-9), t
+
+
+def test_trace_matches_optax_trace():
+    params = random_tree(2)
+    tx = ff.trace(0.9, nesterov=True)
+    jtx = optax.trace(0.9, nesterov=True)
+    s = tx.init(params)
+    js = jtx.init(to_jax(params))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        grads = optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+        out, s = tx.update(grads, s)
+        jout, js = jtx.update(to_jax(grads), js)
+        for a, b in zip(leaves(out), jout):
+            assert scaled_error(a, to_torch(b)) <= 1.0

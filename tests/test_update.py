@@ -1,0 +1,371 @@
+"""fp16_update: semantics, purity and errors, for every registered implementation.
+
+The reference implementation is the specification; each faster implementation
+registered in ``functional_fp16.update._IMPLEMENTATIONS`` runs the same tests.
+"""
+
+import contextlib
+import math
+
+import optree
+import pytest
+import torch
+
+import functional_fp16 as ff
+from functional_fp16 import update as update_module
+from tests.helpers import random_tree, scaled_error
+
+IMPLS = sorted(update_module._IMPLEMENTATIONS)
+NS = ff.NAMESPACE
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+@pytest.fixture(params=[False, True], ids=["pure", "donated"])
+def donate(request):
+    return request.param
+
+
+def leaves(tree):
+    return optree.tree_leaves(tree, namespace=NS)
+
+
+def snapshot(tree):
+    return [x.clone() for x in leaves(tree)]
+
+
+def assert_leaves_equal(tree, snap):
+    now = leaves(tree)
+    assert len(now) == len(snap)
+    for a, b in zip(now, snap):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def fp16_grads(params16, seed, scale=1.0, inject=None):
+    """Random FP16 gradients of a scaled loss; ``inject=(leaf_index, value)`` plants inf/NaN."""
+    g = torch.Generator().manual_seed(seed)
+    out = [(torch.randn(p.shape, generator=g) * scale).half() for p in leaves(params16)]
+    if inject is not None:
+        i, value = inject
+        out[i] = out[i].clone()
+        out[i].view(-1)[0] = value
+    return optree.tree_unflatten(optree.tree_structure(params16, namespace=NS), out)
+
+
+def update(state, grads, impl, donate=False, **kw):
+    return ff.fp16_update(state, grads, impl=impl, donate=donate, **kw)
+
+
+# --------------------------------------------------------------------------
+# Differential test against torch.amp.GradScaler + torch.optim.SGD
+# --------------------------------------------------------------------------
+SGD_CONFIGS = [
+    dict(momentum=0.9),
+    dict(momentum=0.9, nesterov=True),
+    dict(momentum=0.9, weight_decay=5e-4),
+    dict(momentum=0.0),
+]
+
+
+@pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("interval", [1, 3])
+def test_matches_gradscaler_and_torch_sgd(impl, cfg, interval):
+    lr, steps = 0.01, 40
+    params = random_tree(0)
+    ls = ff.DynamicLossScale(init_scale=2.0**12, growth_interval=interval, min_scale=2.0**-60, max_scale=math.inf)
+    state = ff.fp16_init(params, ff.sgd(lr, **cfg), ls)
+
+    # PyTorch's AMP recipe on FP32 copies of the same master weights.
+    flat = [m.clone().requires_grad_(True) for m in leaves(state.master)]
+    opt = torch.optim.SGD(flat, lr=lr, foreach=False, **cfg)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=interval)
+    scaler.scale(torch.ones(()))  # GradScaler creates its scale lazily
+
+    g = torch.Generator().manual_seed(123)
+    applied = 0
+    worst = 0.0
+    for step in range(steps):
+        inject = None
+        if torch.rand((), generator=g) < 0.25:
+            leaf = int(torch.randint(len(flat), (), generator=g))
+            inject = (leaf, [math.inf, -math.inf, math.nan][step % 3])
+        grads = fp16_grads(state.params, seed=step, scale=float(state.loss_scale.loss_scale) * 1e-3, inject=inject)
+
+        for p, gr in zip(flat, leaves(grads)):
+            p.grad = gr.float()
+        scaler.unscale_(opt)
+        ours_unscaled = state.loss_scale.unscale(grads)
+        for p, u in zip(flat, leaves(ours_unscaled)):
+            assert torch.equal(p.grad, u) or (torch.isnan(p.grad) == torch.isnan(u)).all()
+        scaler.step(opt)
+        found_inf = sum(v.item() for v in scaler._found_inf_per_device(opt).values()) > 0
+        scaler.update()
+
+        state = update(state, grads, impl)
+        # Overflow comes from the planted values or, at high scales, from the FP16 cast itself.
+        expect_finite = all(bool(torch.isfinite(x).all()) for x in leaves(grads))
+        assert bool(state.grads_finite) == (not found_inf) == expect_finite
+        assert float(state.loss_scale.loss_scale) == scaler.get_scale()
+        assert int(state.loss_scale.growth_count) == int(scaler._growth_tracker)
+        applied += int(not found_inf)
+
+        for m, p16, p in zip(leaves(state.master), leaves(state.params), flat):
+            assert torch.equal(p16, m.half())  # FP16 params are the rounded master
+            worst = max(worst, scaled_error(m, p.detach()))
+        # Each applied step may differ by one rounding of -lr*b (PyTorch fuses it).
+        assert worst <= max(applied, 1), f"step {step}: {worst} eps after {applied} steps"
+        if cfg["momentum"] and not cfg.get("weight_decay"):
+            trace = next(s for s in state.opt_state if isinstance(s, ff.TraceState))
+            for b, p in zip(leaves(trace.trace), flat):
+                if "momentum_buffer" in opt.state[p]:
+                    assert torch.equal(b, opt.state[p]["momentum_buffer"])
+                else:
+                    assert not bool(trace.initialized) and not b.any()
+    assert 0 < applied < steps
+
+
+# --------------------------------------------------------------------------
+# Skipped steps
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_skipped_step_is_a_bitwise_noop(impl, donate, value):
+    params = random_tree(1)
+    tx = ff.chain(ff.clip_by_global_norm(5.0), ff.sgd(ff.cosine_decay_schedule(0.1, 50), momentum=0.9, weight_decay=1e-4))
+    state = ff.fp16_init(params, tx)
+    for s in range(3):
+        state = update(state, fp16_grads(state.params, seed=s, scale=100.0), impl)
+    keep = snapshot((state.params, state.master, state.opt_state))
+    scale = float(state.loss_scale.loss_scale)
+    bad = fp16_grads(state.params, seed=9, scale=100.0, inject=(4, value))
+    new = update(state, bad, impl, donate=donate)
+    assert not bool(new.grads_finite)
+    assert_leaves_equal((new.params, new.master, new.opt_state), keep)
+    assert float(new.loss_scale.loss_scale) == scale / 2
+    assert int(new.step) == 4
+    # Training continues normally afterwards.
+    after = update(new, fp16_grads(new.params, seed=10, scale=100.0), impl)
+    assert bool(after.grads_finite)
+    assert not torch.equal(after.master["block"].weight, new.master["block"].weight)
+
+
+def test_first_step_overflow_creates_no_momentum(impl, donate):
+    params = random_tree(2)
+    state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9, dampening=0.5))
+    bad = fp16_grads(state.params, seed=0, inject=(0, math.inf))
+    state = update(state, bad, impl, donate=donate)
+    trace = state.opt_state[0]
+    assert not bool(trace.initialized)
+    assert all(not b.any() for b in leaves(trace.trace))
+    # The next finite step then starts the buffer from the (unscaled) gradient itself.
+    good = fp16_grads(state.params, seed=1)
+    expected = state.loss_scale.unscale(good)
+    state = update(state, good, impl)
+    for b, e in zip(leaves(state.opt_state[0].trace), leaves(expected)):
+        assert torch.equal(b, e)
+
+
+def test_non_finite_loss_skips_the_step(impl):
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    keep = snapshot((state.master, state.opt_state))
+    grads = fp16_grads(state.params, seed=0)
+    new = update(state, grads, impl, loss=torch.tensor(math.nan))
+    assert not bool(new.grads_finite)
+    assert_leaves_equal((new.master, new.opt_state), keep)
+    ok = update(state, grads, impl, loss=torch.tensor(1.0))
+    assert bool(ok.grads_finite)
+
+
+def test_grads_that_overflow_when_unscaled_are_skipped(impl):
+    """A scale below one can turn finite FP16 grads into FP32 inf: that is an overflow too."""
+    params = {"w": torch.zeros(4)}
+    ls = ff.StaticLossScale(1e-36)
+    state = ff.fp16_init(params, ff.sgd(0.1), ls)
+    grads = {"w": torch.full((4,), 60000.0, dtype=torch.float16)}
+    new = update(state, grads, impl)
+    assert not bool(new.grads_finite)
+    assert torch.equal(new.master["w"], state.master["w"])
+
+
+# --------------------------------------------------------------------------
+# Precision semantics
+# --------------------------------------------------------------------------
+def test_clipping_and_weight_decay_see_unscaled_fp32(impl):
+    n = 64
+    params = {"w": torch.linspace(-1, 1, n)}
+    scale = 2.0**16
+    tx = ff.chain(ff.add_decayed_weights(0.5), ff.clip_by_global_norm(0.1), ff.scale_by_learning_rate(1.0))
+    state = ff.fp16_init(params, tx, ff.StaticLossScale(scale))
+    # Scaled FP16 grads of 1000: squaring them in FP16 would overflow (> 65504).
+    grads = {"w": torch.full((n,), 1000.0, dtype=torch.float16)}
+    new = update(state, grads, impl)
+    assert bool(new.grads_finite)
+    m = state.master["w"].double()
+    g = torch.full((n,), 1000.0, dtype=torch.float64) / scale + 0.5 * m
+    g = g * min(1.0, 0.1 / float(g.norm()))
+    expected = (m - g).float()
+    torch.testing.assert_close(new.master["w"], expected, rtol=2e-6, atol=2e-7)
+    assert float((new.master["w"] - state.master["w"]).double().norm()) == pytest.approx(0.1, rel=1e-5)
+
+
+def test_params_are_round_to_nearest_of_master(impl):
+    params = {"w": torch.tensor([1.0, 1.0 + 2**-11, 1.0 + 3 * 2**-12, 65519.0, 70000.0, 1e-8])}
+    state = ff.fp16_init(params, ff.sgd(0.0))
+    assert torch.equal(state.master["w"], params["w"])
+    assert torch.equal(state.params["w"], params["w"].half())
+    state = update(state, {"w": torch.zeros(6, dtype=torch.float16)}, impl)
+    assert torch.equal(state.params["w"], state.master["w"].to(torch.float16))
+
+
+# --------------------------------------------------------------------------
+# Purity and host synchronisation
+# --------------------------------------------------------------------------
+def test_inputs_are_never_modified(impl):
+    state = ff.fp16_init(random_tree(3), ff.sgd(0.05, momentum=0.9, nesterov=True))
+    for s in range(6):
+        inject = (2, math.inf) if s == 3 else None
+        grads = fp16_grads(state.params, seed=s, scale=10.0, inject=inject)
+        before = snapshot((state, grads))
+        new = update(state, grads, impl)
+        assert_leaves_equal((state, grads), before)
+        state = new
+
+
+_SYNC_METHODS = ["item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__", "__len__"]
+
+
+@contextlib.contextmanager
+def forbid_host_sync():
+    originals = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
+
+    def make(name):
+        def refuse(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called inside the update (host sync)")
+
+        return refuse
+
+    try:
+        for name in _SYNC_METHODS:
+            setattr(torch.Tensor, name, make(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_forbid_host_sync_catches_a_sync():
+    with forbid_host_sync(), pytest.raises(AssertionError, match="host sync"):
+        torch.ones(()).item()
+    assert torch.ones(()).item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ff.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
+        ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(ff.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10), momentum=0.9, dampening=0.1)),
+        ff.apply_if_finite(ff.sgd(0.1, momentum=0.9), 3),
+    ],
+    ids=["sgd", "clip+schedule", "apply_if_finite"],
+)
+def test_update_never_synchronises_with_the_host(impl, donate, tx):
+    ls = ff.DynamicLossScale(growth_interval=2, hysteresis=2)
+    state = ff.fp16_init(random_tree(4), tx, ls)
+    grads = [fp16_grads(state.params, seed=s, inject=(1, math.nan) if s == 1 else None) for s in range(4)]
+    with forbid_host_sync():
+        for g in grads:
+            state = update(state, g, impl, donate=donate, loss=torch.tensor(0.5))
+    assert int(state.step) == 4
+
+
+# --------------------------------------------------------------------------
+# State container
+# --------------------------------------------------------------------------
+def test_init_copies_and_casts():
+    params = random_tree(5, dtype=torch.float32)
+    state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+    for p, m, h in zip(leaves(params), leaves(state.master), leaves(state.params)):
+        assert m.dtype == torch.float32 and h.dtype == torch.float16
+        assert torch.equal(m, p) and m.data_ptr() != p.data_ptr()
+        assert torch.equal(h, p.half())
+    assert isinstance(state.loss_scale, ff.DynamicLossScale)
+    assert state.step.dtype == torch.int32 and int(state.step) == 0
+    assert state.grads_finite.dtype == torch.bool and bool(state.grads_finite)
+    # FP16 or BF16 inputs give an exact FP32 master.
+    p16 = {"w": torch.randn(5).half()}
+    s16 = ff.fp16_init(p16, ff.sgd(0.1))
+    assert torch.equal(s16.master["w"], p16["w"].float())
+    sbf = ff.fp16_init(p16, ff.sgd(0.1), param_dtype=torch.bfloat16)
+    assert isinstance(sbf.loss_scale, ff.NoOpLossScale) and sbf.params["w"].dtype == torch.bfloat16
+
+
+def test_state_flattens_to_tensors_and_rebuilds_with_its_tx():
+    tx = ff.sgd(0.1, momentum=0.9)
+    state = ff.fp16_init(random_tree(0), tx, ff.DynamicLossScale(growth_interval=5))
+    flat, spec = optree.tree_flatten(state, namespace=NS)
+    assert all(isinstance(x, torch.Tensor) for x in flat)
+    back = optree.tree_unflatten(spec, flat)
+    assert isinstance(back, ff.FP16State) and back.tx is tx
+    assert back.loss_scale.config() == state.loss_scale.config()
+    paths = [p for p in optree.tree_paths(state, namespace=NS)]
+    assert ("master", "block", "weight") in paths or ("master", "block", 0) in paths
+
+
+@pytest.mark.parametrize(
+    "make_grads, error, match",
+    [
+        (lambda p: {k: v for k, v in p.items() if k != "scalar"}, ValueError, "tree structure"),
+        (lambda p: {**p, "scalar": p["scalar"].reshape(1)}, ValueError, r"grads\['scalar'\]: shape \(1,\)"),
+        (lambda p: {**p, "vecs": (p["vecs"][0].float(),) + p["vecs"][1:]}, TypeError, r"grads\['vecs'\]\[0\]: dtype torch.float32"),
+        (lambda p: {**p, "block": p["block"]._replace(bias=p["block"].bias.to("meta"))}, ValueError, r"grads\['block'\]\.bias: device meta"),
+        (lambda p: {**p, "scalar": 1.0}, TypeError, r"grads\['scalar'\]: expected a tensor"),
+        (lambda p: [p], ValueError, "tree structure"),
+    ],
+    ids=["structure", "shape", "dtype", "device", "not-a-tensor", "wrapped"],
+)
+def test_bad_grads_are_named_and_state_is_untouched(impl, make_grads, error, match):
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    state = update(state, fp16_grads(state.params, seed=0), impl)
+    keep = snapshot(state)
+    grads = make_grads(fp16_grads(state.params, seed=1))
+    with pytest.raises(error, match=match):
+        update(state, grads, impl)
+    assert_leaves_equal(state, keep)
+
+
+def test_bad_update_arguments():
+    state = ff.fp16_init({"w": torch.zeros(2)}, ff.sgd(0.1))
+    grads = {"w": torch.zeros(2, dtype=torch.float16)}
+    with pytest.raises(TypeError, match="state must be an FP16State"):
+        ff.fp16_update({"w": torch.zeros(2)}, grads)
+    with pytest.raises(ValueError, match="impl must be"):
+        ff.fp16_update(state, grads, impl="nope")
+    with pytest.raises(TypeError, match="loss must be a tensor"):
+        ff.fp16_update(state, grads, loss=1.0)
+
+
+@pytest.mark.parametrize(
+    "params, error, match",
+    [
+        ({}, ValueError, "empty"),
+        ({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64)}, TypeError, r"params\['b'\]: expected a floating-point tensor"),
+        ({"a": torch.zeros(2), "b": [1.0]}, TypeError, r"params\['b'\]\[0\]"),
+        ({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}, ValueError, r"params\['b'\]: on meta"),
+    ],
+    ids=["empty", "int", "float", "two-devices"],
+)
+def test_bad_params_are_named(params, error, match):
+    with pytest.raises(error, match=match):
+        ff.fp16_init(params, ff.sgd(0.1))
+
+
+def test_bad_init_arguments():
+    with pytest.raises(TypeError, match="tx must be a GradientTransformation"):
+        ff.fp16_init({"w": torch.zeros(2)}, lambda g: g)
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        ff.fp16_init({"w": torch.zeros(2)}, ff.sgd(0.1), loss_scale=2.0**16)
+    with pytest.raises(TypeError, match="param_dtype"):
+        ff.fp16_init({"w": torch.zeros(2)}, ff.sgd(0.1), param_dtype=torch.int8)
