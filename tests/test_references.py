@@ -78,7 +78,9 @@ def test_fp16_update_matches_jmp_and_optax_sgd(nesterov):
         for ours, theirs in zip(leaves(state.master), j_master):
             worst = max(worst, scaled_error(ours, to_torch(theirs)))
     assert skipped > 0
-    # The two recipes perform the same float32 operations in the same order.
+    # Same float32 operations in the same order, except that XLA contracts
+    # `b * m + g` and `p + (-lr) * u` into FMAs under jit (one rounding where
+    # eager PyTorch rounds twice): the trajectories stay within ~1 eps.
     assert worst <= 1.0, f"max deviation {worst} eps"
 
 
