@@ -71,10 +71,56 @@ def check_same_structure(
         return ref_spec.flatten_up_to(other)
     except (ValueError, TypeError) as err:
         other_spec = optree.tree_structure(other, namespace=NAMESPACE)
+        where = first_difference(reference, other)
+        at = ""
+        if where is not None:
+            at = f" at {name}{where[0]} ({where[1]})" if where[0] != "<root>" else f" ({where[1]})"
         raise ValueError(
-            f"{name} has a different tree structure than {reference_name}: "
+            f"{name} has a different tree structure than {reference_name}{at}: "
             f"expected {ref_spec}, got {other_spec} ({err})"
         ) from None
+
+
+def _entry_path(node: Any, index: int, entry: Any) -> str:
+    if optree.is_namedtuple(node):
+        return f".{type(node)._fields[index]}"
+    if isinstance(node, (list, tuple)):
+        return f"[{index}]"
+    if isinstance(node, dict):
+        return f"[{entry!r}]"
+    return f".{entry}" if isinstance(entry, str) and entry.isidentifier() else f"[{entry!r}]"
+
+
+def first_difference(reference: PyTree, other: PyTree, path: str = "") -> tuple[str, str] | None:
+    """The path of the first node where ``other``'s structure departs from ``reference``'s.
+
+    Returns ``(path, what differs)``, or ``None`` when ``reference``'s
+    structure is a prefix of ``other``'s (a leaf of ``reference`` matches any
+    subtree). Used only to explain errors, never in the hot path.
+    """
+    if optree.tree_is_leaf(reference, namespace=NAMESPACE):
+        return None
+    shown = path or "<root>"
+    if optree.tree_is_leaf(other, namespace=NAMESPACE) and other is not None:
+        return shown, f"expected a {type(reference).__name__}, got {describe_tensor(other)}"
+    if type(reference) is not type(other):
+        return shown, f"expected a {type(reference).__name__}, got a {type(other).__name__}"
+    ref = optree.tree_flatten_one_level(reference, namespace=NAMESPACE)
+    oth = optree.tree_flatten_one_level(other, namespace=NAMESPACE)
+    if isinstance(reference, dict):
+        missing = [k for k in reference if k not in other]
+        extra = [k for k in other if k not in reference]
+        if missing or extra:
+            return shown, f"missing keys {missing}, unexpected keys {extra}"
+    if len(ref.children) != len(oth.children):
+        return shown, f"expected length {len(ref.children)}, got {len(oth.children)}"
+    for i, (entry, a, b) in enumerate(zip(ref.entries, ref.children, oth.children, strict=True)):
+        found = first_difference(a, b, path + _entry_path(reference, i, entry))
+        if found is not None:
+            return found
+    if ref.metadata != oth.metadata:
+        return shown, f"static metadata differs: expected {ref.metadata!r}, got {oth.metadata!r}"
+    return None
 
 
 def check_like(
