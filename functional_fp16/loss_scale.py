@@ -83,6 +83,20 @@ def _check_positive_finite(name: str, value: float) -> float:
     return value
 
 
+_TINY32 = torch.finfo(torch.float32).tiny
+
+
+def _check_scale_floor(name: str, value: float) -> float:
+    # Below float32's smallest normal number the scale rounds to zero or loses
+    # precision, and 1/scale overflows: every step would overflow forever.
+    if value < _TINY32:
+        raise ValueError(
+            f"{name} ({value}) must be >= {_TINY32} (the smallest normal float32) so that "
+            "the scale and its reciprocal are finite and non-zero in float32"
+        )
+    return value
+
+
 def _check_int(name: str, value: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -161,7 +175,7 @@ class DynamicLossScale:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
         growth_interval = _check_int("growth_interval", growth_interval, 1)
         hysteresis = _check_int("hysteresis", hysteresis, 1)
-        min_scale = _check_positive_finite("min_scale", min_scale)
+        min_scale = _check_scale_floor("min_scale", _check_positive_finite("min_scale", min_scale))
         if isinstance(max_scale, bool) or not isinstance(max_scale, (int, float)):
             raise TypeError(f"max_scale must be a real number, got {type(max_scale).__name__}")
         max_scale = float(max_scale)
@@ -296,7 +310,7 @@ class StaticLossScale:
     __slots__ = ("loss_scale",)
 
     def __init__(self, scale: float) -> None:
-        scale = _check_positive_finite("scale", scale)
+        scale = _check_scale_floor("scale", _check_positive_finite("scale", scale))
         self.loss_scale = torch.tensor(scale, dtype=torch.float32)
         if not torch.isfinite(self.loss_scale):
             raise ValueError(f"scale ({scale}) overflows float32")
