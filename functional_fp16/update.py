@@ -19,6 +19,7 @@ configuration carried alongside, not a leaf.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import optree
@@ -117,6 +118,8 @@ def _check_params(params: PyTree) -> list[torch.Tensor]:
             raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
         if not leaf.is_floating_point():
             raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
+        if leaf.layout != torch.strided:
+            raise TypeError(f"params{path}: expected a dense tensor, got layout {leaf.layout}")
     device = leaves[0].device
     for path, leaf in zip(paths, leaves):
         if leaf.device != device:
@@ -125,6 +128,29 @@ def _check_params(params: PyTree) -> list[torch.Tensor]:
                 "all parameters must live on one device"
             )
     return leaves
+
+
+def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None:
+    """Refuses non-finite parameters, warns about ones that overflow ``param_dtype`` (one sync)."""
+    masters, works = tree_leaves(master), tree_leaves(working)
+    if masters[0].is_meta:
+        return
+    ok = torch.stack(
+        [torch.isfinite(m).all() & torch.isfinite(w).all() for m, w in zip(masters, works)]
+    )
+    if bool(ok.all()):
+        return
+    for path, m, w in zip(tree_paths(params), masters, works):
+        if not bool(torch.isfinite(m).all()):
+            raise ValueError(f"params{path}: contains inf or NaN (in float32); initial parameters must be finite")
+        if not bool(torch.isfinite(w).all()):
+            big = float(m.abs().max())
+            warnings.warn(
+                f"params{path}: values up to {big:g} overflow {w.dtype} "
+                f"(largest finite {torch.finfo(w.dtype).max:g}), so the working copy holds inf; "
+                "rescale them or use a wider param_dtype such as torch.bfloat16",
+                stacklevel=3,
+            )
 
 
 def fp16_init(
@@ -165,6 +191,7 @@ def fp16_init(
     device = leaves[0].device
     master = tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
     working = tree_map(lambda m: m.to(param_dtype), master)
+    _check_param_values(params, master, working)
     return FP16State(
         params=working,
         master=master,
@@ -276,6 +303,10 @@ def fp16_update(
     check_like(state.params, grads, name="grads", reference_name="params")
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
+    if agree is not None and not callable(agree):
+        raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
 
 
