@@ -2,6 +2,7 @@
 
 from functional_fp16._tree import NAMESPACE
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module
 from functional_fp16.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,6 +20,7 @@ from functional_fp16.loss_scale import (
     all_finite,
     unscale_factor,
 )
+from functional_fp16.policy import Policy, cast_to, default_loss_scale, get_policy, parse_dtype
 from functional_fp16.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -73,6 +75,16 @@ __all__ = [
     "FP16State",
     "fp16_init",
     "fp16_update",
+    # the torch.func bridge
+    "split_module",
+    "make_apply",
+    "scaled_grad_and_value",
+    # precision policies
+    "Policy",
+    "get_policy",
+    "parse_dtype",
+    "cast_to",
+    "default_loss_scale",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",

@@ -1,0 +1,723 @@
+"""Train a small CNN on CIFAR-10 in FP16 mixed precision, functionally.
+
+The classic recipe (a small CNN, SGD lr 0.001 momentum 0.9, batch 128, 10
+epochs, "Accuracy of the network on the 10000 test images") written with
+``functional_fp16``: the parameters are a dict of FP16 tensors with FP32 master
+copies inside an ``FP16State``; the training step is a pure function
+
+    state, buffers, metrics = train_step(state, buffers, images, labels)
+
+built from ``torch.func`` (``make_apply`` + ``scaled_grad_and_value``) and
+``fp16_update`` (dynamic loss scaling + SGD momentum); the loop only threads
+the state through it.
+
+    python examples/cifar10_functional.py --download          # real CIFAR-10 into ./data
+    python examples/cifar10_functional.py --dataset imagefolder --data-dir DIR
+    python examples/cifar10_functional.py --dataset fake --epochs 1 --max-steps-per-epoch 20
+
+Outputs in ``--out-dir`` (default ``runs/cifar10``): ``metrics.jsonl`` (one line
+per step: step, epoch, loss, loss_scale, skipped, lr), ``summary.json``,
+``training.png`` (loss and loss scale per step, test accuracy per epoch) and a
+checkpoint per epoch (``checkpoint_epoch_NNN.pt``); ``--resume`` continues from
+one so that the run ends bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cifar10_data  # noqa: E402  (the sibling module, importable from any working directory)
+
+import functional_fp16 as ff  # noqa: E402
+from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
+from functional_fp16.policy import Policy, default_loss_scale, get_policy  # noqa: E402
+
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+IMAGE_SIZE = 32
+CHECKPOINT_PATTERN = "checkpoint_epoch_{:03d}.pt"
+
+
+# -- the model ----------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """The classic small CNN, with ``fc1`` sized from the real feature map.
+
+    conv(3->64, 3x3) -> ReLU -> maxpool 2 -> conv(64->128, 3x3) -> ReLU -> maxpool 2
+    -> fc(128*6*6 -> 256) -> ReLU -> fc(256 -> 128) -> ReLU -> fc(128 -> classes).
+    For 32x32 inputs the feature map is 128x6x6 (32-2=30, /2=15, 15-2=13, /2=6),
+    not the 128x5x5 the recipe is often written with; it is computed here by
+    running the convolutional part on a meta tensor, so any image size works.
+    """
+
+    def __init__(self, num_classes: int = 10, image_size: int = IMAGE_SIZE) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3)
+        self.conv2 = nn.Conv2d(64, 128, 3)
+        self.pool = nn.MaxPool2d(2, 2)
+        with torch.device("meta"):
+            features = self.features(torch.empty(1, 3, image_size, image_size)).shape[1]
+        self.fc1 = nn.Linear(features, 256)
+        self.fc2 = nn.Linear(256, 128)
+        self.fc3 = nn.Linear(128, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        return torch.flatten(x, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+# -- configuration -------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small CNN on CIFAR-10 with functional FP16 mixed precision.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--dataset",
+        choices=cifar10_data.DATASETS,
+        default="auto",
+        help="auto: real CIFAR-10 if --data-dir holds it, else synthetic data (said so)",
+    )
+    d.add_argument(
+        "--data-dir",
+        default="data",
+        help="torchvision CIFAR10 root, or an ImageFolder tree with train/ and test/",
+    )
+    d.add_argument(
+        "--download",
+        action="store_true",
+        help="download CIFAR-10 into --data-dir if it is missing (needs network)",
+    )
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="DataLoader workers for the one-time ImageFolder decode",
+    )
+    d.add_argument(
+        "--no-cache", action="store_true", help="do not read or write the decoded-ImageFolder cache"
+    )
+    d.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where decoded ImageFolder tensors are cached (default DATA_DIR/.decoded)",
+    )
+    d.add_argument("--fake-train-size", type=int, default=50000)
+    d.add_argument("--fake-test-size", type=int, default=10000)
+
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=10)
+    t.add_argument("--batch-size", type=int, default=128)
+    t.add_argument("--eval-batch-size", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=0.001)
+    t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--max-steps-per-epoch",
+        type=int,
+        default=0,
+        help="stop each epoch after this many steps (0: the whole training set)",
+    )
+
+    m = p.add_argument_group("precision and device")
+    m.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp16",
+        help="parameter dtype (an FP32 master copy is always kept)",
+    )
+    m.add_argument(
+        "--compute-dtype",
+        choices=["auto", *sorted(PRECISIONS)],
+        default="auto",
+        help="dtype of the forward/backward pass; auto: the parameter dtype on CUDA, "
+        "float32 on CPU for fp16 parameters (CPUs lack fast FP16)",
+    )
+    m.add_argument(
+        "--policy",
+        default=None,
+        help="a full policy string such as 'p=f16,c=f16,o=f32'; overrides "
+        "--precision and --compute-dtype",
+    )
+    m.add_argument(
+        "--loss-scale",
+        choices=["auto", "dynamic", "none"],
+        default="auto",
+        help="auto: dynamic when the policy involves float16, none otherwise",
+    )
+    m.add_argument("--init-scale", type=float, default=2.0**16)
+    m.add_argument("--growth-interval", type=int, default=2000)
+    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    m.add_argument(
+        "--compile",
+        action="store_true",
+        help="wrap the whole train step in torch.compile(fullgraph=True)",
+    )
+
+    o = p.add_argument_group("output")
+    o.add_argument("--out-dir", default="runs/cifar10")
+    o.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH",
+        help="continue from a checkpoint written by this script",
+    )
+    o.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        help="keep only the newest N epoch checkpoints (0: keep all)",
+    )
+    o.add_argument(
+        "--log-every",
+        type=int,
+        default=25,
+        help="read metrics back from the device every N steps (no per-step sync)",
+    )
+    o.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
+    o.add_argument("--no-plot", action="store_true", help="do not write training.png")
+    args = p.parse_args(argv)
+
+    for name in ("epochs", "batch_size", "eval_batch_size", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("max_steps_per_epoch", "keep_checkpoints", "workers"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be finite and >= 0, got {args.lr}")
+    if not (math.isfinite(args.momentum) and args.momentum >= 0):
+        p.error(f"--momentum must be finite and >= 0, got {args.momentum}")
+    if args.policy is not None:
+        try:
+            get_policy(args.policy)
+        except (TypeError, ValueError) as err:
+            p.error(f"--policy: {err}")
+    return args
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_policy(args: argparse.Namespace, device: torch.device) -> Policy:
+    """The precision policy from ``--policy``, or ``--precision`` and ``--compute-dtype``.
+
+    Defaults are chosen to be fast everywhere: on CUDA the computation runs in
+    the parameter dtype (FP16 tensor cores); on CPU, which has no fast FP16
+    arithmetic, FP16 parameters are computed in FP32 (they still get FP16
+    gradients, so loss scaling is exercised). Outputs are always float32.
+    """
+    if args.policy is not None:
+        return get_policy(args.policy)
+    param = PRECISIONS[args.precision]
+    if args.compute_dtype != "auto":
+        compute = PRECISIONS[args.compute_dtype]
+    elif device.type == "cpu" and param == torch.float16:
+        compute = torch.float32
+    else:
+        compute = param
+    return Policy(param, compute, torch.float32)
+
+
+def resolve_loss_scale(args: argparse.Namespace, policy: Policy) -> ff.LossScale:
+    kind = args.loss_scale
+    if kind == "auto":
+        kind = "dynamic" if isinstance(default_loss_scale(policy), ff.DynamicLossScale) else "none"
+    if kind == "none":
+        return ff.NoOpLossScale()
+    return ff.DynamicLossScale(init_scale=args.init_scale, growth_interval=args.growth_interval)
+
+
+# -- state and the pure step ---------------------------------------------------------
+
+
+class StepMetrics(NamedTuple):
+    """What one training step reports (0-d tensors, left on the device)."""
+
+    loss: torch.Tensor  # float32: the unscaled loss
+    loss_scale: torch.Tensor  # float32: the scale this step's gradients were computed with
+    skipped: torch.Tensor  # bool: the step overflowed and was not applied
+
+
+def build_model(num_classes: int, seed: int) -> Net:
+    """The CNN with its default (Kaiming-uniform) initialisation drawn from ``seed`` on the CPU."""
+    torch.manual_seed(seed)
+    return Net(num_classes)
+
+
+def build_state(
+    model: nn.Module,
+    policy: Policy,
+    loss_scale: ff.LossScale,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> tuple[ff.FP16State, dict[str, torch.Tensor]]:
+    """The initial ``FP16State`` (FP32 master + working copy in the policy's param dtype) and buffers."""
+    params, buffers = split_module(model)
+    params = {k: v.to(device) for k, v in params.items()}
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    tx = ff.sgd(args.lr, momentum=args.momentum)
+    state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+    return state, buffers
+
+
+def preprocess(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 images in [0, 255] to ``dtype`` in [-1, 1] (``Normalize(0.5, 0.5)``)."""
+    return (images.to(torch.float32) * (2.0 / 255.0) - 1.0).to(dtype)
+
+
+def make_train_step(model: nn.Module, policy: Policy) -> Callable[..., Any]:
+    """``train_step(state, buffers, images, labels) -> (state, buffers, StepMetrics)``, pure."""
+    apply = make_apply(model, train=True)
+
+    def loss_fn(params, buffers, images, labels):
+        logits, new_buffers = apply(
+            policy.cast_to_compute(params), buffers, preprocess(images, policy.compute_dtype)
+        )
+        loss = F.cross_entropy(policy.cast_to_output(logits).float(), labels)
+        return loss, new_buffers
+
+    grad_fn = scaled_grad_and_value(loss_fn, has_aux=True)
+
+    def train_step(state: ff.FP16State, buffers, images, labels):
+        grads, (loss, new_buffers) = grad_fn(
+            state.loss_scale, state.params, buffers, images, labels
+        )
+        new_state = ff.fp16_update(state, grads, loss=loss)
+        metrics = StepMetrics(
+            loss=loss, loss_scale=state.loss_scale.loss_scale, skipped=~new_state.grads_finite
+        )
+        return new_state, new_buffers, metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module, policy: Policy) -> Callable[..., torch.Tensor]:
+    """``eval_step(params, buffers, images, labels) -> number correct`` (0-d int64), pure."""
+    apply = make_apply(model, train=False)
+
+    def eval_step(params, buffers, images, labels):
+        logits, _ = apply(
+            policy.cast_to_compute(params), buffers, preprocess(images, policy.compute_dtype)
+        )
+        return (logits.argmax(dim=1) == labels).sum()
+
+    return eval_step
+
+
+@torch.no_grad()
+def evaluate(eval_step, params, buffers, split: cifar10_data.Split, batch_size: int) -> float:
+    """Test accuracy in percent; one host synchronisation at the end."""
+    n = split.labels.shape[0]
+    correct = torch.zeros((), dtype=torch.int64, device=split.labels.device)
+    for start in range(0, n, batch_size):
+        sl = slice(start, start + batch_size)
+        correct = correct + eval_step(params, buffers, split.images[sl], split.labels[sl])
+    return 100.0 * correct.item() / n
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+RESUME_KEYS = ("seed", "batch_size", "lr", "momentum", "max_steps_per_epoch", "policy", "dataset")
+
+
+def run_config(args: argparse.Namespace, policy: Policy, data: cifar10_data.Data) -> dict:
+    """The settings a resumed run must share with the run that wrote the checkpoint."""
+    return {
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "lr": float(args.lr),
+        "momentum": float(args.momentum),
+        "max_steps_per_epoch": args.max_steps_per_epoch,
+        "policy": str(policy),
+        "dataset": f"{data.source}:{data.train.labels.shape[0]}+{data.test.labels.shape[0]}",
+    }
+
+
+def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config) -> dict:
+    """Everything needed to continue bit-identically, as plain tensors and numbers."""
+    return {
+        "state": state,
+        "buffers": buffers,
+        "epoch": epoch,  # epochs completed
+        "global_step": global_step,  # training steps completed
+        "data_rng": data_rng.get_state(),  # draws each epoch's shuffle
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "test_accuracy": torch.tensor(accuracies, dtype=torch.float64),
+        "config": config,
+    }
+
+
+def load_resume(path: str, state, buffers, config: dict) -> dict:
+    """Reads a checkpoint, checks it belongs to this run's settings, restores RNG states."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --resume {path}: no such file")
+    plain = ff.load_checkpoint(path, map_location="cpu")
+    stored = plain.get("config", {}) if isinstance(plain, dict) else {}
+    for key in RESUME_KEYS:
+        if stored.get(key) != config[key]:
+            raise SystemExit(
+                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
+                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
+            )
+    like = {
+        "state": state,
+        "buffers": buffers,
+        "epoch": 0,
+        "global_step": 0,
+        "data_rng": torch.empty_like(plain["data_rng"]),
+        "torch_rng": torch.empty_like(plain["torch_rng"]),
+        "cuda_rng": None if plain["cuda_rng"] is None else torch.empty_like(plain["cuda_rng"]),
+        "test_accuracy": torch.empty_like(plain["test_accuracy"]),
+        "config": config,
+    }
+    ckpt = ff.load_checkpoint(path, like=like)
+    torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["cuda_rng"])
+    return ckpt
+
+
+def prune_checkpoints(out_dir: Path, keep: int, epoch: int) -> None:
+    if keep <= 0:
+        return
+    for old in range(1, epoch - keep + 1):
+        path = out_dir / CHECKPOINT_PATTERN.format(old)
+        if path.exists():
+            path.unlink()
+
+
+# -- metrics and the plot ------------------------------------------------------------
+
+
+def read_metrics(path: Path, upto_step: int) -> list[dict]:
+    """The rows of an existing metrics file with ``step <= upto_step`` (for resuming)."""
+    if not path.is_file():
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line from an interrupted run
+            if row.get("step", math.inf) <= upto_step:
+                rows.append(row)
+    return rows
+
+
+def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: str) -> None:
+    """PNG with the loss and the loss scale per step and the test accuracy per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in rows]
+    losses = [r["loss"] for r in rows]
+    ax = axes[0]
+    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
+    if len(losses) >= 10:
+        w = max(1, len(losses) // 50)
+        smooth = [
+            sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1])
+            for i in range(len(losses))
+        ]
+        ax.plot(steps, smooth, lw=1.5, label=f"mean of {w}")
+    ax.set(xlabel="step", ylabel="training loss", title="loss")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
+    skipped = [r for r in rows if r["skipped"]]
+    if skipped:
+        ax.scatter(
+            [r["step"] for r in skipped],
+            [r["loss_scale"] for r in skipped],
+            color="red",
+            marker="x",
+            s=20,
+            label=f"skipped ({len(skipped)})",
+            zorder=3,
+        )
+        ax.legend()
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+    ax = axes[2]
+    ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
+    ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+
+def epoch_order(data_rng: torch.Generator, n: int, batch_size: int, max_steps: int) -> torch.Tensor:
+    """This epoch's shuffled indices, trimmed to whole batches (and to ``max_steps``)."""
+    order = torch.randperm(n, generator=data_rng)
+    steps = n // batch_size
+    if max_steps:
+        steps = min(steps, max_steps)
+    return order[: steps * batch_size]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit(args, data, state, buffers, train_step, eval_step, device, policy, start) -> dict:
+    """The training loop: threads ``(state, buffers)`` through ``train_step`` epoch by epoch."""
+    out_dir = Path(args.out_dir)
+    metrics_path = out_dir / "metrics.jsonl"
+    config = run_config(args, policy, data)
+    epoch0, global_step = start["epoch"], start["global_step"]
+    accuracies = list(start["accuracies"])
+    data_rng = start["data_rng"]
+    rows = read_metrics(metrics_path, global_step) if epoch0 else []
+    with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    metrics_file = open(metrics_path, "a")
+
+    train_x = data.train.images.to(device)
+    train_y = data.train.labels.to(device)
+    test = cifar10_data.Split(data.test.images.to(device), data.test.labels.to(device))
+    n = train_y.shape[0]
+    if n < args.batch_size:
+        raise SystemExit(
+            f"error: the training set has {n} images, fewer than --batch-size {args.batch_size}"
+        )
+    lr = float(args.lr)
+    label = "synthetic " if data.synthetic else ""
+    epoch_speeds = []
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress bars are optional
+        tqdm = None
+
+    for epoch in range(epoch0 + 1, args.epochs + 1):
+        order = epoch_order(data_rng, n, args.batch_size, args.max_steps_per_epoch).to(device)
+        steps = order.shape[0] // args.batch_size
+        bar = None
+        if tqdm is not None and not args.no_progress:
+            bar = tqdm(
+                total=steps,
+                desc=f"epoch {epoch}/{args.epochs}",
+                unit="step",
+                dynamic_ncols=True,
+                leave=False,
+            )
+        pending: list[StepMetrics] = []
+        synchronize(device)
+        t0 = time.perf_counter()
+        epoch_rows: list[dict] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            stacked = torch.stack(
+                [
+                    torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()])
+                    for m in pending
+                ]
+            ).cpu()
+            first = global_step - len(pending) + 1
+            for i, (loss, scale, skipped) in enumerate(stacked.tolist()):
+                row = {
+                    "step": first + i,
+                    "epoch": epoch,
+                    "loss": loss,
+                    "loss_scale": scale,
+                    "skipped": bool(skipped),
+                    "lr": lr,
+                }
+                epoch_rows.append(row)
+                metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if bar is not None:
+                seconds = time.perf_counter() - t0
+                done = len(epoch_rows)
+                bar.set_postfix(
+                    loss=f"{epoch_rows[-1]['loss']:.3f}",
+                    scale=f"{epoch_rows[-1]['loss_scale']:g}",
+                    img_s=f"{done * args.batch_size / max(seconds, 1e-9):.0f}",
+                )
+                bar.update(len(pending))
+            pending.clear()
+
+        for i in range(steps):
+            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            state, buffers, m = train_step(state, buffers, train_x[idx], train_y[idx])
+            global_step += 1
+            pending.append(m)
+            if len(pending) >= args.log_every:
+                flush()
+        flush()
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        images_per_s = steps * args.batch_size / seconds
+        epoch_speeds.append((steps * args.batch_size, seconds))
+        rows.extend(epoch_rows)
+
+        acc = evaluate(eval_step, state.params, buffers, test, args.eval_batch_size)
+        accuracies.append(acc)
+        mean_loss = sum(r["loss"] for r in epoch_rows) / len(epoch_rows)
+        skipped = sum(r["skipped"] for r in epoch_rows)
+        print(
+            f"epoch {epoch}/{args.epochs}: loss {mean_loss:.4f}, {label}test accuracy {acc:.2f} %, "
+            f"{images_per_s:.0f} images/s, loss scale {epoch_rows[-1]['loss_scale']:g}, "
+            f"{skipped} skipped steps",
+            flush=True,
+        )
+
+        tree = checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config)
+        ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+        prune_checkpoints(out_dir, args.keep_checkpoints, epoch)
+    metrics_file.close()
+
+    # Throughput over the epochs of this run; the first one includes warm-up
+    # (and compilation), so it is left out when there are others.
+    measured = epoch_speeds[1:] if len(epoch_speeds) > 1 else epoch_speeds
+    images = sum(k for k, _ in measured)
+    seconds = sum(s for _, s in measured)
+    return {
+        "state": state,
+        "buffers": buffers,
+        "accuracies": accuracies,
+        "rows": rows,
+        "images_per_s": images / seconds if seconds > 0 else float("nan"),
+        "global_step": global_step,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs the example; returns a summary dict (also written to ``summary.json``)."""
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    policy = resolve_policy(args, device)
+    loss_scale = resolve_loss_scale(args, policy)
+    try:
+        data = cifar10_data.load_data(
+            args.dataset,
+            args.data_dir,
+            download=args.download,
+            workers=args.workers,
+            cache=not args.no_cache,
+            cache_dir=args.cache_dir,
+            image_size=IMAGE_SIZE,
+            fake_train_size=args.fake_train_size,
+            fake_test_size=args.fake_test_size,
+        )
+    except cifar10_data.DataError as err:
+        raise SystemExit(f"error: {err}") from None
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = build_model(len(data.classes), args.seed)
+    state, buffers = build_state(model, policy, loss_scale, args, device)
+    n_params = sum(p.numel() for p in state.params.values())
+    kind = "SYNTHETIC data" if data.synthetic else data.source
+    print(
+        f"data: {kind}, {data.train.labels.shape[0]} train / {data.test.labels.shape[0]} test "
+        f"images, {len(data.classes)} classes",
+        flush=True,
+    )
+    print(
+        f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
+        f"{n_params} parameters, compile: {args.compile}",
+        flush=True,
+    )
+
+    train_step = make_train_step(model, policy)
+    eval_step = make_eval_step(model, policy)
+    if args.compile:
+        train_step = torch.compile(train_step, fullgraph=True)
+
+    config = run_config(args, policy, data)
+    data_rng = torch.Generator().manual_seed(args.seed)
+    start = {"epoch": 0, "global_step": 0, "accuracies": [], "data_rng": data_rng}
+    if args.resume:
+        ckpt = load_resume(args.resume, state, buffers, config)
+        state, buffers = ckpt["state"], ckpt["buffers"]
+        data_rng.set_state(ckpt["data_rng"])
+        start = {
+            "epoch": ckpt["epoch"],
+            "global_step": ckpt["global_step"],
+            "accuracies": ckpt["test_accuracy"].tolist(),
+            "data_rng": data_rng,
+        }
+        print(
+            f"resumed from {args.resume} after epoch {ckpt['epoch']} (step {ckpt['global_step']})",
+            flush=True,
+        )
+
+    result = fit(args, data, state, buffers, train_step, eval_step, device, policy, start)
+    accuracies = result["accuracies"]
+    final = accuracies[-1] if accuracies else float("nan")
+    n_test = data.test.labels.shape[0]
+    summary = {
+        "dataset": data.source,
+        "synthetic": data.synthetic,
+        "device": str(device),
+        "policy": str(policy),
+        "precision": args.precision,
+        "compile": args.compile,
+        "epochs": args.epochs,
+        "steps": result["global_step"],
+        "test_accuracy_per_epoch": accuracies,
+        "final_test_accuracy": final,
+        "train_images_per_s": result["images_per_s"],
+        "decode_seconds": data.decode_seconds,
+        "final_loss_scale": float(result["state"].loss_scale.loss_scale),
+        "skipped_steps": sum(1 for r in result["rows"] if r["skipped"]),
+    }
+    with open(out_dir / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    if not args.no_plot:
+        title = f"{'SYNTHETIC data' if data.synthetic else data.source}, {policy}, {device}"
+        plot_metrics(out_dir / "training.png", result["rows"], accuracies, title)
+    print(f"training throughput: {result['images_per_s']:.0f} images/s ({device}, {policy})")
+    images = f"{n_test} synthetic test images" if data.synthetic else f"{n_test} test images"
+    print(f"Accuracy of the network on the {images}: {int(final)} %", flush=True)
+    summary["state"] = result["state"]
+    summary["buffers"] = result["buffers"]
+    return summary
+
+
+if __name__ == "__main__":
+    main()

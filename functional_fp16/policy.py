@@ -1,0 +1,268 @@
+"""Mixed-precision policies: which dtype parameters, computation and outputs use.
+
+A :class:`Policy` names three dtypes, as in jmp:
+
+* ``param_dtype`` — the dtype the working copy of the parameters is stored in
+  (the ``param_dtype`` of :func:`~functional_fp16.fp16_init`);
+* ``compute_dtype`` — the dtype the forward and backward passes run in;
+* ``output_dtype`` — the dtype the model's outputs are returned in (usually
+  float32, so that the loss is computed in full precision).
+
+A policy only casts; it keeps no state. Casting a pytree changes floating-point
+tensor leaves only: integer and boolean tensors (labels, step counters) and
+non-tensor leaves pass through untouched. Because casting is differentiable,
+gradients flow back through a cast into the parameters' own dtype, so FP16
+parameters computed in FP32 still receive FP16 gradients, which is why such a
+policy still needs loss scaling (:func:`default_loss_scale`).
+
+Policies are written as strings too (:func:`get_policy`)::
+
+    get_policy("params=float16,compute=float16,output=float32")
+    get_policy("p=f16,c=bf16,o=f32")
+    get_policy("float32")            # one dtype for all three
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from functional_fp16._tree import PyTree, tree_map
+from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+
+__all__ = [
+    "Policy",
+    "get_policy",
+    "parse_dtype",
+    "cast_to",
+    "default_loss_scale",
+]
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "full": torch.float32,
+    "single": torch.float32,
+    "float64": torch.float64,
+    "f64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+_KEYS: dict[str, str] = {
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "p": "param_dtype",
+    "compute": "compute_dtype",
+    "c": "compute_dtype",
+    "output": "output_dtype",
+    "o": "output_dtype",
+}
+
+_SHORT_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The floating-point ``torch.dtype`` called ``name`` (``"f16"``, ``"bfloat16"``, ...).
+
+    Args:
+      name: one of ``float16/f16/fp16/half``, ``bfloat16/bf16``,
+        ``float32/f32/fp32/float/full/single``, ``float64/f64/fp64/double``;
+        case and surrounding spaces are ignored.
+
+    Returns:
+      The dtype.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"dtype name must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch.") :]
+    if key not in _DTYPE_NAMES:
+        raise ValueError(
+            f"unknown dtype name {name!r}; expected one of {', '.join(sorted(_DTYPE_NAMES))}"
+        )
+    return _DTYPE_NAMES[key]
+
+
+def _check_dtype(field: str, dtype: Any) -> torch.dtype:
+    if isinstance(dtype, str):
+        return parse_dtype(dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{field} must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def cast_to(dtype: torch.dtype, tree: PyTree) -> PyTree:
+    r"""Casts every floating-point tensor leaf of ``tree`` to ``dtype``.
+
+    .. math:: x \mapsto \operatorname{fl}_{dtype}(x) \text{ if } x \text{ is floating, else } x
+
+    Leaves already in ``dtype`` are returned as they are (no copy); integer,
+    boolean and complex tensors and non-tensor leaves are left alone. The cast
+    is differentiable, so gradients come back in each leaf's original dtype.
+
+    Args:
+      dtype: the target floating-point dtype.
+      tree: any pytree (``None`` is an empty subtree).
+
+    Returns:
+      A new tree of the same structure.
+    """
+    dtype = _check_dtype("dtype", dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of parameters, computation and outputs (see the module docstring).
+
+    Immutable and hashable. Each field accepts a floating-point ``torch.dtype``
+    or a dtype name (see :func:`parse_dtype`); names are converted on construction.
+    """
+
+    param_dtype: torch.dtype  # storage dtype of the working parameters (e.g. float16)
+    compute_dtype: torch.dtype  # dtype of the forward/backward computation
+    output_dtype: torch.dtype  # dtype of the model's outputs (e.g. float32)
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, _check_dtype(field, getattr(self, field)))
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """Casts the floating-point leaves of ``tree`` to ``param_dtype``."""
+        return cast_to(self.param_dtype, tree)
+
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
+        """Casts the floating-point leaves of ``tree`` to ``compute_dtype``."""
+        return cast_to(self.compute_dtype, tree)
+
+    def cast_to_output(self, tree: PyTree) -> PyTree:
+        """Casts the floating-point leaves of ``tree`` to ``output_dtype``."""
+        return cast_to(self.output_dtype, tree)
+
+    def with_param_dtype(self, dtype: torch.dtype) -> Policy:
+        """A copy with ``param_dtype`` replaced."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: torch.dtype) -> Policy:
+        """A copy with ``compute_dtype`` replaced."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: torch.dtype) -> Policy:
+        """A copy with ``output_dtype`` replaced."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    @property
+    def uses_float16(self) -> bool:
+        """Whether any of the three dtypes is float16 (so loss scaling is needed)."""
+        return torch.float16 in (self.param_dtype, self.compute_dtype, self.output_dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"params={_SHORT_NAMES.get(self.param_dtype, self.param_dtype)},"
+            f"compute={_SHORT_NAMES.get(self.compute_dtype, self.compute_dtype)},"
+            f"output={_SHORT_NAMES.get(self.output_dtype, self.output_dtype)}"
+        )
+
+
+def get_policy(spec: str) -> Policy:
+    """Parses a policy string.
+
+    Two forms are accepted:
+
+    * one dtype name, used for all three dtypes: ``"float32"``, ``"bf16"``;
+    * comma-separated ``key=dtype`` pairs with keys ``params``/``param``/``p``,
+      ``compute``/``c`` and ``output``/``o``, e.g.
+      ``"params=float16,compute=float16,output=float32"`` or ``"p=f16,c=bf16,o=f32"``.
+      A key left out defaults to ``float32``, as in jmp.
+
+    Dtype names are those of :func:`parse_dtype`. ``str(policy)`` gives back a
+    string this function parses to the same policy.
+
+    Args:
+      spec: the policy string.
+
+    Returns:
+      The :class:`Policy`.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"policy must be a str, got {type(spec).__name__}")
+    text = spec.strip()
+    if not text:
+        raise ValueError("policy string is empty; expected e.g. 'p=f16,c=f16,o=f32' or 'float32'")
+    if "=" not in text and "," not in text:
+        try:
+            dtype = parse_dtype(text)
+        except ValueError:
+            raise ValueError(
+                f"invalid policy {spec!r}: expected one dtype name or key=dtype pairs such as "
+                "'params=float16,compute=float16,output=float32'"
+            ) from None
+        return Policy(dtype, dtype, dtype)
+    fields: dict[str, torch.dtype] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if part.count("=") != 1:
+            raise ValueError(
+                f"invalid policy {spec!r}: {part!r} is not of the form key=dtype "
+                "(keys: params/p, compute/c, output/o)"
+            )
+        key, value = (s.strip() for s in part.split("="))
+        field = _KEYS.get(key.lower())
+        if field is None:
+            raise ValueError(
+                f"invalid policy {spec!r}: unknown key {key!r}; expected one of "
+                "params (p), compute (c), output (o)"
+            )
+        if field in fields:
+            raise ValueError(f"invalid policy {spec!r}: {field} is given more than once")
+        try:
+            fields[field] = parse_dtype(value)
+        except ValueError as err:
+            raise ValueError(f"invalid policy {spec!r}: {key}: {err}") from None
+    return Policy(
+        fields.get("param_dtype", torch.float32),
+        fields.get("compute_dtype", torch.float32),
+        fields.get("output_dtype", torch.float32),
+    )
+
+
+def default_loss_scale(policy: Policy) -> LossScale:
+    """The loss scale a policy needs by default.
+
+    A :class:`~functional_fp16.DynamicLossScale` (default configuration) when
+    any of the policy's dtypes is float16, since FP16 gradients underflow
+    without it; a :class:`~functional_fp16.NoOpLossScale` otherwise, since
+    bfloat16 has float32's exponent range and needs no scaling.
+
+    Args:
+      policy: the precision policy.
+
+    Returns:
+      A fresh loss scale on the CPU (``fp16_init`` moves it to the parameters' device).
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+    return DynamicLossScale() if policy.uses_float16 else NoOpLossScale()
