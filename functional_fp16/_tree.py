@@ -8,7 +8,8 @@ library goes through the helpers here so that the namespace is never forgotten.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -55,7 +56,9 @@ def describe_tensor(x: Any) -> str:
     """A short description used in error messages: dtype, shape and device."""
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
-    return f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple, dict)) else type(x).__name__
+    return (
+        f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple, dict)) else type(x).__name__
+    )
 
 
 def check_same_structure(

@@ -12,7 +12,8 @@ No function here modifies its arguments.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
 
@@ -49,7 +50,7 @@ def identity() -> GradientTransformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
         del params
         return updates, state
 
@@ -78,7 +79,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: PyTree, state: tuple[Any, ...], params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain state must be a tuple of {len(transforms)} inner states, "

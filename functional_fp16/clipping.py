@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -47,7 +46,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
         del params
         leaves, spec = tree_flatten(updates)
         if not leaves:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +28,9 @@ def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     return tree_map(lambda n, o: torch.where(flag, n, o), new, old)
 
 
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int
+) -> GradientTransformation:
     r"""Skips updates that contain inf or NaN (optax's ``apply_if_finite``).
 
     With :math:`n` the number of consecutive non-finite updates (this one
@@ -59,7 +61,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
             inner_state=inner.init(params),
         )
 
-    def update(updates: PyTree, state: ApplyIfFiniteState, params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: ApplyIfFiniteState, params: PyTree | None = None):
         finite = all_finite(updates).to(state.notfinite_count.device)
         bumped = torch.clamp(state.notfinite_count + 1, max=_INT32_MAX).to(torch.int32)
         notfinite_count = torch.where(finite, torch.zeros_like(bumped), bumped)

@@ -20,7 +20,7 @@ Three kinds exist:
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any
 
 import optree
 import torch
@@ -212,7 +212,7 @@ class DynamicLossScale:
         )
 
     @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "DynamicLossScale":
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> DynamicLossScale:
         obj = object.__new__(cls)
         (
             obj.growth_factor,
@@ -225,7 +225,7 @@ class DynamicLossScale:
         obj.loss_scale, obj.growth_count, obj.hysteresis_count = tensors
         return obj
 
-    def _replace(self, **tensors: torch.Tensor) -> "DynamicLossScale":
+    def _replace(self, **tensors: torch.Tensor) -> DynamicLossScale:
         current = {
             "loss_scale": self.loss_scale,
             "growth_count": self.growth_count,
@@ -237,7 +237,7 @@ class DynamicLossScale:
             (current["loss_scale"], current["growth_count"], current["hysteresis_count"]),
         )
 
-    def to(self, device: Union[torch.device, str]) -> "DynamicLossScale":
+    def to(self, device: torch.device | str) -> DynamicLossScale:
         """A copy whose tensors live on ``device``."""
         return self._replace(
             loss_scale=self.loss_scale.to(device),
@@ -269,7 +269,7 @@ class DynamicLossScale:
         """
         return _unscale_tree(tree, self.loss_scale)
 
-    def adjust(self, grads_finite: torch.Tensor) -> "DynamicLossScale":
+    def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
         """The next loss scale given whether this step's gradients were finite."""
         finite = _as_flag(grads_finite, self.loss_scale.device)
         scale = self.loss_scale
@@ -320,12 +320,12 @@ class StaticLossScale:
         return ()
 
     @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "StaticLossScale":
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> StaticLossScale:
         obj = object.__new__(cls)
         (obj.loss_scale,) = tensors
         return obj
 
-    def to(self, device: Union[torch.device, str]) -> "StaticLossScale":
+    def to(self, device: torch.device | str) -> StaticLossScale:
         """A copy whose tensor lives on ``device``."""
         return self._from_parts((), (self.loss_scale.to(device),))
 
@@ -340,7 +340,7 @@ class StaticLossScale:
         r""":math:`\operatorname{fl}_{32}(g) \cdot s^{-1}` (see :func:`unscale_factor`)."""
         return _unscale_tree(tree, self.loss_scale)
 
-    def adjust(self, grads_finite: torch.Tensor) -> "StaticLossScale":
+    def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Returns ``self``: a static scale never changes."""
         _as_flag(grads_finite, self.loss_scale.device)
         return self
@@ -359,12 +359,12 @@ class NoOpLossScale:
         return ()
 
     @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> "NoOpLossScale":
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> NoOpLossScale:
         obj = object.__new__(cls)
         (obj.loss_scale,) = tensors
         return obj
 
-    def to(self, device: Union[torch.device, str]) -> "NoOpLossScale":
+    def to(self, device: torch.device | str) -> NoOpLossScale:
         """A copy whose tensor lives on ``device``."""
         return self._from_parts((), (self.loss_scale.to(device),))
 
@@ -379,13 +379,13 @@ class NoOpLossScale:
         """Casts every leaf to float32; values are unchanged."""
         return tree_map(lambda g: g.float(), tree)
 
-    def adjust(self, grads_finite: torch.Tensor) -> "NoOpLossScale":
+    def adjust(self, grads_finite: torch.Tensor) -> NoOpLossScale:
         """Returns ``self``."""
         _as_flag(grads_finite, self.loss_scale.device)
         return self
 
 
-LossScale = Union[DynamicLossScale, StaticLossScale, NoOpLossScale]
+LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
 
 
 def _as_flag(grads_finite: Any, device: torch.device) -> torch.Tensor:

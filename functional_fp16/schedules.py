@@ -9,7 +9,7 @@ synchronises with the host and traces under ``torch.compile``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,10 +23,10 @@ __all__ = [
 ]
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
-ScalarOrSchedule = Union[float, Schedule]
+ScalarOrSchedule = float | Schedule
 
 
-def _as_step(step: Union[int, torch.Tensor]) -> torch.Tensor:
+def _as_step(step: int | torch.Tensor) -> torch.Tensor:
     if isinstance(step, torch.Tensor):
         return step.double()
     return torch.tensor(float(step), dtype=torch.float64)
@@ -57,7 +57,7 @@ def constant_schedule(value: float) -> Schedule:
     """
     value = _check_value("value", value)
 
-    def schedule(step: Union[int, torch.Tensor]) -> torch.Tensor:
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
         return torch.full_like(_as_step(step), value).float()
 
     return schedule
@@ -81,7 +81,7 @@ def linear_schedule(
     steps = _check_steps("transition_steps", transition_steps)
     begin = _check_steps("transition_begin", transition_begin, minimum=0)
 
-    def schedule(step: Union[int, torch.Tensor]) -> torch.Tensor:
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
         return (v0 + (v1 - v0) * (t / steps)).float()
 
@@ -110,7 +110,7 @@ def cosine_decay_schedule(
     if exponent == 0.0:
         raise ValueError("exponent must be > 0")
 
-    def schedule(step: Union[int, torch.Tensor]) -> torch.Tensor:
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_step(step), min=0.0, max=float(steps))
         cosine = 0.5 * (1.0 + torch.cos(math.pi * t / steps))
         return (v0 * ((1.0 - alpha) * cosine**exponent + alpha)).float()
@@ -138,7 +138,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     if any(b1 <= b0 for b0, b1 in zip(boundaries, boundaries[1:])):
         raise ValueError(f"boundaries must be strictly increasing, got {boundaries}")
 
-    def schedule(step: Union[int, torch.Tensor]) -> torch.Tensor:
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = step if isinstance(step, torch.Tensor) else torch.tensor(step)
         value = schedules[0](t)
         for b, s in zip(boundaries, schedules[1:]):

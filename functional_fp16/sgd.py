@@ -12,11 +12,17 @@ which is ``torch.optim.SGD``'s update rule written as composable pieces.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_map, tree_unflatten
+from functional_fp16._tree import (
+    PyTree,
+    check_same_structure,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from functional_fp16.base import EmptyState, GradientTransformation, chain
 from functional_fp16.schedules import Schedule
 
@@ -43,7 +49,7 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor  # 0-d int32: number of updates applied so far
 
 
-def _check_hyper(name: str, value: float, *, upper: Optional[float] = None) -> float:
+def _check_hyper(name: str, value: float, *, upper: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -88,10 +94,12 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
             initialized=torch.tensor(False, device=device),
         )
 
-    def update(updates: PyTree, state: TraceState, params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: TraceState, params: PyTree | None = None):
         del params
         g_leaves, spec = tree_flatten(updates)
-        b_leaves = check_same_structure(updates, state.trace, name="trace", reference_name="updates")
+        b_leaves = check_same_structure(
+            updates, state.trace, name="trace", reference_name="updates"
+        )
         if not g_leaves:
             return updates, state
         like = g_leaves[0]
@@ -117,7 +125,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
 
 
 def scale_by_learning_rate(
-    learning_rate: Union[float, Schedule], *, flip_sign: bool = True
+    learning_rate: float | Schedule, *, flip_sign: bool = True
 ) -> GradientTransformation:
     r"""Multiplies updates by :math:`-\eta` (or :math:`+\eta` with ``flip_sign=False``).
 
@@ -139,7 +147,7 @@ def scale_by_learning_rate(
             device = leaves[0].device if leaves else None
             return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int32, device=device))
 
-        def update(updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None):
+        def update(updates: PyTree, state: ScaleByScheduleState, params: PyTree | None = None):
             del params
             lr = schedule(state.count).to(torch.float32) * sign
             new = tree_map(lambda u: u * lr.to(u.dtype), updates)
@@ -154,7 +162,7 @@ def scale_by_learning_rate(
         del params
         return EmptyState()
 
-    def update_const(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+    def update_const(updates: PyTree, state: EmptyState, params: PyTree | None = None):
         del params
         return tree_map(lambda u: u * (sign * lr), updates), state
 
@@ -178,7 +186,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None):
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
         if params is None:
             raise ValueError("add_decayed_weights needs params; pass params= to update")
         u_leaves, spec = tree_flatten(updates)
@@ -190,7 +198,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 
 
 def sgd(
-    learning_rate: Union[float, Schedule],
+    learning_rate: float | Schedule,
     momentum: float = 0.0,
     nesterov: bool = False,
     dampening: float = 0.0,

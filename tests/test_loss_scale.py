@@ -70,7 +70,15 @@ def _make(cfg):
         max_scale=hi,
         hysteresis=cfg["hysteresis"],
     )
-    model = ScaleModel(init, cfg["growth_factor"], cfg["backoff_factor"], cfg["growth_interval"], lo, hi, cfg["hysteresis"])
+    model = ScaleModel(
+        init,
+        cfg["growth_factor"],
+        cfg["backoff_factor"],
+        cfg["growth_interval"],
+        lo,
+        hi,
+        cfg["hysteresis"],
+    )
     return ff.DynamicLossScale(**kwargs), model
 
 
@@ -185,7 +193,14 @@ def test_trajectory_bitwise_equal_to_torch_amp_update_scale(interval):
 
 def test_odd_factors_round_like_torch():
     """Products are formed in float64 and rounded once, like PyTorch's kernel."""
-    ls = ff.DynamicLossScale(init_scale=3.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=1, min_scale=1e-30, max_scale=math.inf)
+    ls = ff.DynamicLossScale(
+        init_scale=3.0,
+        growth_factor=1.1,
+        backoff_factor=0.3,
+        growth_interval=1,
+        min_scale=1e-30,
+        max_scale=math.inf,
+    )
     scale = torch.tensor(3.0)
     tracker = torch.tensor(0, dtype=torch.int32)
     for f in [True] * 7 + [False] * 5 + [True] * 3:
@@ -233,7 +248,18 @@ def test_static_and_noop_scales():
 @pytest.mark.parametrize(
     "cls, kwargs",
     [
-        (ff.DynamicLossScale, dict(init_scale=8.0, growth_interval=7, min_scale=0.5, max_scale=1024.0, hysteresis=2, growth_factor=3.0, backoff_factor=0.25)),
+        (
+            ff.DynamicLossScale,
+            dict(
+                init_scale=8.0,
+                growth_interval=7,
+                min_scale=0.5,
+                max_scale=1024.0,
+                hysteresis=2,
+                growth_factor=3.0,
+                backoff_factor=0.25,
+            ),
+        ),
         (ff.StaticLossScale, dict(scale=32.0)),
         (ff.NoOpLossScale, {}),
     ],
@@ -256,7 +282,10 @@ def test_state_survives_flatten_unflatten_and_compile(cls, kwargs):
         eager = eager.adjust(torch.tensor(f))
         ls = compiled(ls, torch.tensor(f))
         assert ls.config() == eager.config()
-        for a, b in zip(optree.tree_leaves(ls, namespace=ff.NAMESPACE), optree.tree_leaves(eager, namespace=ff.NAMESPACE)):
+        for a, b in zip(
+            optree.tree_leaves(ls, namespace=ff.NAMESPACE),
+            optree.tree_leaves(eager, namespace=ff.NAMESPACE),
+        ):
             assert torch.equal(a, b)
 
 
@@ -293,7 +322,11 @@ def test_bad_static_scale_is_rejected(bad):
 
 @pytest.mark.parametrize(
     "flag, match",
-    [(True, "0-d bool tensor"), (torch.tensor([True]), "0-d bool"), (torch.tensor(1.0), "0-d bool")],
+    [
+        (True, "0-d bool tensor"),
+        (torch.tensor([True]), "0-d bool"),
+        (torch.tensor(1.0), "0-d bool"),
+    ],
 )
 def test_adjust_rejects_non_flags(flag, match):
     ls = ff.DynamicLossScale()

@@ -46,7 +46,11 @@ def test_fp16_update_matches_jmp_and_optax_sgd(nesterov):
     """The JAX recipe: jmp.DynamicLossScale + optax.sgd + jmp.select_tree."""
     lr, momentum, period, steps = 0.01, 0.9, 3, 30
     params = random_tree(0)
-    state = ff.fp16_init(params, ff.sgd(lr, momentum=momentum, nesterov=nesterov), ff.DynamicLossScale(init_scale=2.0**10, growth_interval=period, max_scale=math.inf))
+    state = ff.fp16_init(
+        params,
+        ff.sgd(lr, momentum=momentum, nesterov=nesterov),
+        ff.DynamicLossScale(init_scale=2.0**10, growth_interval=period, max_scale=math.inf),
+    )
 
     tx = optax.sgd(lr, momentum=momentum, nesterov=nesterov)
     j_master = to_jax(state.master)
@@ -67,7 +71,11 @@ def test_fp16_update_matches_jmp_and_optax_sgd(nesterov):
     worst = 0.0
     skipped = 0
     for step in range(steps):
-        inject = (int(rng.integers(0, 9)), [math.inf, math.nan][step % 2]) if rng.random() < 0.2 else None
+        inject = (
+            (int(rng.integers(0, 9)), [math.inf, math.nan][step % 2])
+            if rng.random() < 0.2
+            else None
+        )
         grads = grads16(state, step, inject)
         j_master, j_opt, j_scale, j_finite = j_step(j_master, j_opt, j_scale, to_jax(grads))
         state = ff.fp16_update(state, grads)
@@ -92,12 +100,17 @@ def test_apply_if_finite_matches_optax():
     j_params = {k: jnp.asarray(v.numpy()) for k, v in params.items()}
     theirs = their_tx.init(j_params)
     rng = np.random.default_rng(1)
-    for step in range(40):
-        g = {"w": torch.from_numpy(rng.standard_normal(5).astype(np.float32)), "b": torch.tensor(float(rng.standard_normal()))}
+    for _step in range(40):
+        g = {
+            "w": torch.from_numpy(rng.standard_normal(5).astype(np.float32)),
+            "b": torch.tensor(float(rng.standard_normal())),
+        }
         if rng.random() < 0.4:
             g["w"][int(rng.integers(0, 5))] = math.nan
         u, ours = ours_tx.update(g, ours, params)
-        ju, theirs = their_tx.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, theirs, j_params)
+        ju, theirs = their_tx.update(
+            {k: jnp.asarray(v.numpy()) for k, v in g.items()}, theirs, j_params
+        )
         assert int(ours.notfinite_count) == int(theirs.notfinite_count)
         assert int(ours.total_notfinite) == int(theirs.total_notfinite)
         assert bool(ours.last_finite) == bool(theirs.last_finite)
@@ -121,9 +134,18 @@ def test_clip_by_global_norm_matches_optax():
 @pytest.mark.parametrize(
     "ours, theirs",
     [
-        (ff.cosine_decay_schedule(0.1, 100, alpha=0.05), optax.cosine_decay_schedule(0.1, 100, alpha=0.05)),
-        (ff.linear_schedule(0.0, 0.3, 20, transition_begin=5), optax.linear_schedule(0.0, 0.3, 20, transition_begin=5)),
-        (ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001), optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001)),
+        (
+            ff.cosine_decay_schedule(0.1, 100, alpha=0.05),
+            optax.cosine_decay_schedule(0.1, 100, alpha=0.05),
+        ),
+        (
+            ff.linear_schedule(0.0, 0.3, 20, transition_begin=5),
+            optax.linear_schedule(0.0, 0.3, 20, transition_begin=5),
+        ),
+        (
+            ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001),
+            optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001),
+        ),
     ],
     ids=["cosine", "linear", "warmup_cosine"],
 )

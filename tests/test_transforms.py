@@ -19,7 +19,9 @@ def leaves(tree):
 
 def grads_sequence(params, steps=STEPS, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params) for _ in range(steps)]
+    return [
+        optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params) for _ in range(steps)
+    ]
 
 
 def run_tx(tx, params, grads_seq):
@@ -40,7 +42,9 @@ SGD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "cfg", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
 def test_sgd_matches_torch_optim_sgd(cfg):
     params = random_tree(0)
     grads_seq = grads_sequence(params)

@@ -42,7 +42,11 @@ def assert_leaves_equal(tree, snap):
     assert len(now) == len(snap)
     for a, b in zip(now, snap):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert (
+            torch.equal(a, b)
+            or (a.isnan() == b.isnan()).all()
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
 
 
 def fp16_grads(params16, seed, scale=1.0, inject=None):
@@ -71,12 +75,16 @@ SGD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "cfg", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
 @pytest.mark.parametrize("interval", [1, 3])
 def test_matches_gradscaler_and_torch_sgd(impl, cfg, interval):
     lr, steps = 0.01, 40
     params = random_tree(0)
-    ls = ff.DynamicLossScale(init_scale=2.0**12, growth_interval=interval, min_scale=2.0**-60, max_scale=math.inf)
+    ls = ff.DynamicLossScale(
+        init_scale=2.0**12, growth_interval=interval, min_scale=2.0**-60, max_scale=math.inf
+    )
     state = ff.fp16_init(params, ff.sgd(lr, **cfg), ls)
 
     # PyTorch's AMP recipe on FP32 copies of the same master weights.
@@ -93,7 +101,9 @@ def test_matches_gradscaler_and_torch_sgd(impl, cfg, interval):
         if torch.rand((), generator=g) < 0.25:
             leaf = int(torch.randint(len(flat), (), generator=g))
             inject = (leaf, [math.inf, -math.inf, math.nan][step % 3])
-        grads = fp16_grads(state.params, seed=step, scale=float(state.loss_scale.loss_scale) * 1e-3, inject=inject)
+        grads = fp16_grads(
+            state.params, seed=step, scale=float(state.loss_scale.loss_scale) * 1e-3, inject=inject
+        )
 
         for p, gr in zip(flat, leaves(grads)):
             p.grad = gr.float()
@@ -134,7 +144,10 @@ def test_matches_gradscaler_and_torch_sgd(impl, cfg, interval):
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_skipped_step_is_a_bitwise_noop(impl, donate, value):
     params = random_tree(1)
-    tx = ff.chain(ff.clip_by_global_norm(5.0), ff.sgd(ff.cosine_decay_schedule(0.1, 50), momentum=0.9, weight_decay=1e-4))
+    tx = ff.chain(
+        ff.clip_by_global_norm(5.0),
+        ff.sgd(ff.cosine_decay_schedule(0.1, 50), momentum=0.9, weight_decay=1e-4),
+    )
     state = ff.fp16_init(params, tx)
     for s in range(3):
         state = update(state, fp16_grads(state.params, seed=s, scale=100.0), impl)
@@ -197,7 +210,9 @@ def test_clipping_and_weight_decay_see_unscaled_fp32(impl):
     n = 64
     params = {"w": torch.linspace(-1, 1, n)}
     scale = 2.0**16
-    tx = ff.chain(ff.add_decayed_weights(0.5), ff.clip_by_global_norm(0.1), ff.scale_by_learning_rate(1.0))
+    tx = ff.chain(
+        ff.add_decayed_weights(0.5), ff.clip_by_global_norm(0.1), ff.scale_by_learning_rate(1.0)
+    )
     state = ff.fp16_init(params, tx, ff.StaticLossScale(scale))
     # Scaled FP16 grads of 1000: squaring them in FP16 would overflow (> 65504).
     grads = {"w": torch.full((n,), 1000.0, dtype=torch.float16)}
@@ -208,7 +223,9 @@ def test_clipping_and_weight_decay_see_unscaled_fp32(impl):
     g = g * min(1.0, 0.1 / float(g.norm()))
     expected = (m - g).float()
     torch.testing.assert_close(new.master["w"], expected, rtol=2e-6, atol=2e-7)
-    assert float((new.master["w"] - state.master["w"]).double().norm()) == pytest.approx(0.1, rel=1e-5)
+    assert float((new.master["w"] - state.master["w"]).double().norm()) == pytest.approx(
+        0.1, rel=1e-5
+    )
 
 
 def test_params_are_round_to_nearest_of_master(impl):
@@ -234,7 +251,17 @@ def test_inputs_are_never_modified(impl):
         state = new
 
 
-_SYNC_METHODS = ["item", "tolist", "__bool__", "cpu", "numpy", "__int__", "__float__", "__index__", "__len__"]
+_SYNC_METHODS = [
+    "item",
+    "tolist",
+    "__bool__",
+    "cpu",
+    "numpy",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__len__",
+]
 
 
 @contextlib.contextmanager
@@ -266,7 +293,10 @@ def test_forbid_host_sync_catches_a_sync():
     "tx",
     [
         ff.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(ff.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10), momentum=0.9, dampening=0.1)),
+        ff.chain(
+            ff.clip_by_global_norm(1.0),
+            ff.sgd(ff.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10), momentum=0.9, dampening=0.1),
+        ),
         ff.apply_if_finite(ff.sgd(0.1, momentum=0.9), 3),
     ],
     ids=["sgd", "clip+schedule", "apply_if_finite"],
@@ -274,7 +304,9 @@ def test_forbid_host_sync_catches_a_sync():
 def test_update_never_synchronises_with_the_host(impl, donate, tx):
     ls = ff.DynamicLossScale(growth_interval=2, hysteresis=2)
     state = ff.fp16_init(random_tree(4), tx, ls)
-    grads = [fp16_grads(state.params, seed=s, inject=(1, math.nan) if s == 1 else None) for s in range(4)]
+    grads = [
+        fp16_grads(state.params, seed=s, inject=(1, math.nan) if s == 1 else None) for s in range(4)
+    ]
     with forbid_host_sync():
         for g in grads:
             state = update(state, g, impl, donate=donate, loss=torch.tensor(0.5))
@@ -318,9 +350,21 @@ def test_state_flattens_to_tensors_and_rebuilds_with_its_tx():
     "make_grads, error, match",
     [
         (lambda p: {k: v for k, v in p.items() if k != "scalar"}, ValueError, "tree structure"),
-        (lambda p: {**p, "scalar": p["scalar"].reshape(1)}, ValueError, r"grads\['scalar'\]: shape \(1,\)"),
-        (lambda p: {**p, "vecs": (p["vecs"][0].float(),) + p["vecs"][1:]}, TypeError, r"grads\['vecs'\]\[0\]: dtype torch.float32"),
-        (lambda p: {**p, "block": p["block"]._replace(bias=p["block"].bias.to("meta"))}, ValueError, r"grads\['block'\]\.bias: device meta"),
+        (
+            lambda p: {**p, "scalar": p["scalar"].reshape(1)},
+            ValueError,
+            r"grads\['scalar'\]: shape \(1,\)",
+        ),
+        (
+            lambda p: {**p, "vecs": (p["vecs"][0].float(),) + p["vecs"][1:]},
+            TypeError,
+            r"grads\['vecs'\]\[0\]: dtype torch.float32",
+        ),
+        (
+            lambda p: {**p, "block": p["block"]._replace(bias=p["block"].bias.to("meta"))},
+            ValueError,
+            r"grads\['block'\]\.bias: device meta",
+        ),
         (lambda p: {**p, "scalar": 1.0}, TypeError, r"grads\['scalar'\]: expected a tensor"),
         (lambda p: [p], ValueError, "tree structure"),
     ],
@@ -351,9 +395,17 @@ def test_bad_update_arguments():
     "params, error, match",
     [
         ({}, ValueError, "empty"),
-        ({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64)}, TypeError, r"params\['b'\]: expected a floating-point tensor"),
+        (
+            {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64)},
+            TypeError,
+            r"params\['b'\]: expected a floating-point tensor",
+        ),
         ({"a": torch.zeros(2), "b": [1.0]}, TypeError, r"params\['b'\]\[0\]"),
-        ({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}, ValueError, r"params\['b'\]: on meta"),
+        (
+            {"a": torch.zeros(2), "b": torch.zeros(2, device="meta")},
+            ValueError,
+            r"params\['b'\]: on meta",
+        ),
     ],
     ids=["empty", "int", "float", "two-devices"],
 )
