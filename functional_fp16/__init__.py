@@ -36,6 +36,7 @@ from functional_fp16.sgd import (
     sgd,
     trace,
 )
+from functional_fp16.stuck_scale import StuckScaleError, StuckScaleMonitor, StuckScaleState
 from functional_fp16.update import FP16State, fp16_init, fp16_update
 
 __version__ = "0.1.0"
@@ -91,4 +92,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    # stuck-scale detection
+    "StuckScaleMonitor",
+    "StuckScaleState",
+    "StuckScaleError",
 ]
