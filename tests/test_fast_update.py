@@ -1,0 +1,287 @@
+"""The multi-tensor fast path (``impl="foreach"``) against the reference implementation.
+
+The fast path performs the reference's floating-point operations in the same
+order, so on the CPU every leaf of every state must be bitwise equal, step
+after step, for every transform chain, with and without donation, through
+overflows and skipped steps.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functional_fp16 as ff
+from functional_fp16 import fast_update
+from functional_fp16._tree import tree_flatten, tree_leaves, tree_map
+from tests.helpers import SIZES, random_tree
+
+STEPS = 6
+
+
+def _txs():
+    sched = ff.linear_schedule(0.1, 0.01, transition_steps=4)
+    return {
+        "sgd": ff.sgd(0.1),
+        "momentum": ff.sgd(0.05, momentum=0.9),
+        "nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True),
+        "dampening": ff.sgd(0.05, momentum=0.8, dampening=0.3),
+        "wd": ff.sgd(0.05, momentum=0.9, weight_decay=1e-2),
+        "wd_nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        "schedule": ff.sgd(sched, momentum=0.9),
+        "schedule_wd_no_momentum": ff.sgd(sched, weight_decay=1e-3),
+        "wd_zero_kept": ff.chain(
+            ff.add_decayed_weights(0.0), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
+        ),
+        "zero_momentum_trace": ff.chain(ff.trace(0.0), ff.scale_by_learning_rate(0.1)),
+        "clip": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.05, momentum=0.9)),
+        "clip_trace": ff.chain(
+            ff.clip_by_global_norm(0.5), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
+        ),
+        "apply_if_finite": ff.apply_if_finite(ff.sgd(0.05, momentum=0.9), 2),
+        "identity": ff.identity(),
+        "ascent": ff.chain(ff.trace(0.9), ff.scale_by_learning_rate(0.1, flip_sign=False)),
+    }
+
+
+TX_NAMES = sorted(_txs())
+
+
+def _grads(state, step, seed, scale=2.0**10, bad=None):
+    """Scaled FP16 gradients like a backward pass would produce; ``bad`` injects a value."""
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    out = tree_map(lambda p: (torch.randn(p.shape, generator=g) * scale).to(p.dtype), state.params)
+    if bad is not None:
+        leaves, spec = tree_flatten(out)
+        leaf = leaves[(step + seed) % len(leaves)]
+        leaf.view(-1)[step % leaf.numel()] = bad
+    return out
+
+
+def _bits(x):
+    return x.reshape(-1).view(torch.uint8)
+
+
+def _assert_states_bitwise_equal(a, b):
+    la, lb = tree_leaves(a), tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(_bits(x), _bits(y)), (x, y)
+
+
+def _run(tx, impl, donate, seed=0, bad_steps=(), scale=2.0**10, loss_scale=None, dtype=None):
+    params = random_tree(seed, scale=0.5)
+    kwargs = {} if dtype is None else {"param_dtype": dtype}
+    state = ff.fp16_init(params, tx, loss_scale, **kwargs)
+    states = []
+    for step in range(STEPS):
+        bad = math.inf if step in bad_steps else None
+        if step in bad_steps and step % 2:
+            bad = math.nan
+        grads = _grads(state, step, seed, scale=scale, bad=bad)
+        state = ff.fp16_update(state, grads, impl=impl, donate=donate)
+        # Snapshot: a donated state is overwritten by the next step.
+        states.append(tree_map(lambda x: x.clone(), state))
+    return states
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", TX_NAMES)
+def test_bitwise_equal_to_reference(name, donate):
+    tx = _txs()[name]
+    ref = _run(tx, "reference", False, bad_steps=(0, 3))
+    fast = _run(tx, "foreach", donate, bad_steps=(0, 3))
+    for r, f in zip(ref, fast):
+        _assert_states_bitwise_equal(r, f)
+    assert not bool(ref[0].grads_finite) and bool(ref[1].grads_finite)
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    [
+        lambda: ff.DynamicLossScale(2.0**10, growth_interval=2),
+        lambda: ff.StaticLossScale(3.0),
+        lambda: ff.NoOpLossScale(),
+    ],
+    ids=["dynamic", "static", "noop"],
+)
+@pytest.mark.parametrize("donate", [False, True])
+def test_bitwise_equal_for_every_loss_scale(loss_scale, donate):
+    tx = ff.sgd(0.05, momentum=0.9, weight_decay=1e-3)
+    ref = _run(tx, "reference", False, bad_steps=(2,), loss_scale=loss_scale())
+    fast = _run(tx, "foreach", donate, bad_steps=(2,), loss_scale=loss_scale())
+    for r, f in zip(ref, fast):
+        _assert_states_bitwise_equal(r, f)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("donate", [False, True])
+def test_bitwise_equal_for_other_param_dtypes(dtype, donate):
+    tx = ff.sgd(0.05, momentum=0.9)
+    ref = _run(tx, "reference", False, bad_steps=(1,), dtype=dtype, scale=1.0)
+    fast = _run(tx, "foreach", donate, bad_steps=(1,), dtype=dtype, scale=1.0)
+    for r, f in zip(ref, fast):
+        _assert_states_bitwise_equal(r, f)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    name=st.sampled_from(TX_NAMES),
+    bad=st.sets(st.integers(0, STEPS - 1), max_size=3),
+    scale=st.sampled_from([1.0, 2.0**10, 2.0**15]),
+    donate=st.booleans(),
+)
+def test_bitwise_equal_random(seed, name, bad, scale, donate):
+    tx = _txs()[name]
+    ref = _run(tx, "reference", False, seed=seed, bad_steps=bad, scale=scale)
+    fast = _run(tx, "foreach", donate, seed=seed, bad_steps=bad, scale=scale)
+    for r, f in zip(ref, fast):
+        _assert_states_bitwise_equal(r, f)
+
+
+@pytest.mark.parametrize("name", TX_NAMES)
+def test_pure_mode_modifies_no_input(name):
+    tx = _txs()[name]
+    state = ff.fp16_init(random_tree(3), tx)
+    state = ff.fp16_update(state, _grads(state, 0, 3), impl="foreach")
+    grads = _grads(state, 1, 3)
+    before = [x.clone() for x in tree_leaves((state, grads))]
+    versions = [x._version for x in tree_leaves((state, grads))]
+    new = ff.fp16_update(state, grads, impl="foreach")
+    after = tree_leaves((state, grads))
+    for b, a in zip(before, after):
+        assert torch.equal(_bits(b), _bits(a))
+    assert versions == [x._version for x in after]
+    # And no output aliases an input tensor's memory (except 0-d state passed through).
+    inputs = {x.data_ptr() for x in after if x.numel() > 1}
+    for x in tree_leaves(new.master) + tree_leaves(new.params):
+        if x.numel() > 1:
+            assert x.data_ptr() not in inputs
+
+
+def test_donation_writes_into_the_old_buffers():
+    state = ff.fp16_init(random_tree(1), ff.sgd(0.05, momentum=0.9))
+    state = ff.fp16_update(state, _grads(state, 0, 1), impl="foreach")
+    old_ptrs = [x.data_ptr() for x in tree_leaves((state.master, state.params, state.opt_state))]
+    new = ff.fp16_update(state, _grads(state, 1, 1), impl="foreach", donate=True)
+    new_ptrs = [x.data_ptr() for x in tree_leaves((new.master, new.params, new.opt_state))]
+    sizes = [x.numel() for x in tree_leaves((new.master, new.params, new.opt_state))]
+    # master, FP16 params and momentum buffers are reused (0-d flags may be new).
+    reused = [o == n for o, n, s in zip(old_ptrs, new_ptrs, sizes) if s > 1]
+    assert reused and all(reused)
+
+
+def test_donated_skip_leaves_the_buffers_bitwise_unchanged():
+    state = ff.fp16_init(random_tree(2), ff.sgd(0.05, momentum=0.9, weight_decay=0.1))
+    state = ff.fp16_update(state, _grads(state, 0, 2), impl="foreach")
+    snapshot = [x.clone() for x in tree_leaves((state.master, state.params, state.opt_state))]
+    new = ff.fp16_update(state, _grads(state, 1, 2, bad=math.nan), impl="foreach", donate=True)
+    assert not bool(new.grads_finite)
+    for s, x in zip(snapshot, tree_leaves((new.master, new.params, new.opt_state))):
+        assert torch.equal(_bits(s), _bits(x))
+
+
+def test_negative_zero_survives_a_skipped_step():
+    params = {"w": torch.tensor([-0.0, 0.0, 1.0, -2.0])}
+    for impl in ("reference", "foreach"):
+        for donate in (False, True):
+            state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+            grads = {"w": torch.tensor([-0.0, math.inf, 0.0, 1.0], dtype=torch.float16)}
+            new = ff.fp16_update(state, grads, impl=impl, donate=donate)
+            assert torch.signbit(new.master["w"][0]) and torch.signbit(new.params["w"][0])
+
+
+# -- grads_finite ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("value", [None, math.inf, -math.inf, math.nan])
+def test_grads_finite_matches_isfinite(dtype, n, value):
+    g = [torch.randn(n).to(dtype), torch.randn(()).to(dtype), torch.empty(0, dtype=dtype)]
+    if value is not None:
+        g[0][n // 2] = value
+    inv = torch.tensor(1 / 1024.0)
+    expected = all(bool(torch.isfinite(x.float() * inv).all()) for x in g)
+    assert bool(fast_update.grads_finite(g, inv)) == expected
+    assert bool(fast_update.grads_finite(g, None)) == (value is None)
+
+
+def test_grads_finite_does_not_overflow_like_a_sum():
+    # Finite FP32/BF16 values whose sum overflows are still finite.
+    for dtype in (torch.float32, torch.bfloat16):
+        g = [torch.full((8,), 3e38).to(dtype)]
+        assert bool(fast_update.grads_finite(g, torch.tensor(1.0)))
+
+
+def test_grads_finite_sees_overflow_caused_by_unscaling():
+    inv = ff.unscale_factor(torch.tensor(2.0**-120))  # a tiny scale: inv = 2**120
+    g = [torch.tensor([2.0**10, 1.0], dtype=torch.float16)]
+    assert not bool(torch.isfinite(g[0].float() * inv).all())
+    assert not bool(fast_update.grads_finite(g, inv))
+    assert bool(fast_update.grads_finite([torch.tensor([1.0], dtype=torch.float16)], inv))
+
+
+def test_grads_finite_of_nothing_is_true():
+    assert bool(fast_update.grads_finite([], None))
+    assert bool(fast_update.grads_finite([torch.empty(0)], torch.tensor(2.0)))
+
+
+# -- recognising the SGD chain -----------------------------------------------
+
+
+def test_sgd_config_reads_the_hyperparameters():
+    cfg = fast_update.sgd_config(ff.sgd(0.25, momentum=0.5, nesterov=True, weight_decay=0.125))
+    assert cfg is not None
+    assert (cfg.weight_decay, cfg.momentum, cfg.nesterov, cfg.dampening) == (0.125, 0.5, True, 0.0)
+    assert (cfg.lr, cfg.sign, cfg.schedule, cfg.trace_index, cfg.lr_index) == (
+        0.25,
+        -1.0,
+        None,
+        1,
+        2,
+    )
+    plain = fast_update.sgd_config(ff.sgd(0.1))
+    assert plain.weight_decay is None and plain.trace_index is None and plain.lr_index == 0
+    sched = ff.constant_schedule(0.1)
+    assert fast_update.sgd_config(ff.sgd(sched, momentum=0.9)).schedule is sched
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ff.identity(),
+        ff.chain(ff.scale_by_learning_rate(0.1), ff.trace(0.9)),  # wrong order
+        ff.chain(ff.trace(0.9), ff.add_decayed_weights(0.1), ff.scale_by_learning_rate(0.1)),
+        ff.chain(ff.sgd(0.1, momentum=0.9)),  # nested chain
+        ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1)),
+        ff.chain(ff.trace(0.9)),  # no learning rate
+        ff.apply_if_finite(ff.sgd(0.1), 1),
+        ff.GradientTransformation(ff.sgd(0.1).init, lambda u, s, p=None: (u, s)),
+    ],
+)
+def test_other_transforms_are_not_mistaken_for_sgd(tx):
+    assert fast_update.sgd_config(tx) is None
+
+
+def test_an_unexpected_state_falls_back_to_the_generic_path():
+    # A state whose structure does not fit the recognised chain is not fed to
+    # the specialised kernel; the generic path then reports the mismatch
+    # exactly as the reference does.
+    tx = ff.sgd(0.1, momentum=0.9)
+    state = ff.fp16_init(random_tree(0), tx)
+    bad = state.replace(opt_state=(ff.EmptyState(),))
+    for impl in ("reference", "foreach"):
+        with pytest.raises((ValueError, TypeError, AttributeError)):
+            ff.fp16_update(bad, _grads(state, 0, 0), impl=impl)
+
+
+def test_tune_malloc_is_an_explicit_opt_in():
+    with pytest.raises(ValueError):
+        fast_update.tune_malloc(0)
+    with pytest.raises(TypeError):
+        fast_update.tune_malloc(1.5)
+    assert fast_update.tune_malloc() in (True, False)
