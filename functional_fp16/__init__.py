@@ -12,6 +12,7 @@ from functional_fp16.checkpoint import (
 )
 from functional_fp16.clipping import clip_by_global_norm, global_norm
 from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
+from functional_fp16.distributed import agree_finite, all_reduce_mean, tree_all_reduce_mean
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -96,4 +97,8 @@ __all__ = [
     "StuckScaleMonitor",
     "StuckScaleState",
     "StuckScaleError",
+    # data parallelism (more in functional_fp16.distributed)
+    "all_reduce_mean",
+    "tree_all_reduce_mean",
+    "agree_finite",
 ]
