@@ -59,6 +59,7 @@ from functional_fp16._tree import (
     tree_unflatten,
 )
 from functional_fp16.base import EmptyState, GradientTransformation
+from functional_fp16.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -377,6 +378,9 @@ def all_reduce_mean(
     gradients, so the average is formed in FP32; pass
     ``agree=agree_finite`` to ``fp16_update`` so that every rank skips the same
     steps (its finite check runs before the optimiser, on local gradients).
+    Since these gradients are unscaled, ``comm_dtype=torch.float16`` here would
+    flush small ones to zero; to send FP16, average the scaled gradients with
+    :func:`tree_all_reduce_mean` before the update instead.
 
     ``init`` needs the process group: it compares the parameter trees of all
     ranks with :func:`check_same_tree` (one small all-gather), so a rank with a
@@ -573,8 +577,6 @@ def save_checkpoint_rank0(
     may read it afterwards), or all raise if writing failed. Since every rank
     holds the same state, the one copy is the checkpoint of the whole run.
     """
-    from functional_fp16.checkpoint import save_checkpoint
-
     _require_group("save_checkpoint_rank0")
     error = None
     if dist.get_rank() == src:
@@ -607,8 +609,6 @@ def load_checkpoint_broadcast(
     Returns:
       The checkpointed tree, bitwise the same on every rank.
     """
-    from functional_fp16.checkpoint import load_checkpoint
-
     _require_group("load_checkpoint_broadcast")
     tree, error = like, None
     if dist.get_rank() == src:
