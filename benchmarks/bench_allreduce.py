@@ -9,8 +9,9 @@ Starts ``--procs`` CPU processes on 127.0.0.1 and times, on rank 0:
 * ``tree_all_reduce_mean``: the library's bucketed mean of the same
   ``--tensors``-leaf tree, copies into and out of the bucket included.
 
-Each repetition starts after a barrier; the median and the 10th/90th
-percentiles over ``--reps`` repetitions are printed, per dtype.
+Each call starts after a barrier; the cases take turns, one call each per
+repetition, so that load from other programs affects them alike. The median
+and the 10th/90th percentiles over ``--reps`` repetitions are printed, per dtype.
 
 Usage::
 
@@ -82,13 +83,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_file: str) ->
                 ("separate-async", separate_async),
                 ("tree_all_reduce_mean", bucketed),
             ]
-            for name, fn in cases:
+            for _, fn in cases:
                 _time(fn, args.warmup)
-                times = _time(fn, args.reps)
-                q = statistics.quantiles(times, n=10)
-                rows.append(
-                    (str(dtype).replace("torch.", ""), name, statistics.median(times), q[0], q[-1])
-                )
+            # Interleaved, so that a change in the machine's load affects every case alike.
+            times: dict[str, list[float]] = {name: [] for name, _ in cases}
+            for _ in range(args.reps):
+                for name, fn in cases:
+                    times[name] += _time(fn, 1)
+            for name, _ in cases:
+                q = statistics.quantiles(times[name], n=10)
+                med = statistics.median(times[name])
+                rows.append((str(dtype).replace("torch.", ""), name, med, q[0], q[-1]))
     finally:
         ffd.shutdown()
     if rank == 0:
