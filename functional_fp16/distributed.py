@@ -13,7 +13,8 @@ Two places to average, pick one:
   bytes sent compared with FP32. Each value is divided by the world size
   *before* the sum (``predivide_factor``), so the sum of values that were
   finite cannot overflow the FP16 range. This is the usual data-parallel path
-  (DDP, Megatron-LM and DeepSpeed reduce the low-precision gradients). The
+  (DeepSpeed in FP16 mode reduces the FP16 gradients the same way, with its
+  ``gradient_predivide_factor``). The
   averaged tree is identical on every rank, so every rank also reaches the
   same finite/non-finite decision.
 * **Inside the optimiser** (:func:`all_reduce_mean` in ``chain``): the

@@ -248,6 +248,26 @@ def scenario_mismatch(rank: int, out: str) -> dict[str, Any]:
     }
 
 
+def scenario_broadcast(rank: int, out: str) -> dict[str, Any]:
+    # Rank 1's state differs in every kind of leaf: params, master, momentum,
+    # loss scale and counters (one local step taken) and a host value.
+    scale = ff.DynamicLossScale(init_scale=2.0 ** (10 if rank == 0 else 5), growth_interval=2)
+    state = ff.fp16_init(make_params(rank), ff.sgd(LR, momentum=MOMENTUM), scale)
+    if rank == 1:
+        x, y = make_batch(0)
+        state = ff.fp16_update(state, grads_of(state, x, y))
+    tree = {"state": state, "epoch": 10 + rank}
+    before = [t.clone() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    got = ffd.broadcast_state(tree)
+    after = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return {
+        "leaves": _plain(got["state"]),
+        "epoch": got["epoch"],
+        "is_fp16_state": isinstance(got["state"], ff.FP16State) and got["state"].tx is state.tx,
+        "input_unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+    }
+
+
 class Pair(NamedTuple):
     a: torch.Tensor
     b: torch.Tensor
@@ -335,6 +355,7 @@ SCENARIOS = {
     "env": scenario_env,
     "parity": scenario_parity,
     "overflow": scenario_overflow,
+    "broadcast": scenario_broadcast,
     "resume": scenario_resume,
     "mismatch": scenario_mismatch,
     "buckets": scenario_buckets,

@@ -201,6 +201,20 @@ def test_ranks_start_from_rank0_values(launch):
     assert scaled_error(r1[0]["master"]["w1"], reference[0]["master"]["w1"]) <= 16.0
 
 
+def test_broadcast_state_sends_every_leaf_of_rank0(launch):
+    r0, r1 = results(launch, "broadcast")
+    assert r0["leaves"].keys() == r1["leaves"].keys()
+    assert any("opt_state" in path for path in r0["leaves"])
+    assert any("loss_scale" in path for path in r0["leaves"])
+    for path, leaf in r0["leaves"].items():
+        assert bitwise_equal(leaf, r1["leaves"][path]), path
+    assert float(r1["leaves"][".loss_scale.loss_scale"]) == 2.0**10
+    assert int(r1["leaves"][".step"]) == 0
+    assert r0["epoch"] == r1["epoch"] == 10
+    for res in (r0, r1):
+        assert res["is_fp16_state"] and res["input_unchanged"]
+
+
 # -- overflow on one rank ------------------------------------------------------
 
 
