@@ -12,8 +12,8 @@ Sources (all through torchvision):
   true; a missing copy or a failed download ends the program with a one-line
   error.
 * ``imagefolder`` — any ``train/<class>/*.jpg`` + ``test/<class>/*.jpg`` tree,
-  read with ``torchvision.datasets.ImageFolder`` and decoded with
-  ``torchvision.io`` in parallel DataLoader workers. The decoded tensors are
+  read with ``torchvision.datasets.ImageFolder`` and decoded in parallel
+  DataLoader workers. The decoded tensors are
   cached in ``<data_dir>/.decoded/`` (keyed by the file list, sizes and
   modification times), so later runs load them in about a second.
 * ``fake`` — a synthetic, learnable CIFAR-shaped set generated from a fixed
@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -114,11 +115,32 @@ def load_cifar10(data_dir: Path, *, download: bool) -> Data:
 # -- ImageFolder trees -----------------------------------------------------------
 
 
-def decode_file(path: str, image_size: int) -> torch.Tensor:
-    """Reads one image file as a ``(3, image_size, image_size)`` uint8 tensor."""
-    from torchvision.io import ImageReadMode, decode_image, read_file
+def _decode_torchvision(path: str) -> torch.Tensor | None:
+    """``torchvision.io`` decoding (libjpeg-turbo/libpng), or ``None`` where it is gone."""
+    try:
+        from torchvision.io import ImageReadMode, decode_image, read_file
+    except ImportError:  # removed in later torchvision releases
+        return None
+    with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its decoders in favour of TorchCodec.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_image(read_file(path), mode=ImageReadMode.RGB)
 
-    image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+
+def decode_file(path: str, image_size: int) -> torch.Tensor:
+    """Reads one image file as a ``(3, image_size, image_size)`` uint8 tensor (RGB).
+
+    Uses ``torchvision.io`` where available (about 4x faster than Pillow for
+    small JPEGs) and Pillow otherwise; images of another size are resized
+    bilinearly (with antialiasing).
+    """
+    image = _decode_torchvision(path)
+    if image is None:
+        from PIL import Image
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        with Image.open(path) as img:
+            image = pil_to_tensor(img.convert("RGB"))
     if image.shape[-2:] != (image_size, image_size):
         from torchvision.transforms.v2.functional import resize
 

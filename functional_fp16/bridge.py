@@ -217,8 +217,8 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
 
     The returned ``grad_fn(loss_scale, params, *args, **kwargs)`` calls
     ``loss_fn(params, *args, **kwargs)``, scales the loss with
-    ``loss_scale.scale`` (low-precision losses are promoted to float32 first, so
-    the product cannot overflow), differentiates with respect to ``params`` only
+    ``loss_scale.scale`` (dynamic and static scales promote low-precision losses
+    to float32 first, so the product cannot overflow), differentiates with respect to ``params`` only
     and returns ``(grads, (loss, aux))``:
 
     * ``grads`` — same tree, dtypes and devices as ``params`` (FP16 parameters
@@ -228,7 +228,7 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
       it as ``fp16_update(state, grads, loss=loss)`` so a non-finite loss skips
       the step;
     * ``aux`` — ``loss_fn``'s auxiliary output when ``has_aux`` (e.g. logits and
-      new buffers), else ``None``.
+      new buffers; like ``torch.func.grad``'s, a pytree of tensors), else ``None``.
 
     Nothing is read back to the host, so the function runs without
     synchronising and compiles with ``torch.compile(fullgraph=True)``.
@@ -255,11 +255,13 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
                 f"got {type(loss_scale).__name__}"
             )
 
-        def scaled_loss(p: PyTree) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
+        def scaled_loss(p: PyTree) -> tuple[torch.Tensor, tuple[Any, ...]]:
             loss, aux = _split_loss(loss_fn(p, *args, **kwargs), has_aux)
-            return loss_scale.scale(loss), (loss.detach(), aux)
+            # torch.func passes only tensors through as auxiliary outputs.
+            return loss_scale.scale(loss), ((loss.detach(), aux) if has_aux else (loss.detach(),))
 
-        grads, (loss, aux) = torch.func.grad(scaled_loss, has_aux=True)(params)
+        grads, extra = torch.func.grad(scaled_loss, has_aux=True)(params)
+        loss, aux = extra if has_aux else (extra[0], None)
         return grads, (loss, aux)
 
     return grad_fn

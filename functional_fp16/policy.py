@@ -215,10 +215,10 @@ def get_policy(spec: str) -> Policy:
     if "=" not in text and "," not in text:
         try:
             dtype = parse_dtype(text)
-        except ValueError:
+        except ValueError as err:
             raise ValueError(
-                f"invalid policy {spec!r}: expected one dtype name or key=dtype pairs such as "
-                "'params=float16,compute=float16,output=float32'"
+                f"invalid policy {spec!r}: {err}; a policy is one dtype name or key=dtype "
+                "pairs such as 'params=float16,compute=float16,output=float32'"
             ) from None
         return Policy(dtype, dtype, dtype)
     fields: dict[str, torch.dtype] = {}

@@ -1,0 +1,171 @@
+"""Tests for precision policies: parsing, casting and the default loss scale."""
+
+import itertools
+
+import pytest
+import torch
+
+from functional_fp16 import (
+    DynamicLossScale,
+    NoOpLossScale,
+    Policy,
+    cast_to,
+    default_loss_scale,
+    get_policy,
+    parse_dtype,
+)
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+DTYPES = (F16, BF16, F32, F64)
+
+
+def mixed_tree():
+    return {
+        "w": torch.randn(3, 4),
+        "h": torch.randn(2, dtype=F16),
+        "labels": torch.tensor([1, 2, 3]),
+        "mask": torch.tensor([True, False]),
+        "meta": (7, "name", None, 0.5),
+    }
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("params=float16,compute=float16,output=float32", (F16, F16, F32)),
+        ("p=f16,c=bf16,o=f32", (F16, BF16, F32)),
+        ("P = half , C = BF16 , O = full", (F16, BF16, F32)),
+        ("param=fp32,compute=float64,output=double", (F32, F64, F64)),
+        ("c=f16", (F32, F16, F32)),  # keys left out default to float32
+        ("o=bf16,p=f16", (F16, F32, BF16)),  # order does not matter
+        ("bfloat16", (BF16, BF16, BF16)),
+        ("torch.float16", (F16, F16, F16)),
+    ],
+)
+def test_get_policy_parses_long_and_short_forms(spec, expected):
+    policy = get_policy(spec)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+def test_str_round_trips_every_policy():
+    for p, c, o in itertools.product(DTYPES, repeat=3):
+        policy = Policy(p, c, o)
+        assert get_policy(str(policy)) == policy
+    assert str(Policy(F16, BF16, F32)) == "params=float16,compute=bfloat16,output=float32"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("float8", "unknown dtype name 'float8'"),
+        ("p=f16,x=f32", "unknown key 'x'"),
+        ("p=f16,c=int8", "c: unknown dtype name 'int8'"),
+        ("p=f16,p=f32", "param_dtype is given more than once"),
+        ("params=f16,p=f32", "param_dtype is given more than once"),
+        ("p=f16,c", "'c' is not of the form key=dtype"),
+        ("p=f16=f32", "is not of the form key=dtype"),
+        ("p=f16,,c=f32", "'' is not of the form key=dtype"),
+    ],
+)
+def test_get_policy_rejects_bad_strings_naming_the_problem(spec, message):
+    with pytest.raises(ValueError, match="policy") as info:
+        get_policy(spec)
+    assert message in str(info.value)
+
+
+def test_get_policy_rejects_non_strings():
+    with pytest.raises(TypeError, match="policy must be a str"):
+        get_policy(torch.float16)
+
+
+def test_parse_dtype_lists_the_accepted_names():
+    assert parse_dtype(" F16 ") is F16
+    with pytest.raises(ValueError, match="bfloat16") as info:
+        parse_dtype("fp8")
+    assert "float16" in str(info.value)
+
+
+def test_policy_fields_accept_names_and_reject_non_floating_dtypes():
+    assert Policy("f16", "bf16", "f32") == Policy(F16, BF16, F32)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        Policy(F16, torch.int64, F32)
+    with pytest.raises(ValueError, match="unknown dtype name 'f8'"):
+        Policy(F16, F16, "f8")
+
+
+def test_policy_is_immutable_and_hashable():
+    policy = get_policy("p=f16,c=f16,o=f32")
+    with pytest.raises(AttributeError):
+        policy.param_dtype = F32
+    assert {policy: 1}[Policy(F16, F16, F32)] == 1
+    assert policy.with_compute_dtype("f32") == Policy(F16, F32, F32)
+    assert policy.with_param_dtype(BF16) == Policy(BF16, F16, F32)
+    assert policy.with_output_dtype(F16) == Policy(F16, F16, F16)
+    assert policy == Policy(F16, F16, F32)  # unchanged by the with_* copies
+
+
+@pytest.mark.parametrize(
+    "method, field",
+    [
+        ("cast_to_param", "param_dtype"),
+        ("cast_to_compute", "compute_dtype"),
+        ("cast_to_output", "output_dtype"),
+    ],
+)
+def test_casts_change_only_floating_tensor_leaves(method, field):
+    policy = Policy(BF16, F16, F64)
+    tree = mixed_tree()
+    out = getattr(policy, method)(tree)
+    target = getattr(policy, field)
+    assert out["w"].dtype == target and out["h"].dtype == target
+    torch.testing.assert_close(out["w"], tree["w"].to(target), rtol=0, atol=0)
+    assert out["labels"] is tree["labels"] and out["labels"].dtype == torch.int64
+    assert out["mask"] is tree["mask"]
+    assert out["meta"] == (7, "name", None, 0.5)
+    assert tree["w"].dtype == F32 and tree["h"].dtype == F16  # input untouched
+
+
+def test_cast_to_returns_leaves_already_in_dtype_without_copying():
+    x = torch.randn(4)
+    assert cast_to(F32, {"x": x})["x"] is x
+    assert cast_to(F16, {"x": x})["x"].dtype == F16
+
+
+def test_cast_to_rejects_a_non_dtype():
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        cast_to(torch.int32, {"x": torch.randn(2)})
+
+
+def test_gradients_flow_back_through_a_cast_in_the_leaf_dtype():
+    # FP16 parameters computed in FP32: the gradient comes back as FP16.
+    policy = get_policy("p=f16,c=f32,o=f32")
+    w = torch.tensor([1.0, -2.0, 3.0], dtype=F16, requires_grad=True)
+    y = policy.cast_to_compute({"w": w})["w"]
+    assert y.dtype == F32
+    (y * torch.tensor([0.5, 0.25, 2.0])).sum().backward()
+    assert w.grad.dtype == F16
+    assert w.grad.tolist() == [0.5, 0.25, 2.0]
+
+
+@pytest.mark.parametrize(
+    "spec, kind",
+    [
+        ("p=f16,c=f16,o=f32", DynamicLossScale),
+        ("p=f16,c=f32,o=f32", DynamicLossScale),  # FP16 params still get FP16 grads
+        ("p=f32,c=f16,o=f32", DynamicLossScale),
+        ("p=f32,c=f32,o=f16", DynamicLossScale),
+        ("p=bf16,c=bf16,o=f32", NoOpLossScale),
+        ("p=f16,c=bf16,o=f32", DynamicLossScale),
+        ("p=f32,c=bf16,o=bf16", NoOpLossScale),
+        ("float32", NoOpLossScale),
+    ],
+)
+def test_default_loss_scale_scales_only_float16_policies(spec, kind):
+    assert type(default_loss_scale(get_policy(spec))) is kind
+
+
+def test_default_loss_scale_rejects_non_policies():
+    with pytest.raises(TypeError, match="policy must be a Policy"):
+        default_loss_scale("p=f16")
