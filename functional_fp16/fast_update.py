@@ -18,9 +18,10 @@ the work is organised:
 * With ``donate=True`` the new master weights, momentum and FP16 parameters are
   written into the old state's tensors, like JAX's ``donate_argnums``.
 
-Under ``torch.compile`` the update is written functionally (no ``out=``, no
-in-place scratch reuse) and Inductor fuses it; donation then becomes a final
-``copy_`` into the old buffers, which Inductor also fuses.
+Under ``torch.compile`` the generic path is traced (functionally: no ``out=``,
+no scratch reuse) and Inductor fuses it into a reduction plus one pass over
+the parameters; donation then becomes a final ``copy_`` into the old
+buffers, which Inductor folds into that pass.
 
 Large pure updates allocate fresh multi-megabyte tensors every step. With
 glibc's default ``malloc`` those are ``mmap``-ed and page-faulted anew each
@@ -313,16 +314,12 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     if decide is not None:
         finite = decide(finite)
 
-    cfg = _cached_sgd_config(state.tx)
+    # Under torch.compile, Inductor fuses the generic path into one pass by
+    # itself; the specialised kernel (and the closure inspection that selects
+    # it) is for eager execution only.
+    cfg = None if _compiling() else _cached_sgd_config(state.tx)
     if cfg is not None and _sgd_states_ok(cfg, state.opt_state):
-        if torch.compiler.is_compiling():
-            master, opt_state = _sgd_functional(cfg, state.opt_state, g32, m_leaves, m_spec, finite)
-            if donate:
-                master, opt_state = _donate_into(state, master, opt_state)
-        else:
-            master, opt_state = _sgd_eager(
-                cfg, state.opt_state, g32, m_leaves, m_spec, finite, donate
-            )
+        master, opt_state = _sgd_eager(cfg, state.opt_state, g32, m_leaves, finite, donate)
     else:
         master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate)
 
@@ -345,15 +342,16 @@ def _generic(state, g32, m_leaves, m_spec, finite, donate):
     stepped = torch._foreach_add(m_leaves, u_leaves)  # m + u, fresh tensors
     if _compiling():
         master = [torch.where(finite, s, m) for s, m in zip(stepped, m_leaves)]
-        if donate:
-            torch._foreach_copy_(m_leaves, master)
-            master = m_leaves
     else:
         master = _select_into(finite, stepped, m_leaves, m_leaves if donate else stepped)
     new_leaves, o_spec = tree_flatten(new_opt)
     old_leaves = tree_flatten(state.opt_state)[0]
-    opt = [torch.where(finite, n, o) for n, o in zip(new_leaves, old_leaves)]
-    return master, tree_unflatten(o_spec, opt)
+    opt = tree_unflatten(
+        o_spec, [torch.where(finite, n, o) for n, o in zip(new_leaves, old_leaves)]
+    )
+    if donate and _compiling():
+        master, opt = _donate_into(state, master, opt)
+    return master, opt
 
 
 def _compiling() -> bool:
@@ -378,7 +376,7 @@ def _replace_parts(cfg: SGDConfig, opt_state, trace_state, lr_state):
     return tuple(parts)
 
 
-def _sgd_eager(cfg: SGDConfig, opt_state, g32, m_leaves, m_spec, finite, donate):
+def _sgd_eager(cfg: SGDConfig, opt_state, g32, m_leaves, finite, donate):
     r"""The SGD chain on flat lists, reusing the update's own scratch buffers.
 
     Every arithmetic step is the one the chain performs (same operation, same
@@ -430,40 +428,12 @@ def _sgd_eager(cfg: SGDConfig, opt_state, g32, m_leaves, m_spec, finite, donate)
     return master, _replace_parts(cfg, opt_state, trace_state, new_lr_state)
 
 
-def _sgd_functional(cfg: SGDConfig, opt_state, g32, m_leaves, m_spec, finite):
-    """The same chain without ``out=`` or scratch reuse, for tracing under ``torch.compile``."""
-    if not g32:
-        return m_leaves, opt_state
-    like = g32[0]
-    u = g32
-    if cfg.weight_decay is not None:
-        u = [torch.add(x, m, alpha=cfg.weight_decay) for x, m in zip(u, m_leaves)]
-    factor, new_lr_state = _lr_factor(cfg, opt_state, like)
-    trace_state = None
-    out = u
-    if cfg.trace_index is not None:
-        ts: TraceState = opt_state[cfg.trace_index]
-        b_leaves, b_spec = tree_flatten(ts.trace)
-        started = ts.initialized
-        keep = torch.where(started, _scalar(cfg.momentum, like), _scalar(0.0, like))
-        if cfg.dampening == 0.0:
-            nb = [torch.add(b * keep, x) for b, x in zip(b_leaves, u)]
-        else:
-            take = torch.where(started, _scalar(1.0 - cfg.dampening, like), _scalar(1.0, like))
-            nb = [b * keep + x * take for b, x in zip(b_leaves, u)]
-        out = [torch.add(x, n, alpha=cfg.momentum) for x, n in zip(u, nb)] if cfg.nesterov else nb
-        new_b = [torch.where(finite, n, b) for n, b in zip(nb, b_leaves)]
-        initialized = torch.where(finite, torch.ones_like(started), started)
-        trace_state = TraceState(trace=tree_unflatten(b_spec, new_b), initialized=initialized)
-    master = [torch.where(finite, m + o * factor, m) for m, o in zip(m_leaves, out)]
-    if cfg.schedule is not None:
-        old = opt_state[cfg.lr_index].count
-        new_lr_state = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, old))
-    return master, _replace_parts(cfg, opt_state, trace_state, new_lr_state)
-
-
 def _donate_into(state, master, opt_state):
-    """Under ``torch.compile``: copy the new master and trace into the old tensors."""
+    """Under ``torch.compile``: copy the new master and optimiser state into the old tensors.
+
+    Inductor turns these copies into direct writes of the fused kernel into the
+    donated buffers. Only leaves whose shape and dtype match are reused.
+    """
     old_m = tree_flatten(state.master)[0]
     torch._foreach_copy_(old_m, master)
     new_leaves, spec = tree_flatten(opt_state)

@@ -1,0 +1,165 @@
+"""No host synchronisation inside the update, checked on the CPU two ways.
+
+1. Every ``torch.Tensor`` method that hands a value to Python (``item``,
+   ``tolist``, ``__bool__``, ``__float__``, ``numpy``, ...) is patched to raise.
+2. A ``TorchDispatchMode`` refuses the ATen operators that read a value to the
+   host or whose output shape depends on values (``_local_scalar_dense`` is
+   what ``item``/``bool``/``int`` dispatch to; ``nonzero``, ``masked_select``
+   and friends synchronise on CUDA to size their output).
+
+Together these catch a sync on any device, since a CUDA synchronisation in
+PyTorch is always one of these calls. The CUDA-only checks (sync debug mode,
+CUDA-graph capture) live in ``test_cuda.py``.
+"""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functional_fp16 as ff
+from functional_fp16._tree import tree_map
+from functional_fp16.update import _IMPLEMENTATIONS
+from tests.helpers import random_tree
+
+IMPLS = sorted(_IMPLEMENTATIONS)
+
+_METHODS = [
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__complex__",
+    "__index__",
+    "__array__",
+    "cpu",
+    "numpy",
+]
+
+_OPS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "allclose",
+    "nonzero",
+    "nonzero_static",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "repeat_interleave",
+    "argwhere",
+}
+
+
+class HostSync(AssertionError):
+    pass
+
+
+class _RefuseSyncOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _OPS:
+            raise HostSync(f"aten.{name} inside the update (host sync)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raises :class:`HostSync` on any value read-back inside the block."""
+    originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostSync(f"Tensor.{name} inside the update (host sync)")
+
+        return method
+
+    try:
+        for name in _METHODS:
+            setattr(torch.Tensor, name, refuse(name))
+        with _RefuseSyncOps():
+            yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        lambda t: t.item(),
+        lambda t: bool(t),
+        lambda t: float(t),
+        lambda t: t.tolist(),
+        lambda t: t.numpy(),
+        lambda t: torch.nonzero(t),
+        lambda t: t[t > 0],
+        lambda t: torch.equal(t, t),
+        lambda t: t.sum().cpu(),
+        lambda t: [1, 2][t.long()],
+    ],
+)
+def test_the_guard_catches_each_kind_of_sync(action):
+    t = torch.ones(())
+    with pytest.raises(HostSync):
+        with no_host_sync():
+            action(t)
+    action(t)  # and everything is restored afterwards
+
+
+def _txs():
+    return [
+        ff.sgd(0.1),
+        ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        ff.sgd(ff.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10), momentum=0.9, dampening=0.1),
+        ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.05, momentum=0.9)),
+        ff.apply_if_finite(ff.sgd(0.05, momentum=0.9), 2),
+    ]
+
+
+@pytest.mark.parametrize("tx_index", range(len(_txs())))
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_update_reads_nothing_back(impl, donate, tx_index):
+    tx = _txs()[tx_index]
+    for loss_scale in (ff.DynamicLossScale(2.0**12, growth_interval=2), ff.NoOpLossScale()):
+        state = ff.fp16_init(random_tree(tx_index), tx, loss_scale)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            grads = tree_map(
+                lambda p: (torch.randn(p.shape, generator=g) * 64).to(p.dtype), state.params
+            )
+            if step == 1:
+                grads["scalar"] = torch.tensor(math.inf, dtype=torch.float16)
+            loss = torch.tensor(math.nan if step == 2 else 1.0)
+            with no_host_sync():
+                state = ff.fp16_update(
+                    state, grads, impl=impl, donate=donate, loss=loss, agree=lambda f: f & f
+                )
+        assert int(state.step) == 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_whole_training_step_reads_nothing_back(impl):
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 8, generator=g) * 0.3, "b": torch.zeros(4)}
+    state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+    def scaled_loss(p):
+        logits = x @ p["w"].float().T + p["b"].float()
+        loss = F.cross_entropy(logits, y)
+        return state.loss_scale.scale(loss), loss.detach()
+
+    for _ in range(3):
+        with no_host_sync():
+            grads, (_, loss) = torch.func.grad_and_value(scaled_loss, has_aux=True)(state.params)
+            state = ff.fp16_update(state, grads, loss=loss, impl=impl)
+    assert int(state.step) == 3
