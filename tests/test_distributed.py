@@ -161,11 +161,18 @@ def scaled_error(a: torch.Tensor, b: torch.Tensor, unit: torch.dtype | None = No
 # Tolerances in epsilons of the working dtype, times the leaf's magnitude.
 # FP32 working parameters: the only difference is where the FP32 sums are
 # rounded (two half-batch means averaged vs one full-batch mean), a few
-# epsilons at most (observed: under 1).
+# epsilons at most (observed after 6 steps: 0.8).
 # FP16 working parameters: each rank's gradient is rounded to FP16 before the
 # average, the whole batch's only once; that moves an update by up to an FP16
-# ulp of the gradient (observed: under 0.1 FP16 epsilon after 6 steps).
-PARITY_TOLERANCE = {"torch.float32": 16.0, "torch.float16": 1.0}
+# ulp of the gradient (observed in the master: 0.2). The FP16 working copy may
+# then round the other way: one FP16 ulp, up to one epsilon of the leaf's
+# magnitude (observed: 0.6), on top of the master's difference.
+PARITY_TOLERANCE = {
+    ("torch.float32", "master"): 16.0,
+    ("torch.float32", "params"): 16.0,
+    ("torch.float16", "master"): 1.0,
+    ("torch.float16", "params"): 2.0,
+}
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16"])
@@ -184,7 +191,7 @@ def test_two_ranks_match_one_process_fed_the_whole_batch(launch, path, dtype):
                 got = s0[field][k]
                 assert got.dtype == want.dtype and got.shape == want.shape
                 err = scaled_error(got, want, param_dtype)
-                assert err <= PARITY_TOLERANCE[dtype], (
+                assert err <= PARITY_TOLERANCE[dtype, field], (
                     f"step {step}: {field}[{k!r}] is {err:.3g} {dtype} epsilons of its "
                     "magnitude away from the one-process run"
                 )
