@@ -58,9 +58,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("distributed")
+def _start_workers(out: Path) -> Launch:
+    """Runs the two workers once, on a fresh free port; kills them at the deadline."""
     port = _free_port()
     procs, logs = [], []
     for rank in range(WORLD):
@@ -87,10 +86,15 @@ def launch(tmp_path_factory) -> Launch:
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     timed_out = False
     try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        # Until both exit; a worker that failed leaves the other waiting in a
+        # collective, so that one is stopped at once.
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -102,6 +106,17 @@ def launch(tmp_path_factory) -> Launch:
         f"--- worker {r} ---\n" + (out / f"worker{r}.log").read_text() for r in range(WORLD)
     )
     return Launch(out, text, timed_out)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    # Another program may take the free port between our probe and rank 0's
+    # bind; such a launch is retried on a new port, twice at most.
+    for _ in range(3):
+        run = _start_workers(tmp_path_factory.mktemp("distributed"))
+        if "address already in use" not in run.logs.lower():
+            break
+    return run
 
 
 def results(launch: Launch, scenario: str) -> list[Any]:
