@@ -45,6 +45,15 @@ class Tied(nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(tokens))))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small kernels: one thread avoids OpenMP oversubscription on busy machines.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def batch(n=8):
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)

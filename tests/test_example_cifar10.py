@@ -18,6 +18,15 @@ from functional_fp16._tree import tree_leaves
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small kernels: one thread avoids OpenMP oversubscription on busy machines.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _load(name):
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
