@@ -170,6 +170,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="auto: dynamic when the policy involves float16, none otherwise",
     )
     m.add_argument("--init-scale", type=float, default=2.0**16)
+    m.add_argument(
+        "--stuck-patience",
+        type=int,
+        default=20,
+        help="stop with an error after N consecutive skipped steps at the minimum loss scale "
+        "or with a non-finite loss, checked when metrics are logged (0: never)",
+    )
     m.add_argument("--growth-interval", type=int, default=2000)
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     m.add_argument(
@@ -205,7 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "eval_batch_size", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("max_steps_per_epoch", "keep_checkpoints", "workers"):
+    for name in ("max_steps_per_epoch", "keep_checkpoints", "workers", "stuck_patience"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr >= 0):
@@ -523,6 +530,11 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
     lr = float(args.lr)
     label = "synthetic " if data.synthetic else ""
     epoch_speeds = []
+    # Host-side stuck-scale check: observe() per step is sync-free; check() runs
+    # in flush(), where the metrics are read back anyway.
+    monitor = ff.StuckScaleMonitor(args.stuck_patience) if args.stuck_patience else None
+    if monitor is not None:
+        monitor.observe(state)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # progress bars are optional
@@ -577,10 +589,18 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
                 )
                 bar.update(len(pending))
             pending.clear()
+            if monitor is not None:
+                try:
+                    monitor.check()
+                except ff.StuckScaleError as err:
+                    metrics_file.close()
+                    raise SystemExit(f"error: {err}") from None
 
         for i in range(steps):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             state, buffers, m = train_step(state, buffers, train_x[idx], train_y[idx])
+            if monitor is not None:
+                monitor.observe(state, m.loss)
             global_step += 1
             pending.append(m)
             if len(pending) >= args.log_every:

@@ -182,3 +182,36 @@ def test_bad_observe_arguments():
     with pytest.raises(TypeError, match="loss must be a tensor or None"):
         monitor.observe(make_state(), 1.0)
     assert monitor.state is None
+
+
+def test_the_cifar10_example_stops_with_the_stuck_scale_error(tmp_path, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    spec = importlib.util.spec_from_file_location(
+        "cifar10_functional", examples / "cifar10_functional.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # A learning rate of 1e4 blows the loss up after the first step; from an
+    # initial scale of 4 the scale reaches its minimum of 1 after two backoffs.
+    argv = [
+        "--dataset", "fake", "--fake-train-size", "160", "--fake-test-size", "20",
+        "--batch-size", "16", "--eval-batch-size", "20", "--device", "cpu",
+        "--no-progress", "--no-plot", "--workers", "0", "--epochs", "1",
+        "--lr", "1e4", "--init-scale", "4", "--stuck-patience", "3", "--log-every", "2",
+        "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(SystemExit, match="error: Training is stuck") as info:
+            example.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    assert "The last applied update was step 1" in str(info.value)
+    assert not list(tmp_path.glob("checkpoint_epoch_*.pt"))  # stopped within the first epoch
