@@ -180,6 +180,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--growth-interval", type=int, default=2000)
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     m.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="use deterministic kernels (needed on CUDA for a resumed run to end bit-identical "
+        "to an uninterrupted one; CPU runs are deterministic anyway)",
+    )
+    m.add_argument(
         "--compile",
         action="store_true",
         help="wrap the whole train step in torch.compile(fullgraph=True)",
@@ -649,6 +655,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
     device = resolve_device(args.device)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
     policy = resolve_policy(args, device)
     loss_scale = resolve_loss_scale(args, policy)
     try:
