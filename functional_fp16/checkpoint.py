@@ -212,10 +212,11 @@ class _Encoder:
         )
 
 
-def _tensor_bytes(x: torch.Tensor) -> bytes:
+def _tensor_bytes(x: torch.Tensor) -> Any:
+    """The raw bytes of a contiguous CPU tensor, without a copy where possible."""
     flat = x.reshape(-1).view(torch.uint8)
     try:
-        return flat.numpy().tobytes()
+        return flat.numpy()  # supports the buffer protocol
     except (ImportError, RuntimeError):  # torch built without numpy
         return bytes(flat.tolist())
 
@@ -228,6 +229,23 @@ def _checksum(tree: dict, info: list, tensors: list[torch.Tensor]) -> str:
         h.update(repr(tuple(t.shape)).encode("utf-8"))
         h.update(_tensor_bytes(t))
     return h.hexdigest()
+
+
+def _file_mode(path: str) -> int:
+    """The mode for a new checkpoint: the replaced file's, else what ``open`` would give."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        pass
+    umask = 0o022
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    umask = int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o666 & ~umask
 
 
 def _fsync_dir(directory: str) -> None:
@@ -271,6 +289,8 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
+                os.fchmod(f.fileno(), _file_mode(path))
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
@@ -361,7 +381,8 @@ class _Decoder:
         except (RuntimeError, AssertionError) as err:
             raise CheckpointError(
                 f"{self.file}: checkpoint{path} was saved on {self.info[index]['device']} and "
-                f"cannot be placed on {device} ({err}); pass map_location= or like="
+                f"cannot be placed on {device} ({err}); pass map_location= or a like= on "
+                "an available device"
             ) from None
 
     # Without a template: the plain structure.
@@ -535,6 +556,11 @@ def load_checkpoint(
         the path and what differs.
     """
     path = os.fspath(path)
+    if map_location is not None:
+        try:
+            map_location = torch.device(map_location)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"map_location={map_location!r} is not a device: {err}") from None
     payload = _read(path)
     decoder = _Decoder(path, payload, map_location)
     try:

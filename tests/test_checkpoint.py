@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
+from functional_fp16 import checkpoint
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
 from functional_fp16.checkpoint import FORMAT, VERSION
 
@@ -211,6 +212,61 @@ def test_map_location_and_template_device(tmp_path):
     assert all(x.device.type == "cpu" for x in tree_leaves(out))
     raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
     assert all(info["device"] == "cpu" for info in raw["tensor_info"])
+
+
+def test_tensors_follow_the_template_device_or_map_location(tmp_path):
+    # The "meta" device stands in for a second device on a CPU-only machine.
+    state = trained_state()
+    ff.save_checkpoint(tmp_path / "s.ckpt", {"state": state, "extra": torch.ones(2)})
+    meta_params = tree_map(lambda p: p.to("meta"), make_params(1))
+    like = {"state": ff.fp16_init(meta_params, make_tx(), make_scale()), "extra": torch.ones(2)}
+    out = ff.load_checkpoint(tmp_path / "s.ckpt", like)
+    assert all(x.is_meta for x in tree_leaves(out["state"]))
+    assert out["extra"].device.type == "cpu"  # each tensor goes where its template is
+    out = ff.load_checkpoint(tmp_path / "s.ckpt", like, map_location="cpu")
+    assert all(x.device.type == "cpu" for x in tree_leaves(out))
+    assert_trees_bitwise_equal(out["state"], state)
+    plain = ff.load_checkpoint(tmp_path / "s.ckpt", map_location="meta")
+    assert plain["extra"].is_meta
+    with pytest.raises(ValueError, match=r"map_location='nonsense' is not a device"):
+        ff.load_checkpoint(tmp_path / "s.ckpt", map_location="nonsense")
+    # A file saved on a device this machine lacks names the tensor and the way out.
+    raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
+    assert raw["tensor_info"][-1]["path"] == "['extra']"
+    raw["tensor_info"][-1]["device"] = "cuda:7" if not torch.cuda.is_available() else "nonsense:0"
+    raw["checksum"] = checkpoint._checksum(raw["tree"], raw["tensor_info"], raw["tensors"])
+    torch.save(raw, tmp_path / "moved.ckpt")
+    with pytest.raises(
+        ff.CheckpointError, match=r"checkpoint\['extra'\] was saved on .* pass map_location="
+    ):
+        ff.load_checkpoint(tmp_path / "moved.ckpt")
+    assert (
+        ff.load_checkpoint(tmp_path / "moved.ckpt", map_location="cpu")["extra"].device.type
+        == "cpu"
+    )
+
+
+def test_parameters_and_autograd_tensors_are_stored_as_plain_data(tmp_path):
+    w = torch.nn.Parameter(torch.randn(3))
+    y = (w * 2).requires_grad_()
+    ff.save_checkpoint(tmp_path / "p.ckpt", {"w": w, "y": y})
+    raw = torch.load(tmp_path / "p.ckpt", weights_only=True)
+    assert all(type(t) is torch.Tensor and not t.requires_grad for t in raw["tensors"])
+    out = ff.load_checkpoint(tmp_path / "p.ckpt")
+    assert torch.equal(out["w"], w.detach()) and torch.equal(out["y"], y.detach())
+
+
+def test_file_mode_is_the_usual_one_not_the_temp_files(tmp_path):
+    path = tmp_path / "s.ckpt"
+    old = os.umask(0o027)
+    try:
+        ff.save_checkpoint(path, {"a": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+    os.chmod(path, 0o604)
+    ff.save_checkpoint(path, {"a": 2})  # replacing keeps the existing file's mode
+    assert path.stat().st_mode & 0o777 == 0o604
 
 
 @pytest.mark.cuda
