@@ -39,7 +39,14 @@ its int32 counters come back exactly) and detached from autograd.
 Writes are atomic: the file is written to a temporary file in the same
 directory, flushed and fsynced, renamed over ``path`` with :func:`os.replace`,
 and the directory is fsynced. A crash at any point leaves either the previous
-checkpoint or the new one, never a mixture.
+checkpoint or the new one, never a mixture. A crash mid-write may leave a
+``.NAME.*.tmp`` file beside the checkpoint; it is never read and may be deleted.
+
+Loading checks, in order: the file opens with ``weights_only=True`` (else it is
+truncated or not ours), the format marker and version, the SHA-256 checksum
+(any changed tensor byte or metadata), and, with a template ``like``, the tree
+structure, NamedTuple types, dict keys, tensor shapes and dtypes and every
+loss-scale configuration value. Each failure names the file and the leaf path.
 """
 
 from __future__ import annotations
