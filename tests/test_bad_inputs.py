@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import functional_fp16 as ff
 from functional_fp16._tree import NAMESPACE, format_path, tree_leaves
+from functional_fp16.update import _IMPLEMENTATIONS
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FUZZ = settings(
@@ -698,3 +699,28 @@ def _edit_like(tree, accessor, fn):
     target = optree.tree_accessors(tree, namespace=NAMESPACE).index(accessor)
     leaves[target] = fn(leaves[target])
     return optree.tree_unflatten(spec, leaves)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("impl", sorted(_IMPLEMENTATIONS))
+def test_an_exception_inside_the_update_leaves_the_state_unchanged(impl, donate):
+    def agree(finite):
+        raise RuntimeError("peer lost")
+
+    state = trained()
+    before = snapshot(state)
+    with pytest.raises(RuntimeError, match="peer lost"):
+        ff.fp16_update(state, good_grads(state), impl=impl, donate=donate, agree=agree)
+    assert_unchanged(state, before)
+
+    inner = ff.sgd(0.1, momentum=0.9)
+
+    def failing_update(updates, opt_state, params=None):
+        raise ValueError("transform failed")
+
+    state = trained(tx=ff.GradientTransformation(inner.init, inner.update))
+    state = state.replace(tx=ff.GradientTransformation(inner.init, failing_update))
+    before = snapshot(state)
+    with pytest.raises(ValueError, match="transform failed"):
+        ff.fp16_update(state, good_grads(state), impl=impl, donate=donate)
+    assert_unchanged(state, before)
