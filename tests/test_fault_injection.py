@@ -25,8 +25,8 @@ from functional_fp16._tree import tree_leaves, tree_map, tree_paths
 from functional_fp16.loss_scale import unscale_factor
 from functional_fp16.update import _IMPLEMENTATIONS
 
-EPISODES = 32
-STEPS = 125  # per episode: 4000 steps per implementation
+EPISODES = 24
+STEPS = 125  # per episode: 3000 steps per implementation and donation mode
 IMPLS = sorted(_IMPLEMENTATIONS)
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -134,20 +134,33 @@ def random_grads(rng: random.Random, gen: torch.Generator, magnitude: float, sta
     return grads, loss
 
 
-def run_episode(rng: random.Random, impl: str, counts: Counts) -> None:
+def copy_tree(tree):
+    return tree_map(lambda x: x.clone(), tree)
+
+
+def run_episode(rng: random.Random, impl: str, donate: bool, counts: Counts) -> None:
     tx = random_tx(rng)
     init = ff.fp16_init(random_params(rng), tx, random_loss_scale(rng))
+    if donate:  # the first update may reuse the initial state's memory
+        init = copy_tree(init)
     lo, hi = scale_bounds(init.loss_scale)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     magnitude = rng.uniform(-16.0, 4.0)  # log2 of the unscaled gradients' size
-    state = init
+    state = copy_tree(init) if donate else init
     applied = []  # (grads, scale used) of the steps that went through
     for _ in range(STEPS):
         grads, loss = random_grads(rng, gen, magnitude, state, counts)
         expected = all(bool(torch.isfinite(g).all()) for g in tree_leaves(grads)) and bool(
             torch.isfinite(loss)
         )
-        new = ff.fp16_update(state, grads, loss=loss, impl=impl)
+        if donate:
+            # The update may write into the donated state and grads: compare
+            # against copies, and never touch the donated objects again.
+            old, kept = copy_tree(state), copy_tree(grads)
+            new = ff.fp16_update(state, grads, loss=loss, impl=impl, donate=True)
+            state, grads = old, kept
+        else:
+            new = ff.fp16_update(state, grads, loss=loss, impl=impl)
         counts.steps += 1
 
         assert bool(new.grads_finite) == expected
@@ -182,14 +195,16 @@ def run_episode(rng: random.Random, impl: str, counts: Counts) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_overflow_storm_never_corrupts_master_or_momentum(impl):
+def test_overflow_storm_never_corrupts_master_or_momentum(impl, donate):
     rng = random.Random(20261129)
     counts = Counts()
     for _ in range(EPISODES):
-        run_episode(rng, impl, counts)
+        run_episode(rng, impl, donate, counts)
     print(
-        f"\n[fault injection, impl={impl}] episodes={EPISODES} steps={counts.steps} "
+        f"\n[fault injection, impl={impl}, donate={donate}] episodes={EPISODES} "
+        f"steps={counts.steps} "
         f"applied={counts.applied} injected_grad_faults={counts.injected_grads} "
         f"injected_loss_faults={counts.injected_losses} "
         f"natural_fp16_overflows={counts.natural_overflows} "
