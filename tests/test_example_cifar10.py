@@ -224,7 +224,6 @@ def test_cifar10_missing_offline_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--device", "cpu"], "params=float16,compute=float32,output=float32"),
         (
             ["--device", "cpu", "--compute-dtype", "bf16"],
             "params=float16,compute=bfloat16,output=float32",
@@ -245,6 +244,15 @@ def test_policy_flags(argv, expected):
     assert str(policy) == expected
     scale = example.resolve_loss_scale(args, policy)
     assert isinstance(scale, ff.NoOpLossScale) == (expected.count("float16") == 0)
+
+
+def test_cpu_default_computes_fp16_params_in_bf16_or_fp32(monkeypatch):
+    args = example.parse_args(["--device", "cpu"])
+    for fast, compute in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(example, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        policy = example.resolve_policy(args, torch.device("cpu"))
+        assert str(policy) == f"params=float16,compute={compute},output=float32"
+        assert isinstance(example.resolve_loss_scale(args, policy), ff.DynamicLossScale)
 
 
 def test_cuda_defaults_compute_in_the_parameter_dtype():
