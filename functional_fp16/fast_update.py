@@ -257,15 +257,22 @@ def _inv_scale(loss_scale: Any) -> tuple[bool, torch.Tensor | None]:
     return False, None
 
 
-def _unscale(grads: list[torch.Tensor], inv: torch.Tensor | None) -> list[torch.Tensor]:
-    """New float32 buffers holding ``g.float() * inv`` (bitwise the loss scale's ``unscale``)."""
+def _unscale(
+    grads: list[torch.Tensor], inv: torch.Tensor | None, *, negate: bool = False
+) -> list[torch.Tensor]:
+    """New float32 buffers holding ``g.float() * inv`` (bitwise the loss scale's ``unscale``).
+
+    With ``negate``, the buffers hold the exact negation ``g.float() * (-inv)``.
+    """
     if torch.compiler.is_compiling():
         out = [g.float() for g in grads]
         return out if inv is None else [g * inv for g in out]
     out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
     torch._foreach_copy_(out, grads)
     if inv is not None:
-        torch._foreach_mul_(out, inv)
+        torch._foreach_mul_(out, -inv if negate else inv)
+    elif negate:
+        torch._foreach_neg_(out)
     return out
 
 
@@ -305,20 +312,22 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     g_leaves, _ = tree_flatten(grads)
     m_leaves, m_spec = tree_flatten(state.master)
     p_leaves = tree_flatten(state.params)[0]
+    # Under torch.compile, Inductor fuses the generic path into one pass by
+    # itself; the specialised kernel (and the closure inspection that selects
+    # it) is for eager execution only.
+    cfg = None if _compiling() or not known else _cached_sgd_config(state.tx)
+    if cfg is not None and not _sgd_states_ok(cfg, state.opt_state):
+        cfg = None
     if known:
         finite = grads_finite(g_leaves, inv)
-        g32 = _unscale(g_leaves, inv)
+        g32 = _unscale(g_leaves, inv, negate=cfg is not None)
     else:  # a loss scale this module does not know: use its own unscale
         g32 = tree_flatten(state.loss_scale.unscale(grads))[0]
         finite = torch.stack([torch.isfinite(g).all() for g in g32]).all()
     if decide is not None:
         finite = decide(finite)
 
-    # Under torch.compile, Inductor fuses the generic path into one pass by
-    # itself; the specialised kernel (and the closure inspection that selects
-    # it) is for eager execution only.
-    cfg = None if _compiling() else _cached_sgd_config(state.tx)
-    if cfg is not None and _sgd_states_ok(cfg, state.opt_state):
+    if cfg is not None:
         master, opt_state = _sgd_eager(cfg, state.opt_state, g32, m_leaves, finite, donate)
     else:
         master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate)
@@ -376,19 +385,38 @@ def _replace_parts(cfg: SGDConfig, opt_state, trace_state, lr_state):
     return tuple(parts)
 
 
-def _sgd_eager(cfg: SGDConfig, opt_state, g32, m_leaves, finite, donate):
-    r"""The SGD chain on flat lists, reusing the update's own scratch buffers.
+def _zero_unless(finite: torch.Tensor, xs: list[torch.Tensor]) -> None:
+    """In place: leaves ``xs`` alone if ``finite``, else sets every element to +0.0.
 
-    Every arithmetic step is the one the chain performs (same operation, same
-    operand order), so the results are bitwise equal; only where the results
-    are stored differs. ``u`` (the unscaled gradients) is owned here.
+    A bitwise AND of the float32 bit patterns with all-ones or all-zeros: exact
+    for every value, inf and NaN included, and as cheap as a multiply.
     """
-    if not g32:
+    ones = torch.full((), -1, dtype=torch.int32, device=finite.device)
+    mask = torch.where(finite, ones, torch.zeros_like(ones))
+    for x in xs:
+        x.view(torch.int32).bitwise_and_(mask)
+
+
+def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
+    r"""The SGD chain on flat lists, without a per-element select.
+
+    ``nu`` holds the *negated* unscaled gradients :math:`-\hat g` in buffers
+    owned here. The chain's operations are performed on negated operands,
+    which is exact (rounding to nearest is symmetric, and :math:`a - (-b)`
+    is :math:`a + b` by definition in IEEE 754), so every result is bitwise
+    the reference's. A skipped step is made an exact no-op without
+    ``torch.where``: the negated terms are zeroed bitwise to +0.0 and the
+    momentum factor becomes 1, so that :math:`b \cdot 1 - (+0) = b` and
+    :math:`m - (+0) = m` for every value, -0.0 included.
+
+    With ``donate`` the momentum and master are updated in place.
+    """
+    if not nu:
         return m_leaves, opt_state
-    like = g32[0]
-    u = g32
+    like = nu[0]
     if cfg.weight_decay is not None:
-        torch._foreach_add_(u, m_leaves, alpha=cfg.weight_decay)  # u + wd * m
+        # -(u + wd * m), the negation of torch.add(u, m, alpha=wd).
+        torch._foreach_add_(nu, m_leaves, alpha=-cfg.weight_decay)
     factor, new_lr_state = _lr_factor(cfg, opt_state, like)
     trace_state = None
     if cfg.trace_index is not None:
@@ -396,32 +424,34 @@ def _sgd_eager(cfg: SGDConfig, opt_state, g32, m_leaves, finite, donate):
         b_leaves, b_spec = tree_flatten(ts.trace)
         started = ts.initialized
         keep = torch.where(started, _scalar(cfg.momentum, like), _scalar(0.0, like))
-        nb = torch._foreach_mul(b_leaves, keep)  # b * keep
-        if cfg.dampening == 0.0:
-            torch._foreach_add_(nb, u)  # b * keep + u
-        else:
+        keep = torch.where(finite, keep, _scalar(1.0, like))  # b * 1 == b when skipping
+        _zero_unless(finite, nu)
+        if cfg.dampening != 0.0:
             take = torch.where(started, _scalar(1.0 - cfg.dampening, like), _scalar(1.0, like))
-            torch._foreach_mul_(u, take)  # u * take
-            torch._foreach_add_(nb, u)  # b * keep + u * take
-        if cfg.nesterov:
-            torch._foreach_add_(u, nb, alpha=cfg.momentum)  # u + mu * nb
-            out = u
+            torch._foreach_mul_(nu, take)  # -(u * take)
+        if donate:
+            torch._foreach_mul_(b_leaves, keep)
+            nb = b_leaves
         else:
-            out = nb
-        # out * factor, then master + that; written into u (free once out is known).
-        step_buf = u
-        for o, s in zip(out, step_buf):
-            torch.mul(o, factor, out=s)
-        torch._foreach_add_(step_buf, m_leaves)  # (commutes) m + out * factor
-        trace_dest = b_leaves if donate else nb
-        new_b = _select_into(finite, nb, b_leaves, trace_dest)
+            nb = torch._foreach_mul(b_leaves, keep)  # b * keep
+        torch._foreach_sub_(nb, nu)  # b * keep + u (* take)
+        if cfg.nesterov:
+            torch._foreach_add_(nu, nb, alpha=-cfg.momentum)  # -(u + mu * nb)
+            torch._foreach_mul_(nu, factor)  # -(out * lr)
+        else:
+            neg_factor = -factor
+            for n, x in zip(nb, nu):
+                torch.mul(n, neg_factor, out=x)  # -(nb * lr)
         initialized = torch.where(finite, torch.ones_like(started), started)
-        trace_state = TraceState(trace=tree_unflatten(b_spec, new_b), initialized=initialized)
+        trace_state = TraceState(trace=tree_unflatten(b_spec, nb), initialized=initialized)
     else:
-        torch._foreach_mul_(u, factor)
-        torch._foreach_add_(u, m_leaves)
-        step_buf = u
-    master = _select_into(finite, step_buf, m_leaves, m_leaves if donate else step_buf)
+        torch._foreach_mul_(nu, factor)  # -(u * lr)
+    _zero_unless(finite, nu)
+    if donate:
+        torch._foreach_sub_(m_leaves, nu)  # m + update
+        master = m_leaves
+    else:
+        master = torch._foreach_sub(m_leaves, nu)
     if cfg.schedule is not None:
         old = opt_state[cfg.lr_index].count
         new_lr_state = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, old))
