@@ -462,8 +462,11 @@ def read_metrics(path: Path, upto_step: int) -> list[dict]:
 
 def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: str) -> None:
     """PNG with the loss and the loss scale per step and the test accuracy per epoch."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed, so no plot (pip install matplotlib)", flush=True)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -9,6 +9,7 @@ from functional_fp16 import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
+    cast_to,
     fp16_init,
     fp16_update,
     make_apply,
@@ -330,3 +331,23 @@ def test_the_whole_step_traces_as_one_graph():
     torch.testing.assert_close(l1, l2, rtol=0, atol=0)
     assert_trees_equal(b1, b2)
     assert_trees_equal(s1.master, s2.master)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_functional_grads_match_module_and_fp16_compute_gives_fp16_grads():
+    model = ConvBN().cuda().train()
+    params, buffers = split_module(model)
+    x, y = (t.cuda() for t in batch())
+    apply = make_apply(model)
+    grad_fn = scaled_grad_and_value(make_loss_fn(apply), has_aux=True)
+    grads, (loss, _) = grad_fn(NoOpLossScale().to("cuda"), params, buffers, x, y)
+    _, ref = reference_grads(model, x, y)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-5)
+
+    # All-FP16 BatchNorm (weights and running statistics alike) takes the native kernel.
+    half, half_buffers = cast_to(torch.float16, params), cast_to(torch.float16, buffers)
+    grads16, (loss16, _) = grad_fn(DynamicLossScale().to("cuda"), half, half_buffers, x.half(), y)
+    assert all(g.dtype == torch.float16 and g.is_cuda for g in grads16.values())
+    torch.testing.assert_close(loss16.float(), loss, rtol=1e-2, atol=1e-2)

@@ -269,3 +269,24 @@ def test_bad_flags_are_rejected(capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--epochs", "0"])
     assert "--epochs must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp16_run_resumes_bit_identically(tmp_path, capsys):
+    def run(out, *extra):
+        return example.main([
+            *TINY, "--device", "cuda", "--deterministic", "--epochs", "2", "--no-plot",
+            "--out-dir", str(out), *extra,
+        ])  # fmt: skip
+
+    full = run(tmp_path / "full")
+    assert full["policy"] == "params=float16,compute=float16,output=float32"
+    assert full["device"].startswith("cuda")
+    resumed = run(
+        tmp_path / "resumed", "--resume", str(tmp_path / "full" / "checkpoint_epoch_001.pt")
+    )
+    for name, master in full["state"].master.items():
+        assert master.is_cuda and master.dtype == torch.float32
+        assert torch.equal(master, resumed["state"].master[name]), name
+    assert "Accuracy of the network on the 40 synthetic test images" in capsys.readouterr().out
