@@ -402,12 +402,36 @@ def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, co
     }
 
 
+CHECKPOINT_KEYS = (
+    "state",
+    "buffers",
+    "epoch",
+    "global_step",
+    "data_rng",
+    "torch_rng",
+    "cuda_rng",
+    "test_accuracy",
+    "config",
+)
+
+
 def load_resume(path: str, state, buffers, config: dict) -> dict:
-    """Reads a checkpoint, checks it belongs to this run's settings, restores RNG states."""
+    """Reads a checkpoint, checks it belongs to this run's settings, restores RNG states.
+
+    The checkpoint is read twice: once without a template to learn its sizes
+    and settings, then against a template built from this run's freshly
+    initialised state, which checks every tensor's shape and dtype and puts
+    the state on this run's device.
+    """
     if not os.path.isfile(path):
         raise SystemExit(f"error: --resume {path}: no such file")
-    plain = ff.load_checkpoint(path, map_location="cpu")
-    stored = plain.get("config", {}) if isinstance(plain, dict) else {}
+    try:
+        plain = ff.load_checkpoint(path, map_location="cpu")
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    if not isinstance(plain, dict) or any(k not in plain for k in CHECKPOINT_KEYS):
+        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
+    stored = plain["config"] if isinstance(plain["config"], dict) else {}
     for key in RESUME_KEYS:
         if stored.get(key) != config[key]:
             raise SystemExit(
@@ -425,7 +449,10 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
         "test_accuracy": torch.empty_like(plain["test_accuracy"]),
         "config": config,
     }
-    ckpt = ff.load_checkpoint(path, like=like)
+    try:
+        ckpt = ff.load_checkpoint(path, like=like)
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
     torch.set_rng_state(ckpt["torch_rng"])
     if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(ckpt["cuda_rng"])
@@ -469,6 +496,7 @@ def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: s
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps = [r["step"] for r in rows]
@@ -502,6 +530,7 @@ def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: s
     ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
     ax = axes[2]
     ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
     fig.suptitle(title)
     fig.tight_layout()

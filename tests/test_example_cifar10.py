@@ -138,6 +138,13 @@ def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
         run_fp16(tmp_path / "b", "--epochs", "2", "--lr", "0.01", "--resume", ckpt)
     with pytest.raises(SystemExit, match="no such file"):
         run_fp16(tmp_path / "b", "--resume", str(tmp_path / "missing.pt"))
+    # A checkpoint of something else, and a damaged file, are one-line errors too.
+    ff.save_checkpoint(tmp_path / "other.pt", {"w": torch.ones(2)})
+    with pytest.raises(SystemExit, match="not a checkpoint written by this example"):
+        run_fp16(tmp_path / "b", "--resume", str(tmp_path / "other.pt"))
+    (tmp_path / "torn.pt").write_bytes(Path(ckpt).read_bytes()[:1000])
+    with pytest.raises(SystemExit, match="error: --resume: .*torn.pt"):
+        run_fp16(tmp_path / "b", "--resume", str(tmp_path / "torn.pt"))
 
 
 def write_image_tree(root, sizes):
