@@ -244,8 +244,9 @@ def _sgd_states_ok(cfg: SGDConfig, opt_state: Any) -> bool:
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    # Same construction as functional_fp16.sgd: a float32 0-d tensor.
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    # A fill, not a host-to-device copy (no sync, capturable in CUDA graphs);
+    # the same value as functional_fp16.sgd builds.
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 def _inv_scale(loss_scale: Any) -> tuple[bool, torch.Tensor | None]:

@@ -1,0 +1,489 @@
+"""The FP16 optimiser step, side by side with the tools people use instead.
+
+For each parameter tree (the example CNN, a ResNet-18-shaped tree, one flat
+10M and one flat 100M tensor) every row performs one SGD-momentum step
+(lr 0.05, momentum 0.9) from the same parameters and the same gradients:
+
+=========================  ==========================================================
+row                        what one step does
+=========================  ==========================================================
+copy_ (bandwidth)          ``dst.copy_(src)`` in FP32: the measured copy bandwidth
+fp16_update eager          ``fp16_update(state, grads)``: pure, the default impl
+fp16_update donated        ``fp16_update(state, grads, donate=True)``
+fp16_update compiled       ``torch.compile(fp16_update, fullgraph=True)``, pure
+fp16_update compiled+don.  the same with ``donate=True``
+fp16_update reference      ``impl="reference"`` (the specification; not at 100M)
+GradScaler+SGD foreach     FP32 params/grads, ``SGD(foreach=True)``, ``GradScaler``
+GradScaler+SGD fused       FP32 params/grads, ``SGD(fused=True)``, ``GradScaler``
+apex FP16_Optimizer alg.   FP16 model params + FP32 master in stock PyTorch: copy
+                           grads to FP32, ``.item()`` overflow check per tensor,
+                           unscale, SGD step, copy master back to FP16
+torchopt.sgd               functional SGD on FP32 params (no loss scaling), pure
+optax.sgd + jmp (jit)      the JAX original: FP16 grads, FP32 master, jmp dynamic
+                           loss scale, ``jax.jit`` with donated state, on the CPU
+=========================  ==========================================================
+
+Every row reports the median time, the effective bandwidth at its stated bytes
+per parameter (the least memory traffic its algorithm needs), that bandwidth
+as a fraction of the measured copy bandwidth, and the peak resident-set growth
+during its calls. Rows take turns call by call, so background load hits them
+alike. Before timing, a numerical check runs every row for three steps plus an
+overflowing fourth from identical inputs and compares the resulting FP32
+master weights with ``fp16_update(impl="reference")``.
+
+Usage::
+
+    python benchmarks/bench_update.py                 # full run, markdown to stdout
+    python benchmarks/bench_update.py --out FILE.md   # also write the markdown
+    python benchmarks/bench_update.py --smoke         # seconds: agreement checks only
+
+``--no-tune-malloc`` keeps glibc's default allocator thresholds (see
+``functional_fp16.fast_update.tune_malloc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+import functional_fp16 as ff  # noqa: E402
+from functional_fp16.fast_update import tune_malloc  # noqa: E402
+
+LR = 0.05
+MOMENTUM = 0.9
+SCALE = 2.0**10
+RTOL = 1e-5  # agreement: |a - b| <= RTOL * max|reference| per tensor
+
+
+# -- parameter trees ------------------------------------------------------------------
+
+
+def _example_cnn_shapes() -> dict[str, tuple[int, ...]]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    try:
+        import cifar10_functional
+
+        net = cifar10_functional.Net()
+    finally:
+        sys.path.pop(0)
+    return {k: tuple(v.shape) for k, v in net.named_parameters()}
+
+
+def _resnet18_shapes() -> dict[str, tuple[int, ...]]:
+    import torchvision
+
+    with torch.device("meta"):
+        net = torchvision.models.resnet18()
+    return {k: tuple(v.shape) for k, v in net.named_parameters()}
+
+
+def trees(smoke: bool) -> dict[str, dict[str, tuple[int, ...]]]:
+    if smoke:
+        return {
+            "small tree": {
+                "conv.w": (8, 3, 3, 3),
+                "conv.b": (8,),
+                "fc.w": (10, 72),
+                "flat": (4099,),
+                "s": (),
+            }
+        }
+    return {
+        "example CNN": _example_cnn_shapes(),
+        "ResNet-18 shapes": _resnet18_shapes(),
+        "flat 10M": {"w": (10_000_000,)},
+        "flat 100M": {"w": (100_000_000,)},
+    }
+
+
+def make_inputs(shapes, seed=0):
+    """FP32 initial params, and four steps of scaled FP16 grads (the last one overflowing)."""
+    g = torch.Generator().manual_seed(seed)
+    p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
+    grads = []
+    for step in range(4):
+        gs = {k: (torch.randn(s, generator=g) * 1e-2 * SCALE).half() for k, s in shapes.items()}
+        if step == 3:
+            first = next(iter(gs))
+            gs[first].view(-1)[0] = math.inf
+        grads.append(gs)
+    return p0, grads
+
+
+# -- rows -----------------------------------------------------------------------------
+
+
+class Row:
+    """One way of doing the step. ``step(i)`` consumes the gradients of step ``i``."""
+
+    name = ""
+    bytes_per_param = 0
+    supports_skip = True
+
+    def __init__(self, p0, grads):
+        raise NotImplementedError
+
+    def prepare(self, i: int) -> None:  # untimed, before each timed step
+        pass
+
+    def step(self, i: int) -> None:
+        raise NotImplementedError
+
+    def master(self) -> list[torch.Tensor]:
+        """The FP32 weights after the steps so far, in the tree's key order."""
+        raise NotImplementedError
+
+
+class Copy(Row):
+    name = "copy_ (bandwidth)"
+    bytes_per_param = 8
+    supports_skip = False
+
+    def __init__(self, p0, grads):
+        self.src = [v.clone() for v in p0.values()]
+        self.dst = [torch.empty_like(v) for v in self.src]
+
+    def step(self, i):
+        torch._foreach_copy_(self.dst, self.src)
+
+    def master(self):
+        return None
+
+
+class FP16Update(Row):
+    bytes_per_param = 22
+
+    def __init__(self, p0, grads, *, impl="auto", donate=False, compiled=False, name=""):
+        self.name = name
+        self.grads = grads
+        self.keys = list(p0)
+        self.state = ff.fp16_init(
+            p0, ff.sgd(LR, momentum=MOMENTUM), ff.DynamicLossScale(SCALE, growth_interval=10**6)
+        )
+
+        def update(state, g):
+            return ff.fp16_update(state, g, impl=impl, donate=donate)
+
+        self.update = torch.compile(update, fullgraph=True) if compiled else update
+
+    def step(self, i):
+        self.state = self.update(self.state, self.grads[i])
+
+    def master(self):
+        return [self.state.master[k] for k in self.keys]
+
+
+class GradScalerSGD(Row):
+    bytes_per_param = 28
+
+    def __init__(self, p0, grads, *, fused, name):
+        self.name = name
+        self.params = [torch.nn.Parameter(v.clone()) for v in p0.values()]
+        self.grads32 = [[g.float() for g in gs.values()] for gs in grads]
+        kw = {"fused": True} if fused else {"foreach": True}
+        self.opt = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM, **kw)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**6)
+        self.scaler.scale(torch.ones(()))  # the scaler creates its state lazily here
+
+    def prepare(self, i):
+        # Stands in for backward(): fresh scaled FP32 gradients in .grad.
+        for p, g in zip(self.params, self.grads32[i]):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    def step(self, i):
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+    def master(self):
+        return [p.detach() for p in self.params]
+
+
+class ApexAlgorithm(Row):
+    """apex's FP16_Optimizer + DynamicLossScaler, written out in stock PyTorch."""
+
+    name = "apex FP16_Optimizer alg."
+    bytes_per_param = 40
+
+    def __init__(self, p0, grads):
+        self.model = [torch.nn.Parameter(v.half()) for v in p0.values()]
+        self.master_params = [torch.nn.Parameter(v.clone()) for v in p0.values()]
+        for m in self.master_params:
+            m.grad = torch.zeros_like(m)
+        self.opt = torch.optim.SGD(self.master_params, lr=LR, momentum=MOMENTUM, foreach=True)
+        self.grads = [list(gs.values()) for gs in grads]
+        self.scale = SCALE
+
+    def prepare(self, i):
+        for p, g in zip(self.model, self.grads[i]):
+            p.grad = g  # stands in for backward() on the FP16 model
+
+    def step(self, i):
+        # DynamicLossScaler.has_overflow: one host read per tensor.
+        for p in self.model:
+            s = float(p.grad.float().sum())
+            if s in (math.inf, -math.inf) or s != s:
+                self.scale /= 2.0
+                return
+        master_grads = [m.grad for m in self.master_params]
+        torch._foreach_copy_(master_grads, [p.grad for p in self.model])
+        torch._foreach_mul_(master_grads, 1.0 / self.scale)
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.model], self.master_params)
+
+    def master(self):
+        return [m.detach() for m in self.master_params]
+
+
+class TorchOpt(Row):
+    name = "torchopt.sgd (FP32, pure)"
+    bytes_per_param = 20
+    supports_skip = False
+
+    def __init__(self, p0, grads):
+        import torchopt
+
+        self.torchopt = torchopt
+        self.tx = torchopt.sgd(LR, momentum=MOMENTUM)
+        self.params = tuple(v.clone() for v in p0.values())
+        self.opt_state = self.tx.init(self.params)
+        inv = ff.unscale_factor(torch.tensor(SCALE))
+        self.grads = [tuple(g.float() * inv for g in gs.values()) for gs in grads]
+
+    def step(self, i):
+        updates, self.opt_state = self.tx.update(self.grads[i], self.opt_state, inplace=False)
+        self.params = self.torchopt.apply_updates(self.params, updates, inplace=False)
+
+    def master(self):
+        return list(self.params)
+
+
+class OptaxJmp(Row):
+    name = "optax.sgd + jmp (jax.jit, donated)"
+    bytes_per_param = 22
+
+    def __init__(self, p0, grads):
+        import jax
+        import jax.numpy as jnp
+        import jmp
+        import optax
+
+        self.jax = jax
+        tx = optax.sgd(LR, momentum=MOMENTUM)
+        self.keys = list(p0)
+        master = {k: jnp.asarray(v.numpy()) for k, v in p0.items()}
+        self.state = (
+            master,
+            tx.init(master),
+            jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master),
+            jmp.DynamicLossScale(jnp.float32(SCALE), period=10**6),
+        )
+        self.grads = [{k: jnp.asarray(v.numpy()) for k, v in gs.items()} for gs in grads]
+
+        def step(state, grads16):
+            master, opt_state, _, loss_scale = state
+            g = loss_scale.unscale(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), grads16))
+            finite = jmp.all_finite(g)
+            updates, new_opt = tx.update(g, opt_state, master)
+            new_master = optax.apply_updates(master, updates)
+            master = jmp.select_tree(finite, new_master, master)
+            opt_state = jmp.select_tree(finite, new_opt, opt_state)
+            params = jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master)
+            return master, opt_state, params, loss_scale.adjust(finite)
+
+        self.fn = jax.jit(step, donate_argnums=(0,))
+
+    def step(self, i):
+        self.state = self.fn(self.state, self.grads[i])
+        self.jax.block_until_ready(self.state)
+
+    def master(self):
+        import numpy as np
+
+        return [torch.from_numpy(np.asarray(self.state[0][k]).copy()) for k in self.keys]
+
+
+def row_factories(n_params: int, only: set[str] | None) -> list[Callable[..., Row]]:
+    rows: list[Callable[..., Row]] = [
+        Copy,
+        lambda p, g: FP16Update(p, g, name="fp16_update eager (pure)"),
+        lambda p, g: FP16Update(p, g, donate=True, name="fp16_update eager donated"),
+        lambda p, g: FP16Update(p, g, compiled=True, name="fp16_update compiled (pure)"),
+        lambda p, g: FP16Update(
+            p, g, compiled=True, donate=True, name="fp16_update compiled donated"
+        ),
+    ]
+    if n_params <= 20_000_000:
+        rows.append(lambda p, g: FP16Update(p, g, impl="reference", name="fp16_update reference"))
+    rows += [
+        lambda p, g: GradScalerSGD(p, g, fused=False, name="GradScaler+SGD(foreach) FP32"),
+        lambda p, g: GradScalerSGD(p, g, fused=True, name="GradScaler+SGD(fused) FP32"),
+        ApexAlgorithm,
+        TorchOpt,
+        OptaxJmp,
+    ]
+    return rows
+
+
+# -- running --------------------------------------------------------------------------
+
+
+def agreement(shapes) -> list[tuple[str, str, float]]:
+    """Runs every row through 3 finite steps and one overflow; compares with the reference."""
+    p0, grads = make_inputs(shapes)
+    n = sum(math.prod(s) for s in shapes.values())
+    ref = FP16Update(p0, grads, impl="reference", name="reference")
+    for i in range(4):
+        ref.step(i)
+    assert not bool(ref.state.grads_finite)
+    expected = ref.master()
+    results = []
+    for make in row_factories(n, None):
+        row = make(p0, grads)
+        got = None
+        if not isinstance(row, Copy):
+            for i in range(4):
+                if i == 3 and not row.supports_skip:
+                    continue
+                row.prepare(i)
+                row.step(i)
+            got = row.master()
+        if got is None:
+            results.append((row.name, "n/a", 0.0))
+            continue
+        worst = 0.0
+        for a, b in zip(got, expected):
+            scale = float(b.abs().max()) or 1.0
+            worst = max(worst, float((a.float() - b).abs().max()) / scale)
+        results.append((row.name, "PASS" if worst <= RTOL else "FAIL", worst))
+    return results
+
+
+def bench_tree(label, shapes, reps, warmup, mem_calls):
+    p0, grads = make_inputs(shapes)
+    n = sum(math.prod(s) for s in shapes.values())
+    rows = [make(p0, grads) for make in row_factories(n, None)]
+    # Steps cycle through the three finite gradient sets.
+    counters = {r.name: 0 for r in rows}
+
+    def call(r):
+        def run():
+            r.step(counters[r.name] % 3)
+
+        return run
+
+    def prep(r):
+        def run():
+            counters[r.name] += 1
+            r.prepare(counters[r.name] % 3)
+
+        return run
+
+    mem = {}
+    for r in rows:
+        r.prepare(0)
+        r.step(0)  # compile / first-call costs stay out of the memory and time numbers
+        grow = C.peak_growth(lambda r=r: (prep(r)(), call(r)()), mem_calls)
+        mem[r.name] = grow
+    times = C.time_interleaved(
+        {r.name: call(r) for r in rows},
+        reps=reps,
+        warmup=warmup,
+        prepare={r.name: prep(r) for r in rows},
+    )
+    copy_t = C.median(times[Copy.name])
+    copy_bw = 8 * n / copy_t
+    out = []
+    for r in rows:
+        t = C.median(times[r.name])
+        bw = r.bytes_per_param * n / t
+        out.append((r.name, t, r.bytes_per_param, bw, bw / copy_bw, mem[r.name]))
+    return n, len(shapes), out
+
+
+def markdown_table(label, n, n_tensors, results) -> str:
+    lines = [
+        f"### {label}: {n:,} parameters in {n_tensors} tensors",
+        "",
+        "| row | ms | bytes/param | GB/s | of copy BW | vs fused GradScaler | peak RSS growth |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    fused = next(t for name, t, *_ in results if "fused" in name)
+    for name, t, bpp, bw, frac, mem in results:
+        lines.append(
+            f"| {name} | {t * 1e3:.2f} | {bpp} | {bw / 1e9:.1f} | {frac:.0%} | "
+            f"{fused / t:.2f}x | {C.fmt_bytes(mem)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny trees, agreement checks only")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--mem-calls", type=int, default=3)
+    ap.add_argument("--only", default=None, help="comma-separated tree labels to run")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (and XLA's); 1 keeps shared machines' noise down",
+    )
+    ap.add_argument("--no-tune-malloc", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    args = ap.parse_args(argv)
+
+    C.set_threads(args.threads)
+    tuned = False if args.no_tune_malloc else tune_malloc()
+    all_trees = trees(args.smoke)
+    if args.only:
+        wanted = {s.strip() for s in args.only.split(",")}
+        all_trees = {k: v for k, v in all_trees.items() if k in wanted}
+    md = ["## Optimiser step", ""]
+    md.append("Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()))
+    md.append(f"glibc malloc thresholds raised (tune_malloc): {tuned}")
+    md.append("")
+    failed = False
+    for label, shapes in all_trees.items():
+        if label in ("example CNN", "small tree"):
+            md.append(
+                f"Agreement with `fp16_update(impl='reference')` on {label} "
+                f"(3 steps + 1 overflow; max |diff| / max |ref|, limit {RTOL:g}):"
+            )
+            md.append("")
+            for name, verdict, err in agreement(shapes):
+                md.append(f"- {verdict} {name}: {err:.2e}")
+                failed |= verdict == "FAIL"
+            md.append("")
+        if args.smoke:
+            continue
+        print(f"[bench] {label} ...", file=sys.stderr, flush=True)
+        n, n_tensors, results = bench_tree(label, shapes, args.reps, args.warmup, args.mem_calls)
+        md.append(markdown_table(label, n, n_tensors, results))
+        md.append("")
+        C.release_free_memory()
+    md.append(f"load average at the end: {C.machine_description()['load average (1, 5, 15 min)']}")
+    text = "\n".join(md)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
