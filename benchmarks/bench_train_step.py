@@ -6,7 +6,9 @@ dynamic loss scale 2**16):
 * ``functional eager`` — ``examples/cifar10_functional.make_train_step``: FP16
   parameters (FP32 master), computed in FP32 on the CPU as the example does,
   gradients through ``torch.func``, ``fp16_update``;
-* ``functional compiled`` — the same step under ``torch.compile(fullgraph=True)``;
+* ``functional eager (donate=True)`` — the same step with ``fp16_update(...,
+  donate=True)``;
+* ``functional compiled`` — the example's step under ``torch.compile(fullgraph=True)``;
 * ``imperative`` — the usual loop on an FP32 ``nn.Module``: ``zero_grad``,
   forward, ``scaler.scale(loss).backward()``, ``scaler.step(SGD(foreach=True))``,
   ``scaler.update()``. On the CPU the compute dtype is FP32 in both loops, so
@@ -40,7 +42,7 @@ import _common as C  # noqa: E402
 import cifar10_functional as ex  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16.bridge import split_module  # noqa: E402
+from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
 from functional_fp16.fast_update import tune_malloc  # noqa: E402
 from functional_fp16.policy import Policy  # noqa: E402
 
@@ -56,9 +58,34 @@ def _data(batch, steps, seed=0):
     return images, labels
 
 
+def _donating_train_step(model, policy):
+    """The example's train step with ``fp16_update(..., donate=True)``."""
+    apply = make_apply(model, train=True)
+
+    def loss_fn(params, buffers, images, labels):
+        logits, new_buffers = apply(
+            policy.cast_to_compute(params), buffers, ex.preprocess(images, policy.compute_dtype)
+        )
+        return F.cross_entropy(policy.cast_to_output(logits).float(), labels), new_buffers
+
+    grad_fn = scaled_grad_and_value(loss_fn, has_aux=True)
+
+    def train_step(state, buffers, images, labels):
+        grads, (loss, new_buffers) = grad_fn(
+            state.loss_scale, state.params, buffers, images, labels
+        )
+        scale = state.loss_scale.loss_scale
+        new_state = ff.fp16_update(state, grads, loss=loss, donate=True)
+        return new_state, new_buffers, ex.StepMetrics(loss, scale, ~new_state.grads_finite)
+
+    return train_step
+
+
 class Functional:
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, donate: bool = False):
         self.name = "functional compiled" if compiled else "functional eager"
+        if donate:
+            self.name += " (donate=True)"
         model = ex.build_model(10, seed=0)
         policy = Policy(torch.float16, torch.float32, torch.float32)
         params, self.buffers = split_module(model)
@@ -67,7 +94,7 @@ class Functional:
             ff.sgd(LR, momentum=MOMENTUM),
             ff.DynamicLossScale(INIT_SCALE),
         )
-        step = ex.make_train_step(model, policy)
+        step = _donating_train_step(model, policy) if donate else ex.make_train_step(model, policy)
         self.fn = torch.compile(step, fullgraph=True) if compiled else step
         self.losses = []
 
@@ -103,12 +130,16 @@ class Imperative:
 
 def smoke() -> int:
     images, labels = _data(8, 4)
-    rows = [Functional(False), Functional(True), Imperative()]
+    rows = [Functional(False), Functional(True), Imperative(), Functional(False, donate=True)]
     for i in range(4):
         for r in rows:
             r.step(images[i], labels[i])
     ok = True
-    eager, compiled, imperative = rows
+    eager, compiled, imperative, donated = rows
+    for name in eager.params():
+        if not torch.equal(eager.params()[name], donated.params()[name]):
+            print(f"FAIL eager pure vs donated params {name}")
+            ok = False
     for name in eager.params():
         a, b = eager.params()[name], compiled.params()[name]
         # Compiled kernels may round convolution sums differently (an FP16 ulp
@@ -117,7 +148,7 @@ def smoke() -> int:
             print(f"FAIL eager vs compiled params {name}: {float((a - b).abs().max()):.3e}")
             ok = False
     for i in range(4):
-        le, lc, li = (float(r.losses[i]) for r in rows)
+        le, lc, li = (float(r.losses[i]) for r in rows[:3])
         # FP16 parameters vs FP32 parameters: the losses agree to FP16 rounding.
         if abs(le - lc) > 1e-4 * abs(le) or abs(le - li) > 1e-2 * abs(li):
             print(f"FAIL step {i} losses: eager {le:.6f} compiled {lc:.6f} imperative {li:.6f}")
@@ -143,7 +174,7 @@ def main(argv=None) -> int:
 
     steps = args.warmup + args.reps + 1
     images, labels = _data(args.batch, steps)
-    rows = [Imperative(), Functional(False), Functional(True)]
+    rows = [Imperative(), Functional(False), Functional(False, donate=True), Functional(True)]
     for r in rows:  # the first call compiles; keep it out of the numbers
         r.step(images[0], labels[0])
     counter = {r.name: 0 for r in rows}

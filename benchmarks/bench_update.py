@@ -106,12 +106,12 @@ def trees(smoke: bool) -> dict[str, dict[str, tuple[int, ...]]]:
     }
 
 
-def make_inputs(shapes, seed=0):
-    """FP32 initial params, and four steps of scaled FP16 grads (the last one overflowing)."""
+def make_inputs(shapes, steps=4, seed=0):
+    """FP32 initial params and ``steps`` sets of scaled FP16 grads (the fourth overflowing)."""
     g = torch.Generator().manual_seed(seed)
     p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
     grads = []
-    for step in range(4):
+    for step in range(steps):
         gs = {k: (torch.randn(s, generator=g) * 1e-2 * SCALE).half() for k, s in shapes.items()}
         if step == 3:
             first = next(iter(gs))
@@ -372,46 +372,68 @@ def agreement(shapes) -> list[tuple[str, str, float]]:
     return results
 
 
-def bench_tree(label, shapes, reps, warmup, mem_calls):
-    p0, grads = make_inputs(shapes)
+def bench_tree(label, shapes, reps, warmup, mem_calls, interleave_max=20_000_000):
+    """Times every row on one tree.
+
+    Up to ``interleave_max`` parameters all rows live at once and take turns
+    call by call; above it (the 100M tree would need ~16 GB that way) each
+    row is built, measured and freed in turn.
+    """
     n = sum(math.prod(s) for s in shapes.values())
-    rows = [make(p0, grads) for make in row_factories(n, None)]
-    # Steps cycle through the three finite gradient sets.
-    counters = {r.name: 0 for r in rows}
+    interleave = n <= interleave_max
+    p0, grads = make_inputs(shapes, steps=3 if interleave else 1)
+    k = len(grads)
+    counters: dict[str, int] = {}
 
     def call(r):
         def run():
-            r.step(counters[r.name] % 3)
+            r.step(counters[r.name] % k)
 
         return run
 
     def prep(r):
         def run():
             counters[r.name] += 1
-            r.prepare(counters[r.name] % 3)
+            r.prepare(counters[r.name] % k)
 
         return run
 
-    mem = {}
-    for r in rows:
-        r.prepare(0)
-        r.step(0)  # compile / first-call costs stay out of the memory and time numbers
-        grow = C.peak_growth(lambda r=r: (prep(r)(), call(r)()), mem_calls)
-        mem[r.name] = grow
-    times = C.time_interleaved(
-        {r.name: call(r) for r in rows},
-        reps=reps,
-        warmup=warmup,
-        prepare={r.name: prep(r) for r in rows},
-    )
-    copy_t = C.median(times[Copy.name])
-    copy_bw = 8 * n / copy_t
+    def measure(rows):
+        mem = {}
+        for r in rows:
+            counters[r.name] = 0
+            r.prepare(0)
+            r.step(0)  # compile / first-call costs stay out of the memory and time numbers
+            mem[r.name] = C.peak_growth(lambda r=r: (prep(r)(), call(r)()), mem_calls)
+        times = C.time_interleaved(
+            {r.name: call(r) for r in rows},
+            reps=reps,
+            warmup=warmup,
+            prepare={r.name: prep(r) for r in rows},
+        )
+        return {r.name: (C.median(times[r.name]), r.bytes_per_param, mem[r.name]) for r in rows}
+
+    measured = {}
+    order = []
+    if interleave:
+        rows = [make(p0, grads) for make in row_factories(n, None)]
+        order = [r.name for r in rows]
+        measured = measure(rows)
+        del rows
+    else:
+        for make in row_factories(n, None):
+            row = make(p0, grads)
+            order.append(row.name)
+            measured.update(measure([row]))
+            del row
+            C.release_free_memory()
+    copy_bw = 8 * n / measured[Copy.name][0]
     out = []
-    for r in rows:
-        t = C.median(times[r.name])
-        bw = r.bytes_per_param * n / t
-        out.append((r.name, t, r.bytes_per_param, bw, bw / copy_bw, mem[r.name]))
-    return n, len(shapes), out
+    for name in order:
+        t, bpp, mem = measured[name]
+        bw = bpp * n / t
+        out.append((name, t, bpp, bw, bw / copy_bw, mem))
+    return n, len(shapes), out, interleave
 
 
 def markdown_table(label, n, n_tensors, results) -> str:
@@ -443,6 +465,12 @@ def main(argv=None) -> int:
         default=1,
         help="torch intra-op threads (and XLA's); 1 keeps shared machines' noise down",
     )
+    ap.add_argument(
+        "--interleave-max",
+        type=int,
+        default=20_000_000,
+        help="largest tree (params) whose rows are interleaved; bigger ones run row by row",
+    )
     ap.add_argument("--no-tune-malloc", action="store_true")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
@@ -472,8 +500,16 @@ def main(argv=None) -> int:
         if args.smoke:
             continue
         print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-        n, n_tensors, results = bench_tree(label, shapes, args.reps, args.warmup, args.mem_calls)
+        n, n_tensors, results, interleaved = bench_tree(
+            label, shapes, args.reps, args.warmup, args.mem_calls, args.interleave_max
+        )
         md.append(markdown_table(label, n, n_tensors, results))
+        md.append("")
+        md.append(
+            "(rows interleaved call by call)"
+            if interleaved
+            else "(rows measured one after another, to bound memory)"
+        )
         md.append("")
         C.release_free_memory()
     md.append(f"load average at the end: {C.machine_description()['load average (1, 5, 15 min)']}")
