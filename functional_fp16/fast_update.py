@@ -223,12 +223,13 @@ def _cached_sgd_config(tx: base.GradientTransformation) -> SGDConfig | None:
     return _CONFIG_CACHE[key]
 
 
-def _sgd_states_ok(cfg: SGDConfig, opt_state: Any) -> bool:
+def _sgd_states_ok(cfg: SGDConfig, opt_state: Any, spec: Any) -> bool:
+    """Whether ``opt_state`` is laid out as the recognised chain's state, trace shaped like ``spec``."""
     if not isinstance(opt_state, tuple) or len(opt_state) != cfg.lr_index + 1:
         return False
     for i, s in enumerate(opt_state):
         if i == cfg.trace_index:
-            if not isinstance(s, TraceState):
+            if not isinstance(s, TraceState) or tree_flatten(s.trace)[1] != spec:
                 return False
         elif i == cfg.lr_index and cfg.schedule is not None:
             if not isinstance(s, ScaleByScheduleState):
@@ -317,7 +318,7 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     # itself; the specialised kernel (and the closure inspection that selects
     # it) is for eager execution only.
     cfg = None if _compiling() or not known else _cached_sgd_config(state.tx)
-    if cfg is not None and not _sgd_states_ok(cfg, state.opt_state):
+    if cfg is not None and not _sgd_states_ok(cfg, state.opt_state, m_spec):
         cfg = None
     if known:
         finite = grads_finite(g_leaves, inv)

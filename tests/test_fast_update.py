@@ -285,3 +285,16 @@ def test_tune_malloc_is_an_explicit_opt_in():
     with pytest.raises(TypeError):
         fast_update.tune_malloc(1.5)
     assert fast_update.tune_malloc() in (True, False)
+
+
+def test_a_trace_of_another_structure_is_not_fed_to_the_kernel():
+    tx = ff.sgd(0.1, momentum=0.9)
+    state = ff.fp16_init(random_tree(0), tx)
+    wrong = ff.TraceState(trace={"x": torch.zeros(3)}, initialized=torch.tensor(False))
+    bad = state.replace(opt_state=(wrong, ff.EmptyState()))
+    cfg = fast_update.sgd_config(tx)
+    assert not fast_update._sgd_states_ok(cfg, bad.opt_state, tree_flatten(state.master)[1])
+    assert fast_update._sgd_states_ok(cfg, state.opt_state, tree_flatten(state.master)[1])
+    for impl in ("reference", "foreach"):
+        with pytest.raises(ValueError):
+            ff.fp16_update(bad, _grads(state, 0, 0), impl=impl)
