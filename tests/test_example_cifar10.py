@@ -297,3 +297,25 @@ def test_cuda_fp16_run_resumes_bit_identically(tmp_path, capsys):
         assert master.is_cuda and master.dtype == torch.float32
         assert torch.equal(master, resumed["state"].master[name]), name
     assert "Accuracy of the network on the 40 synthetic test images" in capsys.readouterr().out
+
+
+def test_train_step_traces_as_one_graph_for_compile():
+    # What --compile relies on: the whole step (casts, torch.func gradients,
+    # fp16_update) is one graph. The eager backend checks tracing without codegen.
+    args = example.parse_args(["--device", "cpu", "--compute-dtype", "fp32"])
+    policy = example.resolve_policy(args, torch.device("cpu"))
+    model = example.build_model(10, seed=0)
+    state, buffers = example.build_state(
+        model, policy, example.resolve_loss_scale(args, policy), args, torch.device("cpu")
+    )
+    step = example.make_train_step(model, policy)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (4,), generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    s1, _, m1 = compiled(state, buffers, images, labels)
+    s2, _, m2 = step(state, buffers, images, labels)
+    assert torch.equal(m1.loss, m2.loss) and torch.equal(m1.skipped, m2.skipped)
+    for name in s2.master:
+        assert torch.equal(s1.master[name], s2.master[name]), name
