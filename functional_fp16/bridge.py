@@ -217,9 +217,11 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
 
     The returned ``grad_fn(loss_scale, params, *args, **kwargs)`` calls
     ``loss_fn(params, *args, **kwargs)``, scales the loss with
-    ``loss_scale.scale`` (dynamic and static scales promote low-precision losses
-    to float32 first, so the product cannot overflow), differentiates with respect to ``params`` only
-    and returns ``(grads, (loss, aux))``:
+    ``loss_scale.scale`` (dynamic and static scales promote low-precision
+    losses to float32 first, so the product cannot overflow; a
+    :class:`~functional_fp16.NoOpLossScale` leaves the loss as it is),
+    differentiates with respect to ``params`` only and returns
+    ``(grads, (loss, aux))``:
 
     * ``grads`` — same tree, dtypes and devices as ``params`` (FP16 parameters
       give FP16 gradients of the *scaled* loss), which is exactly what
