@@ -37,6 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(2, os.path.dirname(HERE))  # the package, when not installed
 
 import _common as C  # noqa: E402
 import cifar10_functional as ex  # noqa: E402

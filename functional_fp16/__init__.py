@@ -13,6 +13,7 @@ from functional_fp16.checkpoint import (
 from functional_fp16.clipping import clip_by_global_norm, global_norm
 from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.distributed import agree_finite, all_reduce_mean, tree_all_reduce_mean
+from functional_fp16.fast_update import tune_malloc
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -77,6 +78,7 @@ __all__ = [
     "FP16State",
     "fp16_init",
     "fp16_update",
+    "tune_malloc",
     # the torch.func bridge
     "split_module",
     "make_apply",

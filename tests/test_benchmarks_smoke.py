@@ -56,10 +56,13 @@ def test_train_step_benchmark_loops_agree():
     assert "PASS train-step smoke" in proc.stdout
 
 
-def test_cuda_checks_script_runs_on_cpu():
+def test_cuda_checks_script_runs_on_cpu(tmp_path):
     # The GPU script's --device cpu mode exercises its code paths here; the
     # CUDA-only checks report SKIP.
-    proc = _run("cuda_checks.py", "--device", "cpu", "--smoke")
+    out = tmp_path / "cuda_checks.md"
+    proc = _run("cuda_checks.py", "--device", "cpu", "--smoke", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout, proc.stdout
     assert "PASS" in proc.stdout
+    summary = out.read_text()
+    assert "All checks passed." in summary and "| fp16_update compiled donated |" in summary
