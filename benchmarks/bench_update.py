@@ -8,6 +8,7 @@ For each parameter tree (the example CNN, a ResNet-18-shaped tree, one flat
 row                        what one step does
 =========================  ==========================================================
 copy_ (bandwidth)          ``dst.copy_(src)`` in FP32: the measured copy bandwidth
+add (3-stream bandwidth)   ``torch.add(a, b, out=c)`` in FP32, a second yardstick
 fp16_update eager          ``fp16_update(state, grads)``: pure, the default impl
 fp16_update donated        ``fp16_update(state, grads, donate=True)``
 fp16_update compiled       ``torch.compile(fp16_update, fullgraph=True)``, pure
@@ -156,6 +157,26 @@ class Copy(Row):
 
     def step(self, i):
         torch._foreach_copy_(self.dst, self.src)
+
+    def master(self):
+        return None
+
+
+class AddBandwidth(Row):
+    """A second bandwidth yardstick with three streams, like the optimisers' kernels."""
+
+    name = "add(a, b, out=c) (3-stream bandwidth)"
+    bytes_per_param = 12
+    supports_skip = False
+
+    def __init__(self, p0, grads):
+        self.a = [v.clone() for v in p0.values()]
+        self.b = [v.clone() for v in p0.values()]
+        self.c = [torch.empty_like(v) for v in self.a]
+
+    def step(self, i):
+        for a, b, c in zip(self.a, self.b, self.c):
+            torch.add(a, b, out=c)
 
     def master(self):
         return None
@@ -320,6 +341,7 @@ class OptaxJmp(Row):
 def row_factories(n_params: int, only: set[str] | None) -> list[Callable[..., Row]]:
     rows: list[Callable[..., Row]] = [
         Copy,
+        AddBandwidth,
         lambda p, g: FP16Update(p, g, name="fp16_update eager (pure)"),
         lambda p, g: FP16Update(p, g, donate=True, name="fp16_update eager donated"),
         lambda p, g: FP16Update(p, g, compiled=True, name="fp16_update compiled (pure)"),
@@ -355,7 +377,7 @@ def agreement(shapes) -> list[tuple[str, str, float]]:
     for make in row_factories(n, None):
         row = make(p0, grads)
         got = None
-        if not isinstance(row, Copy):
+        if not isinstance(row, (Copy, AddBandwidth)):
             for i in range(4):
                 if i == 3 and not row.supports_skip:
                     continue
