@@ -1,9 +1,8 @@
 """The fast implementation of :func:`~functional_fp16.fp16_update` (``impl="foreach"``).
 
-It computes exactly what the reference implementation in
-:mod:`functional_fp16.update` computes, with the same floating-point operations
-in the same order, so results are bitwise equal on the CPU. What changes is how
-the work is organised:
+It produces bitwise the results of the reference implementation in
+:mod:`functional_fp16.update` on the CPU: every value goes through the same
+roundings. What changes is how the work is organised:
 
 * The tree is flattened once; the hot path works on flat lists of tensors with
   PyTorch's multi-tensor ``torch._foreach_*`` operations, in place on buffers
@@ -12,16 +11,22 @@ the work is organised:
   reduction instead of ``isfinite(x).all()`` (about 20x faster on the CPU);
   see :func:`grads_finite`.
 * For the optimiser built by :func:`~functional_fp16.sgd` (recognised from the
-  code of its transforms, never guessed), the chain runs as one specialised
-  multi-tensor pass sequence that reuses its scratch buffers. Any other ``tx``
-  runs unchanged on the unscaled tree.
+  code of its transforms, never guessed; see :func:`sgd_config`), the chain
+  runs as a specialised multi-tensor sequence on exactly negated operands, and
+  a skipped step is made a no-op by zeroing the negated terms bitwise instead
+  of selecting with ``torch.where`` (two to three times the cost of an add).
+  Any other ``tx`` runs unchanged on the unscaled tree, followed by a select.
 * With ``donate=True`` the new master weights, momentum and FP16 parameters are
   written into the old state's tensors, like JAX's ``donate_argnums``.
 
-Under ``torch.compile`` the generic path is traced (functionally: no ``out=``,
-no scratch reuse) and Inductor fuses it into a reduction plus one pass over
-the parameters; donation then becomes a final ``copy_`` into the old
-buffers, which Inductor folds into that pass.
+Eager PyTorch offers no fused multiply-then-add that rounds twice (its fused
+kernels, ``addcmul``, ``add(alpha=)`` and the fused SGD, use FMA), so the exact
+eager path makes several passes over memory. Under ``torch.compile`` the
+generic path is traced (functionally: no ``out=``, no scratch reuse) and
+Inductor fuses it into one reduction over the FP16 gradients plus one pass
+over the parameters, the 22 bytes per parameter an SGD-momentum step needs;
+donation then becomes a final ``copy_`` into the old buffers, which Inductor
+folds into that pass.
 
 Large pure updates allocate fresh multi-megabyte tensors every step. With
 glibc's default ``malloc`` those are ``mmap``-ed and page-faulted anew each
