@@ -14,12 +14,24 @@ the state through it.
     python examples/cifar10_functional.py --download          # real CIFAR-10 into ./data
     python examples/cifar10_functional.py --dataset imagefolder --data-dir DIR
     python examples/cifar10_functional.py --dataset fake --epochs 1 --max-steps-per-epoch 20
+    torchrun --nproc-per-node 2 examples/cifar10_functional.py --distributed   # data parallel
 
 Outputs in ``--out-dir`` (default ``runs/cifar10``): ``metrics.jsonl`` (one line
 per step: step, epoch, loss, loss_scale, skipped, lr), ``summary.json``,
 ``training.png`` (loss and loss scale per step, test accuracy per epoch) and a
 checkpoint per epoch (``checkpoint_epoch_NNN.pt``); ``--resume`` continues from
 one so that the run ends bit-identical to an uninterrupted one.
+
+With ``--distributed`` (under ``torchrun``) the run is data-parallel:
+``--batch-size`` stays the global batch and each of the ``WORLD_SIZE`` ranks
+takes its ``batch-size / WORLD_SIZE`` share of every step's shuffled batch (the
+same permutation on every rank, so the ranks together see exactly the batches
+of a one-process run); the scaled FP16 gradients are averaged with
+``tree_all_reduce_mean`` and every rank applies the same ``fp16_update`` with
+``agree=agree_finite``, so the ranks stay bitwise identical and skip the same
+steps. Evaluation is split across the ranks too. Only rank 0 prints and writes
+metrics, plots, the summary and checkpoints; ``--resume`` reads the checkpoint
+on every rank (a shared file system, or a copy on every machine).
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cifar10_data  # noqa: E402  (the sibling module, importable from any working directory)
 
 import functional_fp16 as ff  # noqa: E402
+from functional_fp16 import distributed as ffd  # noqa: E402
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
 from functional_fp16.policy import Policy, default_loss_scale, get_policy  # noqa: E402
 
@@ -131,7 +144,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=10)
-    t.add_argument("--batch-size", type=int, default=128)
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="the global batch; with --distributed each rank takes batch-size / WORLD_SIZE of it",
+    )
     t.add_argument("--eval-batch-size", type=int, default=1000)
     t.add_argument("--lr", type=float, default=0.001)
     t.add_argument("--momentum", type=float, default=0.9)
@@ -190,6 +208,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="wrap the whole train step in torch.compile(fullgraph=True)",
     )
+    m.add_argument(
+        "--distributed",
+        action="store_true",
+        help="data-parallel over the processes started by torchrun (gloo on CPU, NCCL on CUDA)",
+    )
 
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default="runs/cifar10")
@@ -225,6 +248,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--lr must be finite and >= 0, got {args.lr}")
     if not (math.isfinite(args.momentum) and args.momentum >= 0):
         p.error(f"--momentum must be finite and >= 0, got {args.momentum}")
+    if args.distributed and args.compile:
+        p.error("--compile is not supported together with --distributed")
     if args.policy is not None:
         try:
             get_policy(args.policy)
@@ -319,8 +344,14 @@ def preprocess(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (images.to(torch.float32) * (2.0 / 255.0) - 1.0).to(dtype)
 
 
-def make_train_step(model: nn.Module, policy: Policy) -> Callable[..., Any]:
-    """``train_step(state, buffers, images, labels) -> (state, buffers, StepMetrics)``, pure."""
+def make_train_step(
+    model: nn.Module, policy: Policy, distributed: bool = False
+) -> Callable[..., Any]:
+    """``train_step(state, buffers, images, labels) -> (state, buffers, StepMetrics)``, pure.
+
+    With ``distributed`` the gradients (and the reported loss) are averaged over
+    the ranks and the overflow decision is agreed, so every rank takes the same step.
+    """
     apply = make_apply(model, train=True)
 
     def loss_fn(params, buffers, images, labels):
@@ -336,7 +367,12 @@ def make_train_step(model: nn.Module, policy: Policy) -> Callable[..., Any]:
         grads, (loss, new_buffers) = grad_fn(
             state.loss_scale, state.params, buffers, images, labels
         )
-        new_state = ff.fp16_update(state, grads, loss=loss)
+        agree = None
+        if distributed:
+            grads = ff.tree_all_reduce_mean(grads)  # scaled FP16 gradients, mean over ranks
+            loss = ff.tree_all_reduce_mean(loss.detach().float())
+            agree = ff.agree_finite
+        new_state = ff.fp16_update(state, grads, loss=loss, agree=agree)
         metrics = StepMetrics(
             loss=loss, loss_scale=state.loss_scale.loss_scale, skipped=~new_state.grads_finite
         )
@@ -360,12 +396,19 @@ def make_eval_step(model: nn.Module, policy: Policy) -> Callable[..., torch.Tens
 
 @torch.no_grad()
 def evaluate(eval_step, params, buffers, split: cifar10_data.Split, batch_size: int) -> float:
-    """Test accuracy in percent; one host synchronisation at the end."""
+    """Test accuracy in percent; one host synchronisation at the end.
+
+    Under ``--distributed`` each rank evaluates every ``WORLD_SIZE``-th batch and
+    the counts are summed, so every rank gets the accuracy of the whole split.
+    """
     n = split.labels.shape[0]
+    rank, world = ffd.get_rank(), ffd.get_world_size()
     correct = torch.zeros((), dtype=torch.int64, device=split.labels.device)
-    for start in range(0, n, batch_size):
+    for start in range(rank * batch_size, n, world * batch_size):
         sl = slice(start, start + batch_size)
         correct = correct + eval_step(params, buffers, split.images[sl], split.labels[sl])
+    if world > 1:
+        torch.distributed.all_reduce(correct)
     return 100.0 * correct.item() / n
 
 
@@ -563,10 +606,14 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
     epoch0, global_step = start["epoch"], start["global_step"]
     accuracies = list(start["accuracies"])
     data_rng = start["data_rng"]
-    rows = read_metrics(metrics_path, global_step) if epoch0 else []
-    with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    metrics_file = open(metrics_path, "a")
+    main_rank = ffd.is_main_process()  # only rank 0 writes files
+    rank, world = ffd.get_rank(), ffd.get_world_size()
+    per_rank = args.batch_size // world
+    rows = read_metrics(metrics_path, global_step) if epoch0 and main_rank else []
+    if main_rank:
+        with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    metrics_file = open(metrics_path, "a") if main_rank else open(os.devnull, "w")
 
     train_x = data.train.images.to(device)
     train_y = data.train.labels.to(device)
@@ -607,6 +654,8 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
         epoch_rows: list[dict] = []
 
         def flush() -> None:
+            if not main_rank:  # the other ranks never read their metrics back
+                pending.clear()
             if not pending:
                 return
             stacked = torch.stack(
@@ -647,6 +696,7 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
 
         for i in range(steps):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            idx = idx[rank * per_rank : (rank + 1) * per_rank]  # this rank's share
             state, buffers, m = train_step(state, buffers, train_x[idx], train_y[idx])
             if monitor is not None:
                 monitor.observe(state, m.loss)
@@ -665,18 +715,23 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
 
         acc = evaluate(eval_step, state.params, buffers, test, args.eval_batch_size)
         accuracies.append(acc)
-        mean_loss = sum(r["loss"] for r in epoch_rows) / len(epoch_rows)
-        skipped = sum(r["skipped"] for r in epoch_rows)
-        print(
-            f"epoch {epoch}/{args.epochs}: loss {mean_loss:.4f}, {label}test accuracy {acc:.2f} %, "
-            f"{images_per_s:.0f} images/s, loss scale {epoch_rows[-1]['loss_scale']:g}, "
-            f"{skipped} skipped steps",
-            flush=True,
-        )
+        if main_rank:
+            mean_loss = sum(r["loss"] for r in epoch_rows) / len(epoch_rows)
+            skipped = sum(r["skipped"] for r in epoch_rows)
+            print(
+                f"epoch {epoch}/{args.epochs}: loss {mean_loss:.4f}, {label}test accuracy "
+                f"{acc:.2f} %, {images_per_s:.0f} images/s, loss scale "
+                f"{epoch_rows[-1]['loss_scale']:g}, {skipped} skipped steps",
+                flush=True,
+            )
 
         tree = checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config)
-        ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
-        prune_checkpoints(out_dir, args.keep_checkpoints, epoch)
+        if world > 1:  # rank 0 writes; every rank returns once the file is complete
+            ffd.save_checkpoint_rank0(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+        else:
+            ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+        if main_rank:
+            prune_checkpoints(out_dir, args.keep_checkpoints, epoch)
     metrics_file.close()
 
     # Throughput over the epochs of this run; the first one includes warm-up
@@ -698,12 +753,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
     device = resolve_device(args.device)
+    info = None
+    if args.distributed:
+        info = ffd.init_from_env(device if device.type == "cpu" else None)
+        device = info.device
+        if args.batch_size % info.world_size:
+            raise SystemExit(
+                f"error: --batch-size {args.batch_size} must be divisible by WORLD_SIZE "
+                f"{info.world_size} (it is the global batch)"
+            )
+        if not info.is_main:  # rank 0 alone prints, shows progress and writes files
+            sys.stdout = open(os.devnull, "w")
+            args.no_progress = True
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
     policy = resolve_policy(args, device)
     loss_scale = resolve_loss_scale(args, policy)
+    if info is not None and args.download and not info.is_main:
+        torch.distributed.barrier()  # rank 0 downloads first
     try:
         data = cifar10_data.load_data(
             args.dataset,
@@ -718,11 +787,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
     except cifar10_data.DataError as err:
         raise SystemExit(f"error: {err}") from None
+    if info is not None and args.download and info.is_main:
+        torch.distributed.barrier()
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if ffd.is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
 
     model = build_model(len(data.classes), args.seed)
     state, buffers = build_state(model, policy, loss_scale, args, device)
+    if info is not None:  # every rank starts from rank 0's values (and shapes are checked)
+        state, buffers = ffd.broadcast_state((state, buffers))
     n_params = sum(p.numel() for p in state.params.values())
     kind = "SYNTHETIC data" if data.synthetic else data.source
     print(
@@ -735,8 +809,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{n_params} parameters, compile: {args.compile}",
         flush=True,
     )
+    if info is not None:
+        print(
+            f"distributed: {info.world_size} ranks ({info.backend}), global batch "
+            f"{args.batch_size} = {args.batch_size // info.world_size} per rank",
+            flush=True,
+        )
 
-    train_step = make_train_step(model, policy)
+    train_step = make_train_step(model, policy, distributed=info is not None)
     eval_step = make_eval_step(model, policy)
     if args.compile:
         train_step = torch.compile(train_step, fullgraph=True)
@@ -770,6 +850,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "policy": str(policy),
         "precision": args.precision,
         "compile": args.compile,
+        "world_size": ffd.get_world_size(),
+        "per_rank_batch": args.batch_size // ffd.get_world_size(),
         "epochs": args.epochs,
         "steps": result["global_step"],
         "test_accuracy_per_epoch": accuracies,
@@ -779,9 +861,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "final_loss_scale": float(result["state"].loss_scale.loss_scale),
         "skipped_steps": sum(1 for r in result["rows"] if r["skipped"]),
     }
-    with open(out_dir / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-    if not args.no_plot:
+    if ffd.is_main_process():
+        with open(out_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+    if not args.no_plot and ffd.is_main_process():
         title = f"{'SYNTHETIC data' if data.synthetic else data.source}, {policy}, {device}"
         plot_metrics(out_dir / "training.png", result["rows"], accuracies, title)
     print(f"training throughput: {result['images_per_s']:.0f} images/s ({device}, {policy})")
@@ -789,6 +872,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"Accuracy of the network on the {images}: {int(final)} %", flush=True)
     summary["state"] = result["state"]
     summary["buffers"] = result["buffers"]
+    if info is not None:
+        ffd.shutdown()
     return summary
 
 
