@@ -11,6 +11,7 @@ Errors that need no process group are checked in this process.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -425,3 +426,59 @@ def test_backend_follows_the_device():
 def test_all_reduce_mean_rejects_bad_configuration(kwargs, error):
     with pytest.raises(error):
         ffd.all_reduce_mean(**kwargs)
+
+
+# -- the CIFAR-10 example, data parallel -------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cifar10_functional.py"
+EXAMPLE_ARGS = [
+    "--dataset", "fake", "--fake-train-size", "256", "--fake-test-size", "64",
+    "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "3",
+    "--lr", "0.01", "--no-progress", "--no-plot", "--compute-dtype", "fp32",
+]  # fmt: skip
+EXAMPLE_TIMEOUT_S = 300  # an upper bound for a slow shared machine, not a timing assertion
+
+
+def _run_example(args: list[str], out_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, *args, "--out-dir", str(out_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.mark.slow
+def test_example_two_ranks_train_like_one_process(tmp_path):
+    one = _run_example([str(EXAMPLE), *EXAMPLE_ARGS], tmp_path / "one")
+    two = _run_example(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+         str(EXAMPLE), *EXAMPLE_ARGS, "--distributed"],
+        tmp_path / "two",
+    )  # fmt: skip
+    # Only rank 0 prints and writes.
+    assert two.stdout.count("epoch 1/1:") == 1
+    assert f"global batch 32 = {32 // WORLD} per rank" in two.stdout
+    assert "epoch 1/1:" in one.stdout
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == WORLD and summary["per_rank_batch"] == 32 // WORLD
+    # Evaluation is split over the ranks and the counts summed: the same accuracy.
+    ref_summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["test_accuracy_per_epoch"] == ref_summary["test_accuracy_per_epoch"]
+    rows = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    ref_rows = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3]
+    for row, ref in zip(rows, ref_rows, strict=True):
+        # The logged loss is the mean over the ranks: the whole batch's loss.
+        assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert row["loss_scale"] == ref["loss_scale"] and row["skipped"] == ref["skipped"]
+    ckpt = "checkpoint_epoch_001.pt"
+    state = ff.load_checkpoint(tmp_path / "two" / ckpt)["state"]
+    ref_state = ff.load_checkpoint(tmp_path / "one" / ckpt)["state"]
+    assert int(state["step"]) == 3
+    for k, want in ref_state["master"].items():
+        assert scaled_error(state["master"][k], want, torch.float16) <= 1.0, k
