@@ -4,25 +4,27 @@ Rows (batch ``--batch``, CIFAR-10-shaped random data, SGD lr 0.01 momentum 0.9,
 dynamic loss scale 2**16):
 
 * ``functional eager`` — ``examples/cifar10_functional.make_train_step``: FP16
-  parameters (FP32 master), computed in FP32 on the CPU as the example does,
+  parameters (FP32 master) computed in the ``--compute`` dtype (FP32 by
+  default; the example itself picks BF16 on CPUs with native BF16),
   gradients through ``torch.func``, ``fp16_update``;
 * ``functional eager (donate=True)`` — the same step with ``fp16_update(...,
   donate=True)``;
 * ``functional compiled`` — the example's step under ``torch.compile(fullgraph=True)``;
 * ``imperative`` — the usual loop on an FP32 ``nn.Module``: ``zero_grad``,
   forward, ``scaler.scale(loss).backward()``, ``scaler.step(SGD(foreach=True))``,
-  ``scaler.update()``. On the CPU the compute dtype is FP32 in both loops, so
-  ``autocast`` is left off (with an FP32 compute dtype it would change
-  nothing).
+  ``scaler.update()``. With ``--compute fp32`` (the default) ``autocast`` is
+  off, since with an FP32 compute dtype it would change nothing; with
+  ``--compute bf16`` the forward pass runs under ``autocast("cpu", bfloat16)``.
 
 Two more rows time forward + backward alone (no optimiser step) in each
 style, to separate the two costs. Both loops read the same uint8 images and
-labels; the rows take turns step by step. ``--smoke`` runs a few steps at batch 8 and checks that the three loops'
-losses agree and that the functional eager and compiled parameters agree.
+labels; the rows take turns step by step. ``--smoke`` runs a few steps at
+batch 8 (FP32) and checks that the loops' losses agree and that the
+functional eager, donated and compiled parameters agree.
 
 Usage::
 
-    python benchmarks/bench_train_step.py [--batch 128] [--reps 20] [--out FILE.md]
+    python benchmarks/bench_train_step.py [--batch 128] [--reps 20] [--compute fp32|bf16] [--out FILE.md]
     python benchmarks/bench_train_step.py --smoke
 """
 
@@ -48,6 +50,7 @@ from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_modu
 from functional_fp16.fast_update import tune_malloc  # noqa: E402
 from functional_fp16.policy import Policy  # noqa: E402
 
+COMPUTE = torch.float32  # --compute: the compute dtype of both loops
 LR = 0.01
 MOMENTUM = 0.9
 INIT_SCALE = 2.0**16
@@ -94,7 +97,7 @@ class Functional:
         if donate:
             self.name += " (donate=True)"
         model = ex.build_model(10, seed=0)
-        policy = Policy(torch.float16, torch.float32, torch.float32)
+        policy = Policy(torch.float16, COMPUTE, torch.float32)
         params, self.buffers = split_module(model)
         self.state = ff.fp16_init(
             params,
@@ -113,6 +116,11 @@ class Functional:
         return self.state.master
 
 
+def _autocast():
+    """``autocast`` to the compute dtype; off for FP32, where it would change nothing."""
+    return torch.autocast("cpu", dtype=COMPUTE, enabled=COMPUTE != torch.float32)
+
+
 class Imperative:
     name = "imperative GradScaler+SGD(foreach)"
 
@@ -125,7 +133,9 @@ class Imperative:
     def step(self, images, labels):
         self.opt.zero_grad(set_to_none=True)
         x = ex.preprocess(images, torch.float32)
-        loss = F.cross_entropy(self.model(x), labels)
+        with _autocast():
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float(), labels)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -142,7 +152,7 @@ class ForwardBackwardOnly:
         model = ex.build_model(10, seed=0)
         if functional:
             self.name = "functional forward+backward only"
-            policy = Policy(torch.float16, torch.float32, torch.float32)
+            policy = Policy(torch.float16, COMPUTE, torch.float32)
             params, self.buffers = split_module(model)
             self.state = ff.fp16_init(params, ff.sgd(LR, momentum=MOMENTUM))
             self.grad_fn = _grad_fn(model, policy)
@@ -156,7 +166,9 @@ class ForwardBackwardOnly:
             self.grad_fn(self.state.loss_scale, self.state.params, self.buffers, images, labels)
         else:
             self.model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(ex.preprocess(images, torch.float32)), labels)
+            with _autocast():
+                logits = self.model(ex.preprocess(images, torch.float32))
+            loss = F.cross_entropy(logits.float(), labels)
             (loss * INIT_SCALE).backward()
 
 
@@ -198,7 +210,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-tune-malloc", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--compute",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="compute dtype of both loops (bf16: imperative under autocast, functional policy)",
+    )
     args = ap.parse_args(argv)
+    global COMPUTE
+    COMPUTE = torch.bfloat16 if args.compute == "bf16" else torch.float32
     C.set_threads(args.threads)
     tuned = False if args.no_tune_malloc else tune_malloc()
     if args.smoke:
@@ -230,7 +250,7 @@ def main(argv=None) -> int:
     base = C.median(times[Imperative.name])
     base_fb = C.median(times["imperative forward+backward only"])
     md = [
-        f"### Training step, example CNN, batch {args.batch} (CPU, FP32 compute)",
+        f"### Training step, example CNN, batch {args.batch} (CPU, {args.compute.upper()} compute)",
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()),
         f"glibc malloc thresholds raised (tune_malloc): {tuned}",
