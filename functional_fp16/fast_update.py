@@ -458,7 +458,10 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
         torch._foreach_sub_(m_leaves, nu)  # m + update
         master = m_leaves
     else:
-        master = torch._foreach_sub(m_leaves, nu)
+        # The scratch buffers become the new master: one allocation fewer.
+        for m, x in zip(m_leaves, nu):
+            torch.sub(m, x, out=x)  # m + update
+        master = nu
     if cfg.schedule is not None:
         old = opt_state[cfg.lr_index].count
         new_lr_state = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, old))
