@@ -20,7 +20,8 @@ configuration carried alongside, not a leaf.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -83,7 +84,7 @@ class FP16State:
         self.grads_finite = grads_finite
         self.tx = tx
 
-    def replace(self, **changes: Any) -> "FP16State":
+    def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""
         fields = {name: getattr(self, name) for name in self.__slots__}
         unknown = set(changes) - set(fields)
@@ -116,9 +117,13 @@ def _check_params(params: PyTree) -> list[torch.Tensor]:
         raise ValueError("params is an empty tree: there is nothing to train")
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
+            raise TypeError(
+                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
+            )
         if not leaf.is_floating_point():
-            raise TypeError(f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}")
+            raise TypeError(
+                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
+            )
         if leaf.layout != torch.strided:
             raise TypeError(f"params{path}: expected a dense tensor, got layout {leaf.layout}")
     device = leaves[0].device
@@ -143,7 +148,9 @@ def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None
         return
     for path, m, w in zip(tree_paths(params), masters, works):
         if not bool(torch.isfinite(m).all()):
-            raise ValueError(f"params{path}: contains inf or NaN (in float32); initial parameters must be finite")
+            raise ValueError(
+                f"params{path}: contains inf or NaN (in float32); initial parameters must be finite"
+            )
         if not bool(torch.isfinite(w).all()):
             big = float(m.abs().max())
             warnings.warn(
@@ -157,7 +164,7 @@ def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None
 def fp16_init(
     params: PyTree,
     tx: GradientTransformation,
-    loss_scale: Optional[LossScale] = None,
+    loss_scale: LossScale | None = None,
     *,
     param_dtype: torch.dtype = torch.float16,
 ) -> FP16State:
@@ -211,13 +218,13 @@ def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
 
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
-UpdateImpl = Callable[[FP16State, PyTree, Optional[FiniteHook], bool], FP16State]
+UpdateImpl = Callable[[FP16State, PyTree, FiniteHook | None, bool], FP16State]
 """``impl(state, grads, decide, donate)``: ``decide`` (or ``None``) maps the local
 all-finite flag of the unscaled grads to the final apply/skip decision."""
 
 
 def _reference_update(
-    state: FP16State, grads: PyTree, decide: Optional[FiniteHook], donate: bool
+    state: FP16State, grads: PyTree, decide: FiniteHook | None, donate: bool
 ) -> FP16State:
     """The plain tree-map implementation; the specification the fast paths are tested against.
 
@@ -261,9 +268,9 @@ def fp16_update(
     grads: PyTree,
     *,
     impl: str = "auto",
-    loss: Optional[torch.Tensor] = None,
+    loss: torch.Tensor | None = None,
     donate: bool = False,
-    agree: Optional[FiniteHook] = None,
+    agree: FiniteHook | None = None,
 ) -> FP16State:
     r"""One mixed-precision optimiser step, as a pure function.
 
@@ -316,7 +323,7 @@ def fp16_update(
     return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
 
 
-def _decision(loss: Optional[torch.Tensor], agree: Optional[FiniteHook]) -> Optional[FiniteHook]:
+def _decision(loss: torch.Tensor | None, agree: FiniteHook | None) -> FiniteHook | None:
     """Combines the optional loss check and cross-replica agreement into one hook."""
     if loss is None and agree is None:
         return None
