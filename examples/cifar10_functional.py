@@ -819,6 +819,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     train_step = make_train_step(model, policy, distributed=info is not None)
     eval_step = make_eval_step(model, policy)
     if args.compile:
+        if device.type == "cuda":
+            # Inductor's loop reordering after fusion trips an internal
+            # assertion on this step with CUDA (seen with torch 2.11); the
+            # fused kernels are as fast without it.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.loop_ordering_after_fusion = False
         train_step = torch.compile(train_step, fullgraph=True)
 
     config = run_config(args, policy, data)
