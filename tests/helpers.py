@@ -1,8 +1,10 @@
-"""Small shared utilities for the tests: random trees and ulp distances."""
+"""Small shared utilities for the tests: random trees, float distances, a host-sync trap."""
 
+import contextlib
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SIZES = (1, 7, 8, 9, 64, 65)
 
@@ -51,3 +53,68 @@ def scaled_error(a: torch.Tensor, b: torch.Tensor) -> float:
     if magnitude == 0.0:
         return 0.0
     return float((a - b).abs().max()) / (torch.finfo(torch.float32).eps * magnitude)
+
+
+# Reading a tensor's value on the host, by method or by ATen operator.
+_METHODS = [
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__complex__",
+    "__index__",
+    "__array__",
+    "cpu",
+    "numpy",
+]
+
+_OPS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "allclose",
+    "nonzero",
+    "nonzero_static",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "repeat_interleave",
+    "argwhere",
+}
+
+
+class HostSync(AssertionError):
+    pass
+
+
+class _RefuseSyncOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _OPS:
+            raise HostSync(f"aten.{name} inside the update (host sync)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raises :class:`HostSync` on any value read-back inside the block."""
+    originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostSync(f"Tensor.{name} inside the update (host sync)")
+
+        return method
+
+    try:
+        for name in _METHODS:
+            setattr(torch.Tensor, name, refuse(name))
+        with _RefuseSyncOps():
+            yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)

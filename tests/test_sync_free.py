@@ -12,83 +12,18 @@ PyTorch is always one of these calls. The CUDA-only checks (sync debug mode,
 CUDA-graph capture) live in ``test_cuda.py``.
 """
 
-import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_map
 from functional_fp16.update import _IMPLEMENTATIONS
-from tests.helpers import random_tree
+from tests.helpers import HostSync, no_host_sync, random_tree
 
 IMPLS = sorted(_IMPLEMENTATIONS)
-
-_METHODS = [
-    "item",
-    "tolist",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__complex__",
-    "__index__",
-    "__array__",
-    "cpu",
-    "numpy",
-]
-
-_OPS = {
-    "_local_scalar_dense",
-    "is_nonzero",
-    "equal",
-    "allclose",
-    "nonzero",
-    "nonzero_static",
-    "masked_select",
-    "unique",
-    "_unique",
-    "_unique2",
-    "unique_consecutive",
-    "unique_dim",
-    "repeat_interleave",
-    "argwhere",
-}
-
-
-class HostSync(AssertionError):
-    pass
-
-
-class _RefuseSyncOps(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in _OPS:
-            raise HostSync(f"aten.{name} inside the update (host sync)")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Raises :class:`HostSync` on any value read-back inside the block."""
-    originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
-
-    def refuse(name):
-        def method(self, *args, **kwargs):
-            raise HostSync(f"Tensor.{name} inside the update (host sync)")
-
-        return method
-
-    try:
-        for name in _METHODS:
-            setattr(torch.Tensor, name, refuse(name))
-        with _RefuseSyncOps():
-            yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ The reference implementation is the specification; each faster implementation
 registered in ``functional_fp16.update._IMPLEMENTATIONS`` runs the same tests.
 """
 
-import contextlib
 import math
 
 import optree
@@ -13,7 +12,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16 import update as update_module
-from tests.helpers import random_tree, scaled_error
+from tests.helpers import no_host_sync, random_tree, scaled_error
 
 IMPLS = sorted(update_module._IMPLEMENTATIONS)
 NS = ff.NAMESPACE
@@ -252,44 +251,6 @@ def test_inputs_are_never_modified(impl):
         state = new
 
 
-_SYNC_METHODS = [
-    "item",
-    "tolist",
-    "__bool__",
-    "cpu",
-    "numpy",
-    "__int__",
-    "__float__",
-    "__index__",
-    "__len__",
-]
-
-
-@contextlib.contextmanager
-def forbid_host_sync():
-    originals = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
-
-    def make(name):
-        def refuse(self, *args, **kwargs):
-            raise AssertionError(f"Tensor.{name} called inside the update (host sync)")
-
-        return refuse
-
-    try:
-        for name in _SYNC_METHODS:
-            setattr(torch.Tensor, name, make(name))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
-
-
-def test_forbid_host_sync_catches_a_sync():
-    with forbid_host_sync(), pytest.raises(AssertionError, match="host sync"):
-        torch.ones(()).item()
-    assert torch.ones(()).item() == 1.0
-
-
 @pytest.mark.parametrize(
     "tx",
     [
@@ -308,7 +269,7 @@ def test_update_never_synchronises_with_the_host(impl, donate, tx):
     grads = [
         fp16_grads(state.params, seed=s, inject=(1, math.nan) if s == 1 else None) for s in range(4)
     ]
-    with forbid_host_sync():
+    with no_host_sync():
         for g in grads:
             state = update(state, g, impl, donate=donate, loss=torch.tensor(0.5))
     assert int(state.step) == 4
