@@ -46,13 +46,7 @@ class Tied(nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(tokens))))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small kernels: one thread avoids OpenMP oversubscription on busy machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch(n=8):

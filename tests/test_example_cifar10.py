@@ -18,13 +18,7 @@ from functional_fp16._tree import tree_leaves
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small kernels: one thread avoids OpenMP oversubscription on busy machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(name):

@@ -30,13 +30,7 @@ STEPS, BATCH, LR, MOMENTUM = 150, 64, 0.05, 0.9
 MARGIN = 0.02  # FP16 accuracy may trail FP32 by at most two points
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny kernels: one thread avoids OpenMP oversubscription on busy machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_task(seed=0):
