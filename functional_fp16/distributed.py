@@ -11,8 +11,10 @@ Two places to average, pick one:
 * **Before the update, on the raw gradients** (:func:`tree_all_reduce_mean`):
   the scaled FP16 gradients are averaged, in FP16 by default, which halves the
   bytes sent compared with FP32. Each value is divided by the world size
-  *before* the sum (``predivide_factor``), so the sum of values that were
-  finite cannot overflow the FP16 range. This is the usual data-parallel path
+  *before* the sum (``predivide_factor``), so the sum of finite values stays
+  within the FP16 range (up to the rounding of ``max / N`` when ``N`` is not
+  a power of two: a sum of values all at the FP16 maximum can still round to
+  inf, which only skips that step). This is the usual data-parallel path
   (DeepSpeed in FP16 mode reduces the FP16 gradients the same way, with its
   ``gradient_predivide_factor``). The
   averaged tree is identical on every rank, so every rank also reaches the
@@ -256,9 +258,18 @@ def _buckets(
     return buckets
 
 
-def _pack(leaves: list[torch.Tensor], indices: list[int], dtype: torch.dtype) -> torch.Tensor:
-    # torch.cat always allocates, so the inputs are never written to.
-    return torch.cat([leaves[i].reshape(-1).to(dtype) for i in indices])
+def _pack(
+    leaves: list[torch.Tensor], indices: list[int], dtype: torch.dtype, pre: float
+) -> torch.Tensor:
+    """One flat ``dtype`` buffer of ``fl(x / pre)``: divided in the leaf's dtype, then cast.
+
+    Dividing before the cast keeps FP32 leaves that exceed the FP16 range but
+    whose share ``x / pre`` fits from overflowing on the wire. ``torch.cat``
+    always allocates, so the inputs are never written to.
+    """
+    if pre == 1.0:
+        return torch.cat([leaves[i].reshape(-1).to(dtype) for i in indices])
+    return torch.cat([(leaves[i].reshape(-1) / pre).to(dtype) for i in indices])
 
 
 def _unpack(
@@ -328,8 +339,10 @@ def tree_all_reduce_mean(
       comm_dtype: the dtype sent over the wire; default each leaf's own dtype.
         Leaves are cast to it and the result back to their dtype.
       predivide_factor: :math:`f`. Default :math:`N` for FP16/BF16
-        communication (each term is at most ``max / N``, so a sum of finite
-        values cannot overflow; tiny values lose bits to underflow instead)
+        communication (each term is at most ``fl(max / N)``, so a sum of
+        finite values overflows only by rounding, when ``N`` is not a power
+        of two and the values sit at the FP16 maximum; tiny values lose bits
+        to underflow instead)
         and 1 otherwise (sum, then divide, as DDP does).
 
     Returns:
@@ -348,9 +361,7 @@ def tree_all_reduce_mean(
     for indices in _buckets(leaves, dtypes, bucket_bytes):
         dtype = dtypes[indices[0]]
         pre = predivide_factor or (float(world) if dtype in _LOW_PRECISION else 1.0)
-        flat = _pack(leaves, indices, dtype)
-        if pre != 1.0:
-            flat.div_(pre)
+        flat = _pack(leaves, indices, dtype, pre)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         pending.append((work, flat, indices, world / pre))
     out: list[Any] = [None] * len(leaves)
@@ -540,7 +551,7 @@ def broadcast_state(
     for indices in _buckets(tensors, dtypes, 2**62):
         dtype, device = dtypes[indices[0]], tensors[indices[0]].device
         if is_src:
-            flat = _pack(tensors, indices, dtype)
+            flat = _pack(tensors, indices, dtype, 1.0)
         else:
             flat = torch.empty(sum(tensors[i].numel() for i in indices), dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)

@@ -327,6 +327,9 @@ def scenario_buckets(rank: int, out: str) -> dict[str, Any]:
     big = {"g": torch.full((4,), 40000.0, dtype=torch.float16)}
     big_default = ffd.tree_all_reduce_mean(big)["g"]
     big_no_predivide = ffd.tree_all_reduce_mean(big, predivide_factor=1.0)["g"]
+    # FP32 values beyond the FP16 range whose halves fit: divided before the cast.
+    wide = {"g": torch.full((4,), 100000.0 if rank == 0 else 30000.0)}
+    wide_half_comm = ffd.tree_all_reduce_mean(wide, comm_dtype=torch.float16)["g"]
     return {
         "tree": _plain(tree),
         "before": _plain(before),
@@ -339,6 +342,7 @@ def scenario_buckets(rank: int, out: str) -> dict[str, Any]:
         "calls_small": many.calls,
         "big_default": big_default,
         "big_no_predivide": big_no_predivide,
+        "wide_half_comm": wide_half_comm,
     }
 
 

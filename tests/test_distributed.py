@@ -317,6 +317,12 @@ def test_fp16_predivide_keeps_the_sum_in_range(launch):
         # 40000 + 40000 overflows FP16 (max 65504); halving first does not.
         assert torch.equal(res["big_default"], torch.full((4,), 40000.0, dtype=torch.float16))
         assert torch.isinf(res["big_no_predivide"]).all()
+        # FP32 leaves sent as FP16: 100000 does not fit FP16, 100000 / 2 does.
+        wide = res["wide_half_comm"]
+        assert wide.dtype == torch.float32
+        halves = torch.tensor([50000.0, 15000.0]).half()  # each rank's share, on the wire
+        assert torch.equal(wide, halves.sum().float().expand(4))
+        assert torch.isfinite(wide).all()
 
 
 # -- checkpoints, rank checks, environment ----------------------------------------
