@@ -356,15 +356,18 @@ def _generic(state, g32, m_leaves, m_spec, finite, donate):
     u_leaves = tree_flatten(updates)[0]
     u_leaves = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(u_leaves, m_leaves)]
     stepped = torch._foreach_add(m_leaves, u_leaves)  # m + u, fresh tensors
-    if _compiling():
-        master = [torch.where(finite, s, m) for s, m in zip(stepped, m_leaves)]
-    else:
-        master = _select_into(finite, stepped, m_leaves, m_leaves if donate else stepped)
+    # The optimiser state is selected into fresh tensors *before* a donated
+    # master is overwritten: a transform may keep `params` (the old master)
+    # in its state.
     new_leaves, o_spec = tree_flatten(new_opt)
     old_leaves = tree_flatten(state.opt_state)[0]
     opt = tree_unflatten(
         o_spec, [torch.where(finite, n, o) for n, o in zip(new_leaves, old_leaves)]
     )
+    if _compiling():
+        master = [torch.where(finite, s, m) for s, m in zip(stepped, m_leaves)]
+    else:
+        master = _select_into(finite, stepped, m_leaves, m_leaves if donate else stepped)
     if donate and _compiling():
         master, opt = _donate_into(state, master, opt)
     return master, opt

@@ -320,6 +320,9 @@ def fp16_update(
         raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
+    # with ``create_graph``) are taken as values: no graph reaches the new state.
+    grads = tree_map(torch.Tensor.detach, grads)
     return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
 
 
@@ -332,7 +335,16 @@ def _decision(loss: torch.Tensor | None, agree: FiniteHook | None) -> FiniteHook
         if loss is not None:
             finite = finite & torch.isfinite(loss.detach()).all().to(finite.device)
         if agree is not None:
-            finite = agree(finite)
+            local = finite
+            finite = agree(local)
+            if (
+                not isinstance(finite, torch.Tensor)
+                or finite.ndim != 0
+                or finite.dtype != torch.bool
+                or finite.device != local.device
+            ):
+                got = describe_tensor(finite)
+                raise TypeError(f"agree must return a 0-d bool tensor on {local.device}, got {got}")
         return finite
 
     return decide

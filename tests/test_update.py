@@ -5,6 +5,7 @@ registered in ``functional_fp16.update._IMPLEMENTATIONS`` runs the same tests.
 """
 
 import math
+from typing import NamedTuple
 
 import optree
 import pytest
@@ -383,3 +384,62 @@ def test_bad_init_arguments():
         ff.fp16_init({"w": torch.zeros(2)}, ff.sgd(0.1), loss_scale=2.0**16)
     with pytest.raises(TypeError, match="param_dtype"):
         ff.fp16_init({"w": torch.zeros(2)}, ff.sgd(0.1), param_dtype=torch.int8)
+
+
+# --------------------------------------------------------------------------
+# Edges found in review: aliasing state, autograd history, the agree hook
+# --------------------------------------------------------------------------
+class _Prev(NamedTuple):
+    prev: dict
+
+
+def _remember_params() -> ff.GradientTransformation:
+    """A transform whose state is the params it was called with, kept without a copy."""
+
+    def init(params):
+        return _Prev(prev={k: v.clone() for k, v in params.items()})
+
+    def update(updates, state, params=None):
+        return updates, _Prev(prev=params)
+
+    return ff.GradientTransformation(init, update)
+
+
+def test_donation_keeps_state_that_aliases_the_old_master(impl, donate):
+    tx = ff.chain(_remember_params(), ff.sgd(0.5))
+    state = ff.fp16_init({"w": torch.ones(3)}, tx, ff.NoOpLossScale())
+    new = update(state, {"w": torch.ones(3, dtype=torch.float16)}, impl, donate=donate)
+    assert torch.equal(new.master["w"], torch.full((3,), 0.5))
+    # The transform saw the master before the step: 1.0, whatever the memory reuse.
+    assert torch.equal(new.opt_state[0].prev["w"], torch.ones(3))
+
+
+def test_grads_with_autograd_history_are_taken_as_values(impl, donate):
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    plain = fp16_grads(state.params, seed=3)
+    tracked = optree.tree_map(lambda g: g.float().requires_grad_() * 1.0, plain, namespace=NS)
+    tracked = optree.tree_map(lambda g: g.half(), tracked, namespace=NS)
+    assert all(g.requires_grad for g in leaves(tracked))
+    expected = update(state, plain, impl)
+    new = update(state, tracked, impl, donate=donate)
+    for a, b in zip(leaves(new), leaves(expected)):
+        assert not a.requires_grad
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "agree",
+    [
+        lambda f: f.to(torch.uint8),
+        lambda f: f.reshape(1),
+        lambda f: True,
+    ],
+    ids=["uint8", "shape-1", "python-bool"],
+)
+def test_agree_must_return_a_flag_and_leaves_the_state_untouched(impl, donate, agree):
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    state = update(state, fp16_grads(state.params, seed=0), impl)
+    keep = snapshot(state)
+    with pytest.raises(TypeError, match="agree must return a 0-d bool tensor"):
+        update(state, fp16_grads(state.params, seed=1), impl, donate=donate, agree=agree)
+    assert_leaves_equal(state, keep)
