@@ -137,7 +137,12 @@ class StuckScaleMonitor:
                 scale=state.loss_scale.loss_scale.detach().to(torch.float32),
             )
         applied = state.grads_finite
-        at_floor = prev.scale <= _floor(state)
+        if self.state is None:
+            # The scale this first step used is not known (only the one after
+            # it): count the step as at the floor only from the next one on.
+            at_floor = torch.zeros((), dtype=torch.bool, device=device)
+        else:
+            at_floor = prev.scale <= _floor(state)
         if loss is None:
             loss_bad = torch.zeros((), dtype=torch.bool, device=device)
             loss_value = prev.last_finite_loss

@@ -215,3 +215,19 @@ def test_the_cifar10_example_stops_with_the_stuck_scale_error(tmp_path, capsys):
         torch.set_num_threads(threads)
     assert "The last applied update was step 1" in str(info.value)
     assert not list(tmp_path.glob("checkpoint_epoch_*.pt"))  # stopped within the first epoch
+
+
+def test_a_first_step_that_backs_off_onto_the_floor_is_not_called_stuck():
+    """The first observed step may have used a larger scale than the one it left behind."""
+    state = ff.fp16_init(
+        {"w": torch.ones(2)}, ff.sgd(0.1), ff.DynamicLossScale(init_scale=2.0, min_scale=1.0)
+    )
+    monitor = ff.StuckScaleMonitor(patience=1)
+    bad = {"w": torch.tensor([float("inf"), 0.0], dtype=torch.float16)}
+    state = ff.fp16_update(state, bad)  # used 2, now at the floor 1
+    monitor.observe(state)
+    monitor.check()
+    state = ff.fp16_update(state, bad)  # used the floor: stuck
+    monitor.observe(state)
+    with pytest.raises(ff.StuckScaleError):
+        monitor.check()
