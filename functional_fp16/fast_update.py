@@ -327,7 +327,11 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
         cfg = None
     if known:
         finite = grads_finite(g_leaves, inv)
-        g32 = _unscale(g_leaves, inv, negate=cfg is not None)
+        # The SGD kernel works on negated gradients; with weight decay it
+        # negates after adding the decay, so that exact cancellations keep
+        # the reference's signed zero.
+        negate = cfg is not None and cfg.weight_decay is None
+        g32 = _unscale(g_leaves, inv, negate=negate)
     else:  # a loss scale this module does not know: use its own unscale
         g32 = tree_flatten(state.loss_scale.unscale(grads))[0]
         finite = torch.stack([torch.isfinite(g).all() for g in g32]).all()
@@ -411,7 +415,7 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
     r"""The SGD chain on flat lists, without a per-element select.
 
     ``nu`` holds the *negated* unscaled gradients :math:`-\hat g` in buffers
-    owned here. The chain's operations are performed on negated operands,
+    owned here (with weight decay, the plain ones, negated after the decay). The chain's operations are performed on negated operands,
     which is exact (rounding to nearest is symmetric, and :math:`a - (-b)`
     is :math:`a + b` by definition in IEEE 754), so every result is bitwise
     the reference's. A skipped step is made an exact no-op without
@@ -425,8 +429,11 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
         return m_leaves, opt_state
     like = nu[0]
     if cfg.weight_decay is not None:
-        # -(u + wd * m), the negation of torch.add(u, m, alpha=wd).
-        torch._foreach_add_(nu, m_leaves, alpha=-cfg.weight_decay)
+        # ``nu`` arrives un-negated here: torch.add(u, m, alpha=wd) exactly as
+        # the chain computes it, then the negation. Adding the negated terms
+        # instead would turn an exact cancellation's +0 into the wrong zero.
+        torch._foreach_add_(nu, m_leaves, alpha=cfg.weight_decay)
+        torch._foreach_neg_(nu)
     factor, new_lr_state = _lr_factor(cfg, opt_state, like)
     trace_state = None
     if cfg.trace_index is not None:
@@ -446,8 +453,13 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
             nb = torch._foreach_mul(b_leaves, keep)  # b * keep
         torch._foreach_sub_(nb, nu)  # b * keep + u (* take)
         if cfg.nesterov:
-            torch._foreach_add_(nu, nb, alpha=-cfg.momentum)  # -(u + mu * nb)
-            torch._foreach_mul_(nu, factor)  # -(out * lr)
+            # u + mu * nb computed on the plain operands, exactly as the chain
+            # does (a negated sum would give the wrong zero on an exact
+            # cancellation); products negate exactly, so the negation is
+            # folded into the learning-rate factor.
+            torch._foreach_neg_(nu)
+            torch._foreach_add_(nu, nb, alpha=cfg.momentum)  # out = u + mu * nb
+            torch._foreach_mul_(nu, -factor)  # -(out * lr)
         else:
             neg_factor = -factor
             for n, x in zip(nb, nu):

@@ -443,3 +443,29 @@ def test_agree_must_return_a_flag_and_leaves_the_state_untouched(impl, donate, a
     with pytest.raises(TypeError, match="agree must return a 0-d bool tensor"):
         update(state, fp16_grads(state.params, seed=1), impl, donate=donate, agree=agree)
     assert_leaves_equal(state, keep)
+
+
+def _bits(tree):
+    return [x.view(torch.int32) if x.dtype == torch.float32 else x for x in leaves(tree)]
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ff.sgd(0.1, weight_decay=0.5),
+        ff.sgd(0.1, momentum=0.9, weight_decay=0.5),
+        ff.sgd(0.1, momentum=0.5, nesterov=True, weight_decay=0.5),
+    ],
+    ids=["wd", "wd+momentum", "wd+nesterov"],
+)
+def test_exact_cancellations_keep_the_reference_signed_zeros(impl, tx):
+    """u + wd*m == 0 exactly (and -0.0 masters): every implementation keeps the same bits."""
+    master = torch.tensor([-0.0, -0.0, 0.0, 2.0, -2.0, 1.0])
+    grads = {"w": torch.tensor([0.0, -0.0, -0.0, -1.0, 1.0, 0.25], dtype=torch.float16)}
+    ref = ff.fp16_init({"w": master}, tx, ff.NoOpLossScale())
+    ours = ref
+    for _ in range(3):
+        ref = update(ref, grads, "reference")
+        ours = update(ours, grads, impl)
+        for a, b in zip(_bits(ours), _bits(ref)):
+            assert torch.equal(a, b)
