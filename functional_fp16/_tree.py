@@ -162,4 +162,9 @@ def check_like(
                 f"{name}{path}: device {leaf.device} does not match "
                 f"{reference_name}{path} device {ref.device}"
             )
+        if leaf.layout != ref.layout:
+            raise TypeError(
+                f"{name}{path}: layout {leaf.layout} does not match "
+                f"{reference_name}{path} layout {ref.layout} (sparse gradients are not supported)"
+            )
     return leaves

@@ -38,6 +38,11 @@ def apply_if_finite(
     :math:`n > \text{max\_consecutive\_errors}`; otherwise it outputs zeros and
     its state is left exactly as it was.
 
+    Inside :func:`~functional_fp16.fp16_update` this wrapper is redundant:
+    the update already skips non-finite steps and rolls back the whole
+    optimiser state, this wrapper's counters included. It is for chains used
+    on their own, as in optax.
+
     Args:
       inner: the transform to protect.
       max_consecutive_errors: how many consecutive bad updates to reject

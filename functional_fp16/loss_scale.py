@@ -129,10 +129,15 @@ class DynamicLossScale:
     the cadence of ``torch.amp.GradScaler`` and ``jmp.DynamicLossScale``. With
     ``hysteresis=1`` (the default) every overflow backs off. With ``h > 1`` the
     first ``h - 1`` overflows after a growth (or after the start) keep the scale;
-    the hysteresis counter refills only when the scale grows, as in
+    the hysteresis counter refills only when a growth interval completes (the
+    scale grows then, unless it already sits at ``max_scale``), as in
     Megatron-LM's ``DynamicGradScaler``, so after ``h`` overflows every further
     overflow backs off until the next growth. The overflowed steps themselves
     are always skipped by :func:`~functional_fp16.fp16_update`.
+
+    The scale lives in float32: products are rounded once to float32 and the
+    bounds apply as ``min_scale`` and ``max_scale`` rounded to float32 (the
+    same numbers for powers of two).
 
     Args:
       init_scale: starting scale, in ``[min_scale, max_scale]``.

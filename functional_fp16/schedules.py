@@ -168,6 +168,8 @@ def warmup_cosine_decay_schedule(
     if total <= warmup:
         raise ValueError(f"decay_steps ({total}) must exceed warmup_steps ({warmup})")
     end = _check_value("end_value", end_value)
+    if end > peak:
+        raise ValueError(f"end_value ({end}) must not exceed peak_value ({peak})")
     alpha = end / peak if peak > 0 else 0.0
     decay = cosine_decay_schedule(peak, total - warmup, alpha=alpha)
     if warmup == 0:

@@ -72,9 +72,10 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
         b_1 = g_1, \qquad b_t = \mu\, b_{t-1} + (1 - d)\, g_t \quad (t > 1)
 
     and the output is :math:`b_t`, or :math:`g_t + \mu\, b_t` with Nesterov.
-    The first buffer is the gradient itself, undampened, exactly as PyTorch
-    creates it; ``TraceState.initialized`` records whether that has happened,
-    so a state whose first step was skipped has no momentum yet.
+    The first buffer is the gradient itself, undampened, as PyTorch creates
+    it (bitwise, except that a gradient of -0.0 becomes +0.0);
+    ``TraceState.initialized`` records whether that has happened, so a state
+    whose first step was skipped has no momentum yet.
 
     Args:
       decay: momentum :math:`\mu \ge 0`.

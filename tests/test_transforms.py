@@ -210,6 +210,8 @@ def test_schedules_values():
         (lambda: ff.cosine_decay_schedule(0.1, 0), "decay_steps"),
         (lambda: ff.linear_schedule(-1.0, 0.0, 3), "init_value"),
         (lambda: ff.warmup_cosine_decay_schedule(0.0, 1.0, 10, 5), "decay_steps"),
+        (lambda: ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 50, end_value=0.5), "end_value"),
+        (lambda: ff.warmup_cosine_decay_schedule(0.0, 0.0, 10, 50, end_value=0.1), "end_value"),
     ],
 )
 def test_bad_hyperparameters_are_named(factory, match):

@@ -329,9 +329,14 @@ def test_state_flattens_to_tensors_and_rebuilds_with_its_tx():
             r"grads\['block'\]\.bias: device meta",
         ),
         (lambda p: {**p, "scalar": 1.0}, TypeError, r"grads\['scalar'\]: expected a tensor"),
+        (
+            lambda p: {**p, "block": p["block"]._replace(weight=p["block"].weight.to_sparse())},
+            TypeError,
+            r"grads\['block'\]\.weight: layout torch.sparse_coo",
+        ),
         (lambda p: [p], ValueError, "tree structure"),
     ],
-    ids=["structure", "shape", "dtype", "device", "not-a-tensor", "wrapped"],
+    ids=["structure", "shape", "dtype", "device", "not-a-tensor", "sparse", "wrapped"],
 )
 def test_bad_grads_are_named_and_state_is_untouched(impl, make_grads, error, match):
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
