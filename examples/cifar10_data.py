@@ -28,13 +28,14 @@ import functools
 import hashlib
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from functional_fp16.checkpoint import atomic_torch_save
 
 CACHE_VERSION = 1
 DATASETS = ("auto", "cifar10", "imagefolder", "fake")
@@ -159,17 +160,7 @@ def _fingerprint(samples: list[tuple[str, int]], root: Path, image_size: int) ->
 
 def _save_atomic(obj: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_torch_save(obj, path)
 
 
 def _decode_split(

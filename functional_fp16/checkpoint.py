@@ -67,6 +67,7 @@ from functional_fp16.update import FP16State
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "atomic_torch_save",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
@@ -292,13 +293,23 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
         "tensor_info": encoder.info,
         "checksum": _checksum(root, encoder.info, encoder.tensors),
     }
+    atomic_torch_save(payload, path)
+
+
+def atomic_torch_save(obj: Any, path: PathLike) -> None:
+    """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
+
+    A crash at any point leaves either the previous file at ``path`` or the new
+    one, never a partial file (a leftover ``.NAME.*.tmp`` may remain beside it).
+    """
+    path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
                 os.fchmod(f.fileno(), _file_mode(path))
-            torch.save(payload, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
