@@ -62,6 +62,7 @@ import torch
 
 from functional_fp16._tree import PyTree, describe_tensor
 from functional_fp16.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.update import _FIELDS as _STATE_FIELDS
 from functional_fp16.update import FP16State
 
 __all__ = [
@@ -83,23 +84,10 @@ VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-_STATE_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
+# kind: (class, tensor fields, configuration fields in config() order)
 _LOSS_SCALES: dict[str, tuple[type, tuple[str, ...], tuple[str, ...]]] = {
-    # kind: (class, tensor fields, configuration fields in config() order)
-    "DynamicLossScale": (
-        DynamicLossScale,
-        ("loss_scale", "growth_count", "hysteresis_count"),
-        (
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "min_scale",
-            "max_scale",
-            "hysteresis",
-        ),
-    ),
-    "StaticLossScale": (StaticLossScale, ("loss_scale",), ()),
-    "NoOpLossScale": (NoOpLossScale, ("loss_scale",), ()),
+    cls.__name__: (cls, cls.TENSOR_FIELDS, cls.CONFIG_FIELDS)
+    for cls in (DynamicLossScale, StaticLossScale, NoOpLossScale)
 }
 _VALUE_TYPES = (bool, int, float, str, type(None))
 

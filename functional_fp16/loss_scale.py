@@ -107,7 +107,41 @@ def _check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
-class DynamicLossScale:
+class _LossScaleBase:
+    """Pytree plumbing shared by the loss scales.
+
+    A subclass names its tensor leaves in ``TENSOR_FIELDS`` and its static
+    configuration in ``CONFIG_FIELDS``; flattening, rebuilding, device moves
+    and checkpoints all derive from these two tuples.
+    """
+
+    __slots__ = ()
+    TENSOR_FIELDS: tuple[str, ...] = ()
+    CONFIG_FIELDS: tuple[str, ...] = ()
+
+    def config(self) -> tuple[Any, ...]:
+        """The static configuration, as a hashable tuple in ``CONFIG_FIELDS`` order."""
+        return tuple(getattr(self, n) for n in self.CONFIG_FIELDS)
+
+    @classmethod
+    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> Any:
+        obj = object.__new__(cls)
+        for name, value in zip(cls.CONFIG_FIELDS, config, strict=True):
+            setattr(obj, name, value)
+        for name, value in zip(cls.TENSOR_FIELDS, tensors, strict=True):
+            setattr(obj, name, value)
+        return obj
+
+    def _replace(self, **tensors: torch.Tensor) -> Any:
+        values = tuple(tensors.get(n, getattr(self, n)) for n in self.TENSOR_FIELDS)
+        return self._from_parts(self.config(), values)
+
+    def to(self, device: torch.device | str) -> Any:
+        """A copy whose tensors live on ``device``."""
+        return self._replace(**{n: getattr(self, n).to(device) for n in self.TENSOR_FIELDS})
+
+
+class DynamicLossScale(_LossScaleBase):
     r"""Dynamic loss scale with optional Megatron-LM hysteresis.
 
     State (tensor leaves): ``loss_scale`` (0-d float32), ``growth_count`` (0-d
@@ -150,10 +184,8 @@ class DynamicLossScale:
       hysteresis: overflows tolerated before backing off, ``>= 1``.
     """
 
-    __slots__ = (
-        "loss_scale",
-        "growth_count",
-        "hysteresis_count",
+    TENSOR_FIELDS = ("loss_scale", "growth_count", "hysteresis_count")
+    CONFIG_FIELDS = (
         "growth_factor",
         "backoff_factor",
         "growth_interval",
@@ -161,6 +193,7 @@ class DynamicLossScale:
         "max_scale",
         "hysteresis",
     )
+    __slots__ = TENSOR_FIELDS + CONFIG_FIELDS
 
     def __init__(
         self,
@@ -203,52 +236,6 @@ class DynamicLossScale:
         self.loss_scale = torch.tensor(init_scale, dtype=torch.float32)
         self.growth_count = torch.tensor(0, dtype=torch.int32)
         self.hysteresis_count = torch.tensor(hysteresis, dtype=torch.int32)
-
-    # -- pytree plumbing -------------------------------------------------
-    def config(self) -> tuple[Any, ...]:
-        """The static configuration, as a hashable tuple."""
-        return (
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-            self.min_scale,
-            self.max_scale,
-            self.hysteresis,
-        )
-
-    @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> DynamicLossScale:
-        obj = object.__new__(cls)
-        (
-            obj.growth_factor,
-            obj.backoff_factor,
-            obj.growth_interval,
-            obj.min_scale,
-            obj.max_scale,
-            obj.hysteresis,
-        ) = config
-        obj.loss_scale, obj.growth_count, obj.hysteresis_count = tensors
-        return obj
-
-    def _replace(self, **tensors: torch.Tensor) -> DynamicLossScale:
-        current = {
-            "loss_scale": self.loss_scale,
-            "growth_count": self.growth_count,
-            "hysteresis_count": self.hysteresis_count,
-        }
-        current.update(tensors)
-        return self._from_parts(
-            self.config(),
-            (current["loss_scale"], current["growth_count"], current["hysteresis_count"]),
-        )
-
-    def to(self, device: torch.device | str) -> DynamicLossScale:
-        """A copy whose tensors live on ``device``."""
-        return self._replace(
-            loss_scale=self.loss_scale.to(device),
-            growth_count=self.growth_count.to(device),
-            hysteresis_count=self.hysteresis_count.to(device),
-        )
 
     def __repr__(self) -> str:
         return (
@@ -305,34 +292,21 @@ class DynamicLossScale:
         )
 
 
-class StaticLossScale:
+class StaticLossScale(_LossScaleBase):
     r"""A fixed loss scale :math:`s`; :meth:`adjust` returns it unchanged.
 
     Args:
       scale: the scale, finite and > 0.
     """
 
-    __slots__ = ("loss_scale",)
+    TENSOR_FIELDS = ("loss_scale",)
+    __slots__ = TENSOR_FIELDS
 
     def __init__(self, scale: float) -> None:
         scale = _check_scale_floor("scale", _check_positive_finite("scale", scale))
         self.loss_scale = torch.tensor(scale, dtype=torch.float32)
         if not torch.isfinite(self.loss_scale):
             raise ValueError(f"scale ({scale}) overflows float32")
-
-    def config(self) -> tuple[Any, ...]:
-        """The static configuration (none: the scale itself is a leaf)."""
-        return ()
-
-    @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> StaticLossScale:
-        obj = object.__new__(cls)
-        (obj.loss_scale,) = tensors
-        return obj
-
-    def to(self, device: torch.device | str) -> StaticLossScale:
-        """A copy whose tensor lives on ``device``."""
-        return self._from_parts((), (self.loss_scale.to(device),))
 
     def __repr__(self) -> str:
         return f"StaticLossScale(loss_scale={self.loss_scale!r})"
@@ -351,27 +325,14 @@ class StaticLossScale:
         return self
 
 
-class NoOpLossScale:
+class NoOpLossScale(_LossScaleBase):
     """A loss scale of one: :meth:`scale` is the identity, :meth:`unscale` casts to float32."""
 
-    __slots__ = ("loss_scale",)
+    TENSOR_FIELDS = ("loss_scale",)
+    __slots__ = TENSOR_FIELDS
 
     def __init__(self) -> None:
         self.loss_scale = torch.tensor(1.0, dtype=torch.float32)
-
-    def config(self) -> tuple[Any, ...]:
-        """The static configuration (none)."""
-        return ()
-
-    @classmethod
-    def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> NoOpLossScale:
-        obj = object.__new__(cls)
-        (obj.loss_scale,) = tensors
-        return obj
-
-    def to(self, device: torch.device | str) -> NoOpLossScale:
-        """A copy whose tensor lives on ``device``."""
-        return self._from_parts((), (self.loss_scale.to(device),))
 
     def __repr__(self) -> str:
         return "NoOpLossScale()"
@@ -410,19 +371,13 @@ def _as_flag(grads_finite: Any, device: torch.device) -> torch.Tensor:
     return grads_finite
 
 
-_FIELDS = {
-    DynamicLossScale: ("loss_scale", "growth_count", "hysteresis_count"),
-    StaticLossScale: ("loss_scale",),
-    NoOpLossScale: ("loss_scale",),
-}
-
-for _cls, _names in _FIELDS.items():
+for _cls in (DynamicLossScale, StaticLossScale, NoOpLossScale):
     optree.register_pytree_node(
         _cls,
-        lambda obj, _names=_names: (
-            tuple(getattr(obj, n) for n in _names),
+        lambda obj: (
+            tuple(getattr(obj, n) for n in obj.TENSOR_FIELDS),
             obj.config(),
-            _names,
+            obj.TENSOR_FIELDS,
         ),
         lambda config, children, _cls=_cls: _cls._from_parts(config, children),
         path_entry_type=optree.GetAttrEntry,
