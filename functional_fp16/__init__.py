@@ -39,7 +39,7 @@ from functional_fp16.sgd import (
     trace,
 )
 from functional_fp16.stuck_scale import StuckScaleError, StuckScaleMonitor, StuckScaleState
-from functional_fp16.update import FP16State, fp16_init, fp16_update
+from functional_fp16.update import FP16State, fp16_init, fp16_update, update_path
 
 __version__ = "0.1.0"
 
@@ -78,6 +78,7 @@ __all__ = [
     "FP16State",
     "fp16_init",
     "fp16_update",
+    "update_path",
     "tune_malloc",
     # the torch.func bridge
     "split_module",

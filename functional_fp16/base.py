@@ -15,11 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
 
 __all__ = [
     "GradientTransformation",
     "EmptyState",
+    "ChainSpec",
     "identity",
     "chain",
     "apply_updates",
@@ -30,13 +33,27 @@ UpdateFn = Callable[..., tuple[PyTree, Any]]
 
 
 class GradientTransformation(NamedTuple):
-    """A pure ``(init, update)`` pair.
+    """A pure ``(init, update)`` pair, and optionally what it computes, as data.
 
     ``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``.
+
+    ``spec`` declares the transform's rule and hyperparameters (for example
+    :class:`~functional_fp16.sgd.TraceSpec`), so that
+    :func:`~functional_fp16.fp16_update` can run a chain of declared transforms
+    as one fused kernel (see :func:`~functional_fp16.update_path`). ``None``
+    (the default, and what user-written transforms have) means "run
+    ``update`` as it is".
     """
 
     init: InitFn
     update: UpdateFn
+    spec: Any = None
+
+
+class ChainSpec(NamedTuple):
+    """The declared form of :func:`chain`: the specs of its parts, in order."""
+
+    parts: tuple[Any, ...]
 
 
 class EmptyState(NamedTuple):
@@ -54,7 +71,7 @@ def identity() -> GradientTransformation:
         del params
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ChainSpec(()))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -91,11 +108,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ChainSpec(tuple(t.spec for t in transforms)))
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    r"""Returns :math:`p + u` for every leaf, in the dtype of :math:`p`.
+    r"""Returns :math:`\operatorname{fl}_p(p + u)` for every leaf: the sum in the
+    promoted dtype, rounded once to the dtype of :math:`p` (as optax does).
 
     Args:
       params: the tree of parameters.
@@ -106,5 +124,5 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """
     p_leaves, spec = tree_flatten(params)
     u_leaves = check_same_structure(params, updates, name="updates", reference_name="params")
-    out = [p + u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+    out = [torch.add(p, u).to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
     return tree_unflatten(spec, out)

@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
 
-__all__ = ["global_norm", "clip_by_global_norm"]
+__all__ = ["global_norm", "clip_by_global_norm", "ClipSpec"]
+
+
+class ClipSpec(NamedTuple):
+    """Declared form of :func:`clip_by_global_norm`."""
+
+    max_norm: float
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
     r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \sum_j x_{ij}^2}`.
 
-    Computed in float32 whatever the leaves' dtype (an FP16 square overflows
-    above about 256). Returns a 0-d float32 tensor.
+    Each element is taken as a float32 value (an FP16 square overflows above
+    about 256); squares and sums are formed in float64, where every square of
+    a float32 is exact, so the result hardly depends on the summation order,
+    and the root is rounded once to float32. The fused update computes the same
+    sum in its own order and almost always gets the same float32 norm. Returns
+    a 0-d float32 tensor.
     """
     leaves = tree_flatten(tree)[0]
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    sq = [torch.sum(torch.square(x.float())) for x in leaves]
-    return torch.sqrt(torch.stack(sq).sum())
+    sq = [torch.sum(torch.square(x.float().double())) for x in leaves]
+    return torch.sqrt(torch.stack(sq).sum()).float()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -60,4 +71,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         out = [(u / divisor.to(u.dtype)) * factor.to(u.dtype) for u in leaves]
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, ClipSpec(max_norm))

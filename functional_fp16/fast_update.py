@@ -1,6 +1,9 @@
-"""The fast implementation of :func:`~functional_fp16.fp16_update` (``impl="foreach"``).
+"""The multi-tensor implementation of :func:`~functional_fp16.fp16_update` (``impl="foreach"``).
 
-It produces bitwise the results of the reference implementation in
+It runs wherever the fused kernel (:mod:`functional_fp16.fused_update`) does
+not: for optimisers that are not a fusable SGD chain, under ``torch.compile``,
+on devices without a kernel, and where no C compiler is available. It produces
+bitwise the results of the reference implementation in
 :mod:`functional_fp16.update` on the CPU: every value goes through the same
 roundings. What changes is how the work is organised:
 
@@ -10,8 +13,8 @@ roundings. What changes is how the work is organised:
 * The all-finite test reads the low-precision gradients once, with a min/max
   reduction instead of ``isfinite(x).all()`` (about 20x faster on the CPU);
   see :func:`grads_finite`.
-* For the optimiser built by :func:`~functional_fp16.sgd` (recognised from the
-  code of its transforms, never guessed; see :func:`sgd_config`), the chain
+* For a chain that declares itself an SGD step without clipping
+  (:func:`~functional_fp16.sgd_plan.sgd_plan`), the chain
   runs as a specialised multi-tensor sequence on exactly negated operands, and
   a skipped step is made a no-op by zeroing the negated terms bitwise instead
   of selecting with ``torch.where`` (two to three times the cost of an add).
@@ -38,31 +41,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
 import sys
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from functional_fp16 import base
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.base import EmptyState
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
     unscale_factor,
 )
-from functional_fp16.sgd import (
-    ScaleByScheduleState,
-    TraceState,
-    add_decayed_weights,
-    scale_by_learning_rate,
-    trace,
-)
+from functional_fp16.sgd import ScaleByScheduleState, TraceState
+from functional_fp16.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
 
-__all__ = ["foreach_update", "grads_finite", "sgd_config", "SGDConfig", "tune_malloc"]
+__all__ = ["foreach_update", "grads_finite", "tune_malloc"]
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -105,143 +99,6 @@ def grads_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> t
     if inv_scale is not None:
         peak = peak * inv_scale
     return torch.isfinite(peak)
-
-
-# ---------------------------------------------------------------------------
-# Recognising the SGD chain.
-# ---------------------------------------------------------------------------
-
-
-class SGDConfig(NamedTuple):
-    """The hyperparameters of a chain built by :func:`~functional_fp16.sgd`.
-
-    ``lr`` is a float for a constant learning rate, or ``None`` with the
-    schedule in ``schedule``; ``sign`` is the factor applied to it (-1 for
-    descent). Positions say where each part's state sits in the chain state.
-    """
-
-    weight_decay: float | None  # None when the chain has no add_decayed_weights
-    momentum: float  # 0.0 when the chain has no trace
-    nesterov: bool
-    dampening: float
-    lr: float | None
-    schedule: Callable[[torch.Tensor], torch.Tensor] | None
-    sign: float
-    trace_index: int | None  # index of TraceState in the chain state
-    lr_index: int  # index of the learning-rate transform's state (the last one)
-
-
-def _closure_vars(fn: Callable[..., Any]) -> dict[str, Any]:
-    code = fn.__code__
-    cells = fn.__closure__ or ()
-    out = {}
-    for name, cell in zip(code.co_freevars, cells):
-        try:
-            out[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            return {}
-    return out
-
-
-def _codes(tx: base.GradientTransformation) -> tuple[Any, Any]:
-    return tx.init.__code__, tx.update.__code__
-
-
-_CHAIN = _codes(base.chain(base.identity()))
-_WD = _codes(add_decayed_weights(0.0))
-_TRACE = _codes(trace(0.5))
-_LR_CONST = _codes(scale_by_learning_rate(1.0))
-_LR_SCHEDULE = _codes(scale_by_learning_rate(lambda count: count.float()))
-
-
-def _is(tx: Any, codes: tuple[Any, Any]) -> bool:
-    try:
-        return _codes(tx) == codes
-    except AttributeError:
-        return False
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, float) and math.isfinite(value)
-
-
-def sgd_config(tx: base.GradientTransformation) -> SGDConfig | None:
-    """The :class:`SGDConfig` of ``tx`` if it is a chain built like :func:`~functional_fp16.sgd`.
-
-    ``tx`` must be ``chain([add_decayed_weights(wd)], [trace(...)],
-    scale_by_learning_rate(lr))``, recognised by the identity of the code of
-    each function (so closures made by the library's own factories only) and
-    with every closed-over hyperparameter read back and type-checked. Anything
-    else returns ``None`` and is run as a generic transformation.
-    """
-    if not isinstance(tx, base.GradientTransformation) or not _is(tx, _CHAIN):
-        return None
-    transforms = _closure_vars(tx.update).get("transforms")
-    if not isinstance(transforms, tuple) or not transforms:
-        return None
-    if _closure_vars(tx.init).get("transforms") is not transforms:
-        return None
-    parts = list(transforms)
-    wd, momentum, nesterov, dampening, trace_index = None, 0.0, False, 0.0, None
-    index = 0
-    if _is(parts[index], _WD):
-        wd = _closure_vars(parts[index].update).get("wd")
-        if not _real(wd):
-            return None
-        index += 1
-    if index < len(parts) and _is(parts[index], _TRACE):
-        cv = _closure_vars(parts[index].update)
-        momentum, nesterov, dampening = cv.get("decay"), cv.get("nesterov"), cv.get("dampening")
-        if not (_real(momentum) and _real(dampening) and isinstance(nesterov, bool)):
-            return None
-        trace_index = index
-        index += 1
-    if index != len(parts) - 1:
-        return None
-    lr_tx = parts[index]
-    if _is(lr_tx, _LR_CONST):
-        cv = _closure_vars(lr_tx.update)
-        lr, sign, schedule = cv.get("lr"), cv.get("sign"), None
-        if not _real(lr):
-            return None
-    elif _is(lr_tx, _LR_SCHEDULE):
-        cv = _closure_vars(lr_tx.update)
-        lr, sign, schedule = None, cv.get("sign"), cv.get("schedule")
-        if not callable(schedule):
-            return None
-    else:
-        return None
-    if sign not in (1.0, -1.0):
-        return None
-    return SGDConfig(wd, momentum, nesterov, dampening, lr, schedule, sign, trace_index, index)
-
-
-_CONFIG_CACHE: dict[tuple[Any, Any], SGDConfig | None] = {}
-
-
-def _cached_sgd_config(tx: base.GradientTransformation) -> SGDConfig | None:
-    key = (tx.init, tx.update)
-    if key not in _CONFIG_CACHE:
-        if len(_CONFIG_CACHE) > 256:
-            _CONFIG_CACHE.clear()
-        _CONFIG_CACHE[key] = sgd_config(tx)
-    return _CONFIG_CACHE[key]
-
-
-def _sgd_states_ok(cfg: SGDConfig, opt_state: Any, spec: Any) -> bool:
-    """Whether ``opt_state`` is laid out as the recognised chain's state, trace shaped like ``spec``."""
-    if not isinstance(opt_state, tuple) or len(opt_state) != cfg.lr_index + 1:
-        return False
-    for i, s in enumerate(opt_state):
-        if i == cfg.trace_index:
-            if not isinstance(s, TraceState) or tree_flatten(s.trace)[1] != spec:
-                return False
-        elif i == cfg.lr_index and cfg.schedule is not None:
-            if not isinstance(s, ScaleByScheduleState):
-                return False
-        elif not isinstance(s, EmptyState):
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------
@@ -322,15 +179,17 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     # Under torch.compile, Inductor fuses the generic path into one pass by
     # itself; the specialised kernel (and the closure inspection that selects
     # it) is for eager execution only.
-    cfg = None if _compiling() or not known else _cached_sgd_config(state.tx)
-    if cfg is not None and not _sgd_states_ok(cfg, state.opt_state, m_spec):
+    cfg = None if _compiling() or not known else sgd_plan(state.tx)
+    if cfg is not None and (
+        cfg.max_norm is not None or not state_fits(cfg, state.opt_state, m_spec)
+    ):
         cfg = None
     if known:
         finite = grads_finite(g_leaves, inv)
         # The SGD kernel works on negated gradients; with weight decay it
         # negates after adding the decay, so that exact cancellations keep
         # the reference's signed zero.
-        negate = cfg is not None and cfg.weight_decay is None
+        negate = cfg is not None and cfg.weight_decay == 0.0
         g32 = _unscale(g_leaves, inv, negate=negate)
     else:  # a loss scale this module does not know: use its own unscale
         g32 = tree_flatten(state.loss_scale.unscale(grads))[0]
@@ -381,22 +240,20 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _lr_factor(cfg: SGDConfig, opt_state, like: torch.Tensor):
+def _lr_factor(cfg: SGDPlan, opt_state, like: torch.Tensor):
     """(factor, new lr-state): the multiplier of the update and the lr transform's next state."""
-    if cfg.schedule is None:
-        return _scalar(cfg.sign * cfg.lr, like), opt_state[cfg.lr_index]
-    count = opt_state[cfg.lr_index].count
-    lr = cfg.schedule(count).to(torch.float32) * cfg.sign
+    if not callable(cfg.learning_rate):
+        return _scalar(cfg.sign * cfg.learning_rate, like), state_at(opt_state, cfg.lr_path)
+    count = state_at(opt_state, cfg.lr_path).count
+    lr = cfg.learning_rate(count).to(torch.float32) * cfg.sign
     new_count = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)
     return lr, ScaleByScheduleState(count=new_count)
 
 
-def _replace_parts(cfg: SGDConfig, opt_state, trace_state, lr_state):
-    parts = list(opt_state)
-    if cfg.trace_index is not None:
-        parts[cfg.trace_index] = trace_state
-    parts[cfg.lr_index] = lr_state
-    return tuple(parts)
+def _replace_parts(cfg: SGDPlan, opt_state, trace_state, lr_state):
+    if cfg.trace_path is not None:
+        opt_state = replace_at(opt_state, cfg.trace_path, trace_state)
+    return replace_at(opt_state, cfg.lr_path, lr_state)
 
 
 def _zero_unless(finite: torch.Tensor, xs: list[torch.Tensor]) -> None:
@@ -411,7 +268,7 @@ def _zero_unless(finite: torch.Tensor, xs: list[torch.Tensor]) -> None:
         x.view(torch.int32).bitwise_and_(mask)
 
 
-def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
+def _sgd_eager(cfg: SGDPlan, opt_state, nu, m_leaves, finite, donate):
     r"""The SGD chain on flat lists, without a per-element select.
 
     ``nu`` holds the *negated* unscaled gradients :math:`-\hat g` in buffers
@@ -428,7 +285,7 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
     if not nu:
         return m_leaves, opt_state
     like = nu[0]
-    if cfg.weight_decay is not None:
+    if cfg.weight_decay != 0.0:
         # ``nu`` arrives un-negated here: torch.add(u, m, alpha=wd) exactly as
         # the chain computes it, then the negation. Adding the negated terms
         # instead would turn an exact cancellation's +0 into the wrong zero.
@@ -436,8 +293,8 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
         torch._foreach_neg_(nu)
     factor, new_lr_state = _lr_factor(cfg, opt_state, like)
     trace_state = None
-    if cfg.trace_index is not None:
-        ts: TraceState = opt_state[cfg.trace_index]
+    if cfg.trace_path is not None:
+        ts: TraceState = state_at(opt_state, cfg.trace_path)
         b_leaves, b_spec = tree_flatten(ts.trace)
         started = ts.initialized
         keep = torch.where(started, _scalar(cfg.momentum, like), _scalar(0.0, like))
@@ -477,8 +334,8 @@ def _sgd_eager(cfg: SGDConfig, opt_state, nu, m_leaves, finite, donate):
         for m, x in zip(m_leaves, nu):
             torch.sub(m, x, out=x)  # m + update
         master = nu
-    if cfg.schedule is not None:
-        old = opt_state[cfg.lr_index].count
+    if callable(cfg.learning_rate):
+        old = state_at(opt_state, cfg.lr_path).count
         new_lr_state = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, old))
     return master, _replace_parts(cfg, opt_state, trace_state, new_lr_state)
 

@@ -6,7 +6,12 @@
           trace(momentum, nesterov, dampening), # b <- m b + (1 - d) g   (b_1 = g)
           scale_by_learning_rate(lr))           # u <- -lr * b
 
-which is ``torch.optim.SGD``'s update rule written as composable pieces.
+which is ``torch.optim.SGD``'s update rule written as composable pieces. The
+three parts are always there (a coefficient of 0 makes a part pass its input
+through), so the state has one layout whatever the settings. Each part
+declares its hyperparameters as a ``spec`` (:class:`DecaySpec`,
+:class:`TraceSpec`, :class:`LearningRateSpec`), from which
+:func:`~functional_fp16.fp16_update` builds its fused kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from functional_fp16.schedules import Schedule
 __all__ = [
     "TraceState",
     "ScaleByScheduleState",
+    "DecaySpec",
+    "TraceSpec",
+    "LearningRateSpec",
     "trace",
     "scale_by_learning_rate",
     "add_decayed_weights",
@@ -47,6 +55,30 @@ class ScaleByScheduleState(NamedTuple):
     """State of :func:`scale_by_learning_rate` with a schedule."""
 
     count: torch.Tensor  # 0-d int32: number of updates applied so far
+
+
+class DecaySpec(NamedTuple):
+    """Declared form of :func:`add_decayed_weights`: ``u + weight_decay * p``."""
+
+    weight_decay: float
+
+
+class TraceSpec(NamedTuple):
+    """Declared form of :func:`trace` (``decay == 0``: the updates pass through)."""
+
+    decay: float
+    nesterov: bool
+    dampening: float
+
+
+class LearningRateSpec(NamedTuple):
+    """Declared form of :func:`scale_by_learning_rate`: ``sign * lr * u``.
+
+    ``learning_rate`` is a float, or a schedule of the applied-step count.
+    """
+
+    learning_rate: float | Schedule
+    sign: float
 
 
 def _check_hyper(name: str, value: float, *, upper: float | None = None) -> float:
@@ -75,7 +107,9 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
     The first buffer is the gradient itself, undampened, as PyTorch creates
     it (bitwise, except that a gradient of -0.0 becomes +0.0);
     ``TraceState.initialized`` records whether that has happened, so a state
-    whose first step was skipped has no momentum yet.
+    whose first step was skipped has no momentum yet. With ``decay == 0`` the
+    updates pass through unchanged and the (zero) buffers are kept untouched,
+    so that the state's layout does not depend on the setting.
 
     Args:
       decay: momentum :math:`\mu \ge 0`.
@@ -101,7 +135,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
         b_leaves = check_same_structure(
             updates, state.trace, name="trace", reference_name="updates"
         )
-        if not g_leaves:
+        if not g_leaves or decay == 0.0:
             return updates, state
         like = g_leaves[0]
         started = state.initialized
@@ -122,7 +156,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> Gradi
         )
         return tree_unflatten(spec, out), new_state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, TraceSpec(decay, bool(nesterov), dampening))
 
 
 def scale_by_learning_rate(
@@ -155,7 +189,7 @@ def scale_by_learning_rate(
             count = torch.clamp(state.count + 1, max=torch.iinfo(torch.int32).max)
             return new, ScaleByScheduleState(count=count.to(torch.int32))
 
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, LearningRateSpec(schedule, sign))
 
     lr = _check_hyper("learning_rate", learning_rate)
 
@@ -167,7 +201,7 @@ def scale_by_learning_rate(
         del params
         return tree_map(lambda u: u * (sign * lr), updates), state
 
-    return GradientTransformation(init_const, update_const)
+    return GradientTransformation(init_const, update_const, LearningRateSpec(lr, sign))
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -176,7 +210,8 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     .. math:: u \leftarrow u + \lambda\, p
 
     Inside :func:`~functional_fp16.fp16_update`, :math:`u` is the unscaled FP32
-    gradient and :math:`p` the FP32 master.
+    gradient and :math:`p` the FP32 master. With :math:`\lambda = 0` the updates
+    pass through unchanged (no ``+ 0 * p``, which would turn -0.0 into +0.0).
 
     Args:
       weight_decay: :math:`\lambda \ge 0`.
@@ -188,6 +223,8 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+        if wd == 0.0:
+            return updates, state
         if params is None:
             raise ValueError("add_decayed_weights needs params; pass params= to update")
         u_leaves, spec = tree_flatten(updates)
@@ -195,7 +232,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         out = [torch.add(u, p.to(u.dtype), alpha=wd) for u, p in zip(u_leaves, p_leaves)]
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, DecaySpec(wd))
 
 
 def sgd(
@@ -220,8 +257,11 @@ def sgd(
       weight_decay: :math:`\lambda \ge 0`.
 
     Returns:
-      ``chain(add_decayed_weights, trace, scale_by_learning_rate)``, with the
-      first two left out when their coefficient is 0.
+      ``chain(add_decayed_weights(weight_decay), trace(momentum, ...),
+      scale_by_learning_rate(learning_rate))``. All three parts are present
+      whatever the settings (a coefficient of 0 passes the updates through),
+      so the state has one layout and a checkpoint stays loadable when
+      momentum or weight decay is changed to or from 0.
     """
     if not callable(learning_rate):
         _check_hyper("learning_rate", learning_rate)
@@ -229,10 +269,8 @@ def sgd(
     weight_decay = _check_hyper("weight_decay", weight_decay)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
-    parts = []
-    if weight_decay:
-        parts.append(add_decayed_weights(weight_decay))
-    if momentum:
-        parts.append(trace(momentum, nesterov=nesterov, dampening=dampening))
-    parts.append(scale_by_learning_rate(learning_rate))
-    return chain(*parts)
+    return chain(
+        add_decayed_weights(weight_decay),
+        trace(momentum, nesterov=nesterov, dampening=dampening),
+        scale_by_learning_rate(learning_rate),
+    )

@@ -39,9 +39,11 @@ from functional_fp16._tree import (
 )
 from functional_fp16.base import GradientTransformation, apply_updates
 from functional_fp16.fast_update import foreach_update
+from functional_fp16.fused_update import fused_plan, fused_update
+from functional_fp16.sgd_plan import sgd_plan
 from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 
-__all__ = ["FP16State", "fp16_init", "fp16_update"]
+__all__ = ["FP16State", "fp16_init", "fp16_update", "update_path"]
 
 _LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
 _FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
@@ -251,15 +253,41 @@ def _reference_update(
 
 _IMPLEMENTATIONS: dict[str, UpdateImpl] = {
     "reference": _reference_update,
-    "foreach": foreach_update,  # flat multi-tensor fast path (functional_fp16.fast_update)
+    "foreach": foreach_update,  # flat multi-tensor path (functional_fp16.fast_update)
+    "fused": fused_update,  # one-pass kernel for SGD chains (functional_fp16.fused_update)
 }
 """Every implementation of the update, by name. All of them run the same tests."""
 
 
-def _default_impl(state: FP16State) -> str:
-    # The multi-tensor path computes the reference's operations in the same
-    # order (bitwise equal on the CPU) with far less memory traffic.
-    del state
+def update_path(state: FP16State, impl: str = "auto") -> str:
+    """Which code :func:`fp16_update` runs for ``state`` in eager mode.
+
+    Returns one of:
+
+    * ``"fused"`` — the single-pass kernel (:mod:`functional_fp16.fused_update`):
+      the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
+      or after ``clip_by_global_norm`` or ``add_decayed_weights``) and a kernel
+      exists for the state's device (the CPU, with a C compiler);
+    * ``"foreach-sgd"`` — the multi-tensor SGD sequence (a fusable chain
+      without clipping, where no kernel is available);
+    * ``"foreach"`` — any other optimiser, run on flat lists of tensors;
+    * ``"reference"`` — the plain tree-map specification (``impl="reference"``).
+
+    ``impl`` is the argument you pass to :func:`fp16_update`. Under
+    ``torch.compile`` every implementation traces the ``foreach`` code, which
+    Inductor fuses by itself.
+    """
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if impl not in ("auto", *_IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    if impl == "reference":
+        return "reference"
+    if impl in ("auto", "fused") and fused_plan(state) is not None:
+        return "fused"
+    plan = sgd_plan(state.tx)
+    if plan is not None and plan.max_norm is None:
+        return "foreach-sgd"
     return "foreach"
 
 
@@ -296,8 +324,12 @@ def fp16_update(
       grads: gradients of the scaled loss, shaped like ``state.params``.
       loss: optionally, the loss of this step (scaled or not); a non-finite
         loss skips the step like non-finite gradients do.
-      impl: which implementation to run (``"auto"`` picks the fastest for the
-        state); all give the same results.
+      impl: which implementation to run: ``"auto"`` (the fused kernel where
+        it applies, else the multi-tensor path; :func:`update_path` tells
+        which), ``"fused"`` (the same), ``"foreach"`` or ``"reference"``.
+        Decisions, loss scale and counters are bitwise the same in all;
+        the fused kernel contracts multiply-adds (within one ulp of the
+        reference's master per step).
       donate: the caller promises never to use ``state`` (or ``grads``) again,
         so the implementation may reuse their memory (like JAX's
         ``donate_argnums``). Off by default: the update is pure.
@@ -310,7 +342,7 @@ def fp16_update(
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     if impl == "auto":
-        impl = _default_impl(state)
+        impl = "fused"  # which falls back to "foreach" where it does not apply
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
     check_like(state.params, grads, name="grads", reference_name="params")

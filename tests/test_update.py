@@ -170,14 +170,14 @@ def test_first_step_overflow_creates_no_momentum(impl, donate):
     state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9, dampening=0.5))
     bad = fp16_grads(state.params, seed=0, inject=(0, math.inf))
     state = update(state, bad, impl, donate=donate)
-    trace = state.opt_state[0]
+    trace = state.opt_state[1]
     assert not bool(trace.initialized)
     assert all(not b.any() for b in leaves(trace.trace))
     # The next finite step then starts the buffer from the (unscaled) gradient itself.
     good = fp16_grads(state.params, seed=1)
     expected = state.loss_scale.unscale(good)
     state = update(state, good, impl)
-    for b, e in zip(leaves(state.opt_state[0].trace), leaves(expected)):
+    for b, e in zip(leaves(state.opt_state[1].trace), leaves(expected)):
         assert torch.equal(b, e)
 
 

@@ -1,0 +1,375 @@
+/* The single-pass SGD update of functional_fp16 on the CPU.
+ *
+ * Two entry points, both over a list of leaves (one pointer per tensor):
+ *
+ *   ff_grad_stats  one read of the low-precision gradients: the largest
+ *                  magnitude (+inf if any element is inf or NaN) and, when
+ *                  asked, the sum of squares of the unscaled gradients.
+ *   ff_sgd_update  one pass that reads gradient, master and momentum once and
+ *                  writes master, momentum and the working copy once.
+ *
+ * Scalars that live in tensors (the skip flag, 1/scale, the learning rate,
+ * the clip factors, whether momentum has started) are read through pointers
+ * here, so the Python side never reads a value back.
+ *
+ * Arithmetic per element, with g the gradient as stored and inv = fl32(1/s):
+ *
+ *   u  = fl32(g) * inv
+ *   u  = (u / clip_div) * clip_mul                    (clipping only)
+ *   u  = fma(m, wd, u)                                 (weight decay only)
+ *   b' = b * keep + u * take                           (momentum only; keep, take
+ *                                                       = mu, 1 - d once started, else 0, 1)
+ *   v  = nesterov ? fma(b', mu, u) : (momentum ? b' : u)
+ *   m' = fma(v, f, m)                                (f = -lr, the signed step factor)
+ *   p' = round_to_nearest_even(m')
+ *
+ * Weight decay and Nesterov are contracted exactly as the reference chain's
+ * torch.add(..., alpha=) computes them on the CPU; the step m + f * v is one
+ * fused multiply-add where the reference rounds f * v first (the contraction
+ * torch.optim.SGD makes too). The momentum sum is not contracted: it cancels
+ * often, and a contraction there would move b' by many of its own ulps. The
+ * file is compiled with -ffp-contract=off: every other product is rounded on
+ * its own.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+#define CHUNK 32768
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)0x7FC0u : (uint16_t)rounded;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+/* Converts n elements of dtype dt to float32 (exact for every input). */
+static void to_f32(const void *restrict src, float *restrict dst, int64_t n, int dt) {
+    int64_t i = 0;
+    if (dt == DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    if (dt == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < n; ++i) dst[i] = (float)((const _Float16 *)s)[i];
+}
+
+/* Rounds n float32 values to dtype dt, to nearest with ties to even. */
+static void from_f32(const float *restrict src, void *restrict dst, int64_t n, int dt) {
+    int64_t i = 0;
+    if (dt == DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    if (dt == DT_BF16) {
+        for (; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+        return;
+    }
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) ((_Float16 *)d)[i] = (_Float16)src[i];
+}
+
+/* Copies n bytes to dst with non-temporal stores where dst is 64-byte aligned:
+ * a pure update writes fresh memory, and a streaming store does not first
+ * read the line it overwrites (no read-for-ownership). */
+static void stream_bytes(void *restrict dst, const void *restrict src, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63u) == 0)
+        for (; i + 64 <= n; i += 64)
+            _mm512_stream_si512((void *)((char *)dst + i),
+                                _mm512_loadu_si512((const void *)((const char *)src + i)));
+#elif defined(__AVX__)
+    if (((uintptr_t)dst & 31u) == 0)
+        for (; i + 32 <= n; i += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + i),
+                                _mm256_loadu_si256((const __m256i *)((const char *)src + i)));
+#endif
+    if (i < n) memcpy((char *)dst + i, (const char *)src + i, (size_t)(n - i));
+}
+
+static void stream_fence(void) {
+#if defined(__AVX__) || defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+typedef struct {
+    int32_t leaf;
+    int64_t start, len;
+} Chunk;
+
+/* Splits every leaf into pieces of at most CHUNK elements. */
+static Chunk *make_chunks(int64_t n_leaves, const int64_t *numel, int64_t *n_chunks) {
+    int64_t total = 0;
+    for (int64_t l = 0; l < n_leaves; ++l) total += (numel[l] + CHUNK - 1) / CHUNK;
+    Chunk *c = (Chunk *)malloc((size_t)(total ? total : 1) * sizeof(Chunk));
+    int64_t k = 0;
+    for (int64_t l = 0; l < n_leaves; ++l)
+        for (int64_t s = 0; s < numel[l]; s += CHUNK) {
+            c[k].leaf = (int32_t)l;
+            c[k].start = s;
+            c[k].len = numel[l] - s < CHUNK ? numel[l] - s : CHUNK;
+            ++k;
+        }
+    *n_chunks = k;
+    return c;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Gradient statistics.                                                      */
+/* ------------------------------------------------------------------------ */
+
+#define BLOCK 512
+
+/* Largest magnitude as a bit pattern: for IEEE formats |x| orders like the
+ * integer (bits & ~sign), and inf and NaN come above every finite value. */
+static uint32_t peak_bits(const void *x, int64_t n, int dt) {
+    if (dt == DT_F32) {
+        const uint32_t *u = (const uint32_t *)x;
+        uint32_t mx = 0;
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t a = u[i] & 0x7FFFFFFFu;
+            mx = a > mx ? a : mx;
+        }
+        return mx;
+    }
+    const uint16_t *u = (const uint16_t *)x;
+    uint16_t mx = 0;
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < n; ++i) {
+        uint16_t a = u[i] & 0x7FFFu;
+        mx = a > mx ? a : mx;
+    }
+    return mx;
+}
+
+/* The float32 value of a magnitude bit pattern; +inf for inf and NaN. */
+static float peak_value(uint32_t bits, int dt) {
+    float f;
+    if (dt == DT_F32) {
+        if (bits >= 0x7F800000u) return INFINITY;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    if (dt == DT_BF16) return bits >= 0x7F80u ? INFINITY : bf16_to_f32((uint16_t)bits);
+    if (bits >= 0x7C00u) return INFINITY;
+    uint16_t h = (uint16_t)bits;
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+/* Sum of w^2 over w = fl32(x * inv), in double: each square is exact there, so
+ * only the additions round (relative error about n * 2^-53). */
+static double sum_squares(const void *x, int64_t n, int dt, float inv) {
+    float buf[BLOCK];
+    double total = 0.0;
+    for (int64_t s = 0; s < n; s += BLOCK) {
+        const int64_t len = n - s < BLOCK ? n - s : BLOCK;
+        to_f32((const char *)x + s * dt_size(dt), buf, len, dt);
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < len; ++i) {
+            double w = (double)(buf[i] * inv);
+            total += w * w;
+        }
+    }
+    return total;
+}
+
+/* out[0] = largest |g| as float32 (+inf if any element is inf or NaN);
+ * out_sq[0] = sum of fl32(g * inv)^2 (only if want_sq). One read of the gradients. */
+void ff_grad_stats(int64_t n_leaves, void *const *grads, const int64_t *numel,
+                   const int32_t *gdt, const float *inv_ptr, int32_t want_sq,
+                   int32_t threads, float *out, double *out_sq) {
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
+    const float inv = inv_ptr ? *inv_ptr : 1.0f;
+    float peak = 0.0f;
+    double sq = 0.0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak) \
+    reduction(+ : sq)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int dt = gdt[c->leaf];
+        const char *x = (const char *)grads[c->leaf] + c->start * dt_size(dt);
+        float v = peak_value(peak_bits(x, c->len, dt), dt);
+        peak = v > peak ? v : peak;
+        if (want_sq) sq += sum_squares(x, c->len, dt, inv);
+    }
+    free(chunks);
+    out[0] = peak;
+    if (want_sq) out_sq[0] = sq;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The update.                                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    float inv, clip_div, clip_mul, wd, mu, keep, take, factor;
+    int clip, decay, momentum, nesterov;
+} Hyper;
+
+/* One block of float32 values, every flag a compile-time constant after inlining. */
+static inline __attribute__((always_inline)) void sgd_block(
+    const Hyper *h, const float *restrict g, const float *restrict m, const float *restrict b,
+    float *restrict m_out, float *restrict b_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, wd = h->wd, mu = h->mu,
+                keep = h->keep, take = h->take, factor = h->factor;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        float mi = m[i];
+        if (DECAY) u = fmaf(mi, wd, u);
+        float v = u;
+        if (MOMENTUM) {
+            float nb = b[i] * keep + u * take;
+            b_out[i] = nb;
+            v = NESTEROV ? fmaf(nb, mu, u) : nb;
+        }
+        float nm = fmaf(v, factor, mi);
+        m_out[i] = nm;
+        p_out[i] = nm;
+    }
+}
+
+static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const float *b,
+                         float *mo, float *bo, float *po, int64_t n) {
+#define SGD_CASE(C, D, M, N)                                                       \
+    if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
+        sgd_block(h, g, m, b, mo, bo, po, n, C, D, M, N);                        \
+        return;                                                                  \
+    }
+    /* every combination gets a loop of its own */
+    SGD_CASE(0, 0, 1, 0)
+    SGD_CASE(0, 0, 0, 0)
+    SGD_CASE(1, 0, 1, 0)
+    SGD_CASE(0, 1, 1, 0)
+    SGD_CASE(1, 1, 1, 0)
+    SGD_CASE(0, 0, 1, 1)
+    SGD_CASE(0, 1, 1, 1)
+    SGD_CASE(1, 0, 1, 1)
+    SGD_CASE(1, 1, 1, 1)
+    SGD_CASE(1, 0, 0, 0)
+    SGD_CASE(0, 1, 0, 0)
+    SGD_CASE(1, 1, 0, 0)
+#undef SGD_CASE
+}
+
+/* Pointers per leaf: g (grad, dtype gdt), m (master, f32), b (momentum, f32;
+ * unused without momentum), p (old working copy, dtype pdt; read only for a
+ * skipped pure step), and the outputs mo, bo, po (equal to m, b, p when
+ * donating; po equal to mo for an FP32 working copy). Scalars are read through
+ * pointers: inv (NULL: 1), clip_div and clip_mul (NULL: no clipping), lr;
+ * apply and started are bools (started NULL: no momentum). */
+void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *const *b,
+                   void *const *p, float *const *mo, float *const *bo, void *const *po,
+                   const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
+                   const float *inv_ptr, const float *clip_div_ptr, const float *clip_mul_ptr,
+                   const float *lr_ptr, const uint8_t *apply_ptr, const uint8_t *started_ptr,
+                   float weight_decay, float momentum, float dampening, int32_t nesterov,
+                   int32_t threads) {
+    const int apply = *apply_ptr != 0;
+    Hyper h;
+    h.inv = inv_ptr ? *inv_ptr : 1.0f;
+    h.clip = clip_div_ptr != NULL;
+    h.clip_div = h.clip ? *clip_div_ptr : 1.0f;
+    h.clip_mul = h.clip ? *clip_mul_ptr : 1.0f;
+    h.decay = weight_decay != 0.0f;
+    h.wd = weight_decay;
+    h.momentum = momentum != 0.0f;
+    h.mu = momentum;
+    const int started = started_ptr ? *started_ptr != 0 : 0;
+    /* the first buffer is the gradient itself: b * 0 + u * 1 */
+    h.keep = started ? momentum : 0.0f;
+    h.take = started ? 1.0f - dampening : 1.0f;
+    h.nesterov = nesterov != 0;
+    h.factor = *lr_ptr;
+
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf;
+        const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
+        const int p_is_master = po[l] == (void *)mo[l];
+        for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
+            const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
+            float *mo_s = mo[l] + s;
+            float *bo_s = h.momentum ? bo[l] + s : NULL;
+            char *po_s = (char *)po[l] + s * ps;
+            if (!apply) {
+                /* A skipped step: the new state is the old one, bit for bit. */
+                if (mo[l] != m[l]) memcpy(mo_s, m[l] + s, (size_t)n * 4);
+                if (h.momentum && bo[l] != b[l]) memcpy(bo_s, b[l] + s, (size_t)n * 4);
+                if (po[l] != p[l] && !p_is_master)
+                    memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
+                continue;
+            }
+            float gbuf[BLOCK], pbuf[BLOCK];
+            to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
+            const float *b_s = h.momentum ? b[l] + s : NULL;
+            if (mo[l] == m[l]) {
+                /* donated: in place, on lines the loads just brought into cache */
+                sgd_dispatch(&h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
+                if (!p_is_master) from_f32(pbuf, po_s, n, pd);
+            } else {
+                float mbuf[BLOCK], bbuf[BLOCK];
+                float hbuf[BLOCK]; /* room for any working-copy dtype */
+                sgd_dispatch(&h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
+                stream_bytes(mo_s, mbuf, n * 4);
+                if (h.momentum) stream_bytes(bo_s, bbuf, n * 4);
+                if (!p_is_master) {
+                    from_f32(pbuf, hbuf, n, pd);
+                    stream_bytes(po_s, hbuf, n * ps);
+                }
+            }
+        }
+        stream_fence(); /* each thread orders its own streaming stores */
+    }
+    free(chunks);
+}

@@ -1,0 +1,69 @@
+"""Output buffers for pure CPU updates, reused once the caller has dropped them.
+
+A pure update returns a new state in fresh memory every step. On the CPU,
+glibc's ``malloc`` serves large blocks with ``mmap`` and unmaps them on
+``free``, so each step's multi-megabyte outputs are page-faulted (and zeroed by
+the kernel) anew: about 25,000 faults per step for 10M parameters, more time
+than the update itself. CUDA's caching allocator avoids this for GPU tensors;
+this pool does the same, narrowly, for the storages that the fused CPU update
+hands out.
+
+The pool keeps a reference to every storage it has handed out. A storage
+whose only remaining reference is the pool's (no tensor or view of it is
+alive anywhere) is free, and the next request of the same size takes it.
+Free storages that no request of a call takes are released at the end of
+that call, so in a loop ``state = fp16_update(state, grads)`` the pool holds
+the live state and the one just dropped, and no more.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["BufferPool"]
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class BufferPool:
+    """Hands out CPU tensors, reusing storages nothing else refers to any more."""
+
+    def __init__(self) -> None:
+        self._held: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+
+    def empty_like(self, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]):
+        """One uninitialised tensor per input, with its shape and strides and the given dtype.
+
+        The inputs must be dense (contiguous in some memory format).
+        """
+        with self._lock:
+            free: dict[int, list[torch.UntypedStorage]] = {}
+            kept = []
+            for st in self._held:
+                if _use_count(st) == 1:
+                    free.setdefault(st.nbytes(), []).append(st)
+                else:
+                    kept.append(st)
+            out = []
+            for like, dtype in zip(tensors, dtypes):
+                nbytes = like.numel() * dtype.itemsize
+                bucket = free.get(nbytes)
+                st = bucket.pop() if bucket else torch.UntypedStorage(nbytes)
+                kept.append(st)
+                t = torch.empty(0, dtype=dtype)
+                out.append(t.set_(st, 0, like.shape, like.stride()))
+            # Free storages not taken are released here; a caller that keeps
+            # many old states alive does not make the pool track them all.
+            self._held = kept[-4 * max(1, len(out)) :]
+            return out
+
+    def clear(self) -> None:
+        """Releases every storage the pool holds (live tensors keep their own)."""
+        with self._lock:
+            self._held = []

@@ -1,0 +1,211 @@
+"""The compiled single-pass SGD kernel for CPU tensors (``_sgd_kernel.c``).
+
+The C source next to this module is compiled once per machine with the
+system's C compiler (``$CC``, else ``cc``/``gcc``) for the host CPU
+(``-O3 -march=native -ffp-contract=off -fopenmp``) into a cache folder
+(``$FUNCTIONAL_FP16_CACHE``, else ``$XDG_CACHE_HOME/functional_fp16``, else
+``~/.cache/functional_fp16``), keyed by the source, the flags and the CPU, and
+loaded with ``ctypes``. The first call on a machine pays the compilation (about
+half a second); later processes load the cached library. Nothing here reads a
+tensor's value: scalars held in tensors are passed to the kernel by address.
+
+Where no compiler is found, or the build fails, :func:`available` is false and
+says why in :func:`unavailable_reason`; the update then runs the multi-tensor
+path and warns once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "unavailable_reason", "grad_stats", "sgd_update", "DTYPE_CODES"]
+
+_SOURCE = Path(__file__).with_name("_sgd_kernel.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_FLAGS += ["-shared", "-fPIC"]
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The dtypes the kernel reads and writes, with their codes in the C source."""
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+_f32 = ctypes.c_float
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FUNCTIONAL_FP16_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "functional_fp16"
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only valid on the CPU it was built for.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode())
+    target = _cache_dir() / f"ff_sgd_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders agree on the result
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> None:
+    global _lib, _reason, _loaded
+    _loaded = True
+    if os.environ.get("FUNCTIONAL_FP16_NO_KERNEL"):
+        _reason = "disabled by $FUNCTIONAL_FP16_NO_KERNEL"
+        return
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as err:
+        _reason = f"the CPU kernel could not be built or loaded: {err}"
+        return
+    lib.ff_grad_stats.argtypes = [_i64, _p, _p, _p, _p, _i32, _i32, _p, _p]
+    lib.ff_grad_stats.restype = None
+    lib.ff_sgd_update.argtypes = [_i64] + [_p] * 10 + [_p] * 6 + [_f32, _f32, _f32, _i32, _i32]
+    lib.ff_sgd_update.restype = None
+    _lib = lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (builds it on the first call)."""
+    if not _loaded:
+        _load()
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is false, or ``None``."""
+    available()
+    return _reason
+
+
+def _ptrs(tensors: list[torch.Tensor | None]):
+    return (_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+
+
+def _addr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def grad_stats(
+    grads: list[torch.Tensor], inv: torch.Tensor | None, *, sum_squares: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One read of the gradients: (largest |g| as float32, +inf if any is inf or NaN; and
+    the float64 sum of ``fl32(g * inv)**2`` if ``sum_squares``). 0-d tensors."""
+    n = len(grads)
+    peak = torch.empty((), dtype=torch.float32)
+    sq = torch.empty((), dtype=torch.float64) if sum_squares else None
+    _lib.ff_grad_stats(
+        n,
+        _ptrs(grads),
+        (_i64 * n)(*[g.numel() for g in grads]),
+        (_i32 * n)(*[DTYPE_CODES[g.dtype] for g in grads]),
+        _addr(inv),
+        int(sum_squares),
+        torch.get_num_threads(),
+        peak.data_ptr(),
+        _addr(sq),
+    )
+    return peak, sq
+
+
+def sgd_update(
+    grads: list[torch.Tensor],
+    master: list[torch.Tensor],
+    trace: list[torch.Tensor] | None,
+    params: list[torch.Tensor],
+    master_out: list[torch.Tensor],
+    trace_out: list[torch.Tensor] | None,
+    params_out: list[torch.Tensor],
+    *,
+    inv: torch.Tensor | None,
+    clip: tuple[torch.Tensor, torch.Tensor] | None,
+    lr: torch.Tensor,
+    apply: torch.Tensor,
+    started: torch.Tensor | None,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+) -> None:
+    """Runs the update of ``_sgd_kernel.c`` into the given output tensors.
+
+    All tensors are contiguous CPU tensors: masters, traces and their outputs
+    float32, the others of a dtype in :data:`DTYPE_CODES`; 0-d scalars float32
+    (``inv``, ``clip``'s divisor and factor, ``lr``) or bool (``apply``,
+    ``started``). Outputs may be the inputs themselves (donation).
+    """
+    n = len(grads)
+    no_trace = [None] * n
+    _lib.ff_sgd_update(
+        n,
+        _ptrs(grads),
+        _ptrs(master),
+        _ptrs(trace if trace is not None else no_trace),
+        _ptrs(params),
+        _ptrs(master_out),
+        _ptrs(trace_out if trace_out is not None else no_trace),
+        _ptrs(params_out),
+        (_i64 * n)(*[g.numel() for g in grads]),
+        (_i32 * n)(*[DTYPE_CODES[g.dtype] for g in grads]),
+        (_i32 * n)(*[DTYPE_CODES[p.dtype] for p in params_out]),
+        _addr(inv),
+        _addr(clip[0]) if clip is not None else None,
+        _addr(clip[1]) if clip is not None else None,
+        lr.data_ptr(),
+        apply.data_ptr(),
+        _addr(started),
+        weight_decay,
+        momentum,
+        dampening,
+        int(nesterov),
+        torch.get_num_threads(),
+    )

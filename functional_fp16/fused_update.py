@@ -1,0 +1,228 @@
+"""``impl="fused"``: the SGD chain as one reduction and one pass over memory.
+
+For a state whose optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd_plan.sgd_plan`:
+``sgd``, ``chain(clip_by_global_norm, sgd)``, ``chain(add_decayed_weights, sgd)``,
+with or without a schedule), the update is two loops over the parameters:
+
+1. one read of the low-precision gradients for the all-finite decision
+   (and, with clipping, the sum of squares for the global norm);
+2. one pass that reads gradient, master and momentum once and writes master,
+   momentum and the working copy once (22 bytes per parameter with FP16
+   gradients and parameters, counting step 1).
+
+Per element, with :math:`\\hat g = \\operatorname{fl}_{32}(g) \\cdot s^{-1}`:
+
+.. math::
+    \\hat g &\\leftarrow (\\hat g / \\max(1, \\lVert \\hat g\\rVert / c)) \\text{ as clip\\_by\\_global\\_norm does} \\\\
+    \\hat g &\\leftarrow \\operatorname{fma}(m, \\lambda, \\hat g) \\\\
+    b' &= \\operatorname{fma}(\\hat g, 1 - d, \\operatorname{fl}(\\mu b)) \\quad (b'_1 = \\hat g) \\\\
+    v &= \\operatorname{fma}(b', \\mu, \\hat g) \\text{ (Nesterov) or } b' \\\\
+    m' &= \\operatorname{fma}(v, -\\eta, m), \\qquad p' = \\operatorname{fl}_{16}(m')
+
+This is ``torch.optim.SGD``'s arithmetic, multiply-adds contracted as its
+vectorised kernels contract them; it differs from the two-rounding reference
+chain only in those contractions (the numerical contract: within one ulp of the
+reference's master after one step). Decisions, loss scale, counters and
+skipped steps are bitwise the reference's.
+
+On the CPU the kernel is compiled C (:mod:`functional_fp16.cpu_kernel`); pure
+updates write fresh buffers with streaming stores, taken from a
+:class:`~functional_fp16.buffer_pool.BufferPool` so that a dropped state's memory
+is reused instead of page-faulted anew. Elsewhere, under ``torch.compile``,
+or for any other optimiser, the update runs the multi-tensor ``foreach`` path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+from functional_fp16 import cpu_kernel
+from functional_fp16._tree import tree_flatten, tree_unflatten
+from functional_fp16.buffer_pool import BufferPool
+from functional_fp16.fast_update import foreach_update
+from functional_fp16.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    unscale_factor,
+)
+from functional_fp16.sgd import ScaleByScheduleState, TraceState
+from functional_fp16.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
+
+__all__ = ["fused_update", "fused_plan", "FusedPlan"]
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+_POOL = BufferPool()
+_warned: set[str] = set()
+
+
+class FusedPlan(NamedTuple):
+    """What the fused kernel needs to know about a state, found once per call."""
+
+    sgd: SGDPlan
+    kernel: str  # "cpu"
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _why_not(state) -> str | None:
+    """Why ``state`` cannot take the fused kernel (``None``: it can)."""
+    if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
+        return "a loss scale of another type"
+    plan = sgd_plan(state.tx)
+    if plan is None:
+        return "an optimiser that is not a fusable SGD chain"
+    masters, spec = tree_flatten(state.master)
+    if not state_fits(plan, state.opt_state, spec):
+        return "an optimiser state of another layout"
+    if not masters or masters[0].device.type != "cpu":
+        return "tensors that are not on the CPU"
+    params = tree_flatten(state.params)[0]
+    trace = (
+        tree_flatten(state_at(state.opt_state, plan.trace_path).trace)[0]
+        if plan.trace_path is not None
+        else masters
+    )
+    for m, p, b in zip(masters, params, trace):
+        if m.dtype != torch.float32 or b.dtype != torch.float32:
+            return "a master or momentum that is not float32"
+        if p.dtype not in cpu_kernel.DTYPE_CODES:
+            return f"a working copy of dtype {p.dtype}"
+        if not _dense(m) or p.stride() != m.stride() or b.stride() != m.stride():
+            return "state tensors that are not dense with one layout"
+    return None
+
+
+def fused_plan(state) -> FusedPlan | None:
+    """The plan for ``state``, or ``None`` when it runs another path."""
+    if _why_not(state) is not None:
+        return None
+    if not cpu_kernel.available():
+        reason = cpu_kernel.unavailable_reason()
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(
+                f"functional_fp16: {reason}; fp16_update runs the multi-tensor path instead "
+                "(correct, but slower)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return None
+    return FusedPlan(sgd_plan(state.tx), "cpu")
+
+
+def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``g`` laid out like ``m`` (a copy only when its strides differ)."""
+    if g.stride() == m.stride() and g.dtype in cpu_kernel.DTYPE_CODES:
+        return g
+    dtype = g.dtype if g.dtype in cpu_kernel.DTYPE_CODES else torch.float32
+    return torch.empty_like(m, dtype=dtype).copy_(g)
+
+
+def _inv_scale(loss_scale) -> torch.Tensor | None:
+    """fl32(1 / fl64(s)), or None for a unit scale (no product at all)."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return None
+    return unscale_factor(loss_scale.loss_scale)
+
+
+def _clip_factors(max_norm: float, sum_sq: torch.Tensor):
+    """(divisor, factor) of clip_by_global_norm: (1, 1) inside the ball, (norm, c) outside."""
+    norm = sum_sq.sqrt().float()  # as global_norm: float64 sum and root, one rounding
+    inside = norm < max_norm
+    one = torch.ones_like(norm)
+    return torch.where(inside, one, norm), torch.where(inside, one, torch.full_like(norm, max_norm))
+
+
+def _learning_rate(plan: SGDPlan, opt_state: Any):
+    """(signed step factor, new learning-rate state or None)."""
+    if not callable(plan.learning_rate):
+        return torch.full((), plan.sign * plan.learning_rate, dtype=torch.float32), None
+    count = state_at(opt_state, plan.lr_path).count
+    lr = plan.learning_rate(count).to(torch.float32) * plan.sign
+    return lr.reshape(()).contiguous(), count
+
+
+def fused_update(state, grads, decide, donate: bool):
+    """``impl="fused"``; see the module docstring. Same signature as every implementation."""
+    if torch.compiler.is_compiling():
+        # Inductor fuses the traced generic path by itself.
+        return foreach_update(state, grads, decide, donate)
+    fp = fused_plan(state)
+    if fp is None:
+        return foreach_update(state, grads, decide, donate)
+    plan = fp.sgd
+    masters, m_spec = tree_flatten(state.master)
+    params, p_spec = tree_flatten(state.params)
+    g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
+    inv = _inv_scale(state.loss_scale)
+
+    peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=plan.max_norm is not None)
+    finite = torch.isfinite(peak if inv is None else peak * inv)
+    if decide is not None:
+        finite = decide(finite)
+    apply = finite.contiguous()
+    clip = _clip_factors(plan.max_norm, sum_sq) if plan.max_norm is not None else None
+    factor, count = _learning_rate(plan, state.opt_state)
+
+    old_trace: TraceState | None = None
+    trace = trace_out = None
+    if plan.trace_path is not None:
+        old_trace = state_at(state.opt_state, plan.trace_path)
+        trace = tree_flatten(old_trace.trace)[0]
+    same = [p.dtype == torch.float32 for p in params]  # the working copy is the master
+    if donate:
+        m_out, trace_out = masters, trace
+        p_out = [m if s else p for m, p, s in zip(masters, params, same)]
+    else:
+        likes = masters + (trace or []) + [p for p, s in zip(params, same) if not s]
+        dtypes = [torch.float32] * (len(masters) + len(trace or []))
+        dtypes += [p.dtype for p, s in zip(params, same) if not s]
+        fresh = iter(_POOL.empty_like(likes, dtypes))
+        m_out = [next(fresh) for _ in masters]
+        trace_out = [next(fresh) for _ in trace] if trace is not None else None
+        p_out = [m if s else next(fresh) for m, s in zip(m_out, same)]
+
+    started = old_trace.initialized.contiguous() if old_trace is not None else None
+    cpu_kernel.sgd_update(
+        g,
+        masters,
+        trace,
+        params,
+        m_out,
+        trace_out,
+        p_out,
+        inv=inv,
+        clip=clip,
+        lr=factor,
+        apply=apply,
+        started=started,
+        weight_decay=plan.weight_decay,
+        momentum=plan.momentum,
+        dampening=plan.dampening,
+        nesterov=plan.nesterov,
+    )
+
+    opt_state = state.opt_state
+    if old_trace is not None:
+        initialized = torch.where(finite, torch.ones_like(old_trace.initialized), started)
+        new_trace = TraceState(trace=tree_unflatten(tree_flatten(old_trace.trace)[1], trace_out),
+                               initialized=initialized)
+        opt_state = replace_at(opt_state, plan.trace_path, new_trace)
+    if count is not None:
+        advanced = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)
+        new_count = ScaleByScheduleState(count=torch.where(finite, advanced, count))
+        opt_state = replace_at(opt_state, plan.lr_path, new_count)
+    return state.replace(
+        params=tree_unflatten(p_spec, p_out),
+        master=tree_unflatten(m_spec, m_out),
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        step=state.step + 1,
+        grads_finite=finite,
+    )

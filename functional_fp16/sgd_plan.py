@@ -1,0 +1,156 @@
+"""Reading a chain of declared transforms as one fusable SGD step.
+
+Every transform of the library declares what it computes in its ``spec``
+(:class:`~functional_fp16.base.ChainSpec`, :class:`~functional_fp16.clipping.ClipSpec`,
+:class:`~functional_fp16.sgd.DecaySpec`, :class:`~functional_fp16.sgd.TraceSpec`,
+:class:`~functional_fp16.sgd.LearningRateSpec`). :func:`sgd_plan` reads those
+specs, never code, and returns the hyperparameters of the single-pass kernel
+when the chain, flattened, has the form::
+
+    [clip_by_global_norm(c)]  [add_decayed_weights(wd)]  [trace(mu, ...)]  scale_by_learning_rate(lr)
+
+(brackets: optional; parts with a coefficient of 0 pass their input through
+and are dropped; ``identity()`` is an empty chain). Anything else, including
+any transform without a spec, returns ``None`` and runs as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from functional_fp16._tree import tree_flatten
+from functional_fp16.base import ChainSpec, GradientTransformation
+from functional_fp16.clipping import ClipSpec
+from functional_fp16.sgd import (
+    DecaySpec,
+    LearningRateSpec,
+    ScaleByScheduleState,
+    TraceSpec,
+    TraceState,
+)
+
+__all__ = ["SGDPlan", "sgd_plan", "state_at", "replace_at"]
+
+Path = tuple[int, ...]
+
+
+class SGDPlan(NamedTuple):
+    """The hyperparameters of a fusable chain, and where its state lives.
+
+    ``trace_path`` and ``lr_path`` index into the (nested tuple) optimiser
+    state; ``trace_path`` is ``None`` without momentum.
+    """
+
+    max_norm: float | None  # None: no clipping
+    weight_decay: float  # 0.0: no decay
+    momentum: float  # 0.0: no momentum
+    nesterov: bool
+    dampening: float
+    learning_rate: float | Callable[[torch.Tensor], torch.Tensor]
+    sign: float  # -1.0 to descend
+    trace_path: Path | None
+    lr_path: Path
+
+
+def _parts(spec: Any, path: Path) -> list[tuple[Any, Path]] | None:
+    """The chain flattened into (spec, state path) pairs; None if a part is undeclared."""
+    if isinstance(spec, ChainSpec):
+        out: list[tuple[Any, Path]] = []
+        for i, part in enumerate(spec.parts):
+            inner = _parts(part, path + (i,))
+            if inner is None:
+                return None
+            out.extend(inner)
+        return out
+    if isinstance(spec, (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)):
+        return [(spec, path)]
+    return None
+
+
+def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
+    # Pass-through parts change nothing; drop them.
+    parts = [
+        (s, p)
+        for s, p in parts
+        if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)
+        and not (isinstance(s, TraceSpec) and s.decay == 0.0)
+    ]
+    order = (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)
+    found: dict[type, tuple[Any, Path]] = {}
+    rank = -1
+    for spec, path in parts:
+        r = order.index(type(spec))
+        if r <= rank:  # out of order, or twice
+            return None
+        rank = r
+        found[type(spec)] = (spec, path)
+    if LearningRateSpec not in found or parts[-1][0] is not found[LearningRateSpec][0]:
+        return None
+    clip = found.get(ClipSpec, (None, None))[0]
+    decay = found.get(DecaySpec, (None, None))[0]
+    trace, trace_path = found.get(TraceSpec, (None, None))
+    lr, lr_path = found[LearningRateSpec]
+    return SGDPlan(
+        max_norm=clip.max_norm if clip is not None else None,
+        weight_decay=decay.weight_decay if decay is not None else 0.0,
+        momentum=trace.decay if trace is not None else 0.0,
+        nesterov=trace.nesterov if trace is not None else False,
+        dampening=trace.dampening if trace is not None else 0.0,
+        learning_rate=lr.learning_rate,
+        sign=lr.sign,
+        trace_path=trace_path,
+        lr_path=lr_path,
+    )
+
+
+_CACHE: dict[int, tuple[GradientTransformation, SGDPlan | None]] = {}
+
+
+def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
+    """The :class:`SGDPlan` of ``tx``, or ``None`` if it is not a fusable SGD chain.
+
+    Read from the transforms' declared ``spec`` only. Cached per ``tx`` object.
+    """
+    hit = _CACHE.get(id(tx))
+    if hit is not None and hit[0] is tx:
+        return hit[1]
+    parts = _parts(getattr(tx, "spec", None), ())
+    plan = _read(parts) if parts else None
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+    _CACHE[id(tx)] = (tx, plan)
+    return plan
+
+
+def state_at(state: Any, path: Path) -> Any:
+    """The inner state at ``path`` of a nested chain state."""
+    for i in path:
+        state = state[i]
+    return state
+
+
+def replace_at(state: Any, path: Path, value: Any) -> Any:
+    """A copy of the nested chain state with the inner state at ``path`` replaced."""
+    if not path:
+        return value
+    parts = list(state)
+    parts[path[0]] = replace_at(state[path[0]], path[1:], value)
+    return tuple(parts)
+
+
+def state_fits(plan: SGDPlan, opt_state: Any, master_spec: Any) -> bool:
+    """Whether ``opt_state`` has the plan's layout, its momentum shaped like the master."""
+    try:
+        if plan.trace_path is not None:
+            trace = state_at(opt_state, plan.trace_path)
+            if not isinstance(trace, TraceState) or tree_flatten(trace.trace)[1] != master_spec:
+                return False
+        if callable(plan.learning_rate):
+            if not isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState):
+                return False
+    except (TypeError, IndexError, KeyError):
+        return False
+    return True

@@ -1,0 +1,246 @@
+"""The fused kernel (``impl="fused"``, the default) under the numerical contract.
+
+Bitwise, always: the skip decision, the loss scale and its counters, ``step``,
+``grads_finite``, every optimiser-state tensor that is not contracted (the
+momentum buffers, the schedule count), and a skipped step being a no-op on
+every tensor of the state (compared as bit patterns: -0.0 is not +0.0).
+
+Arithmetic: the kernel contracts the step ``m + f * v`` into one fused
+multiply-add where the reference rounds ``f * v`` first. The bound stated and
+checked here, element by element, is **one ulp at the scale of the operation**:
+``|fused - reference| <= ulp(max(|m|, |m'|, |m' - m|))``. (One ulp of the result
+alone bounds no contraction: where ``m`` and ``f * v`` nearly cancel, ``m'`` is
+tiny and the reference's own rounding of ``f * v`` is many of its ulps.)
+Against ``torch.optim.SGD``, whose foreach kernels contract the same
+multiply-adds, the bound is one ulp of the result itself.
+"""
+
+import gc
+import math
+
+import pytest
+import torch
+
+import functional_fp16 as ff
+from functional_fp16 import cpu_kernel, fused_update
+from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16.fast_update import grads_finite
+from tests.helpers import random_tree
+from tests.test_fast_update import STEPS, TX_NAMES, _grads, _txs
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(a, b):
+    la, lb = tree_leaves(a), tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(bits(x), bits(y)), (x, y)
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    x = x.abs().float()
+    return torch.nextafter(x, torch.full_like(x, math.inf)) - x
+
+
+def assert_within_one_operation_ulp(new, ref, old):
+    """|new - ref| <= ulp(max(|old|, |ref|, |ref - old|)), elementwise (see the module doc)."""
+    scale = torch.maximum(torch.maximum(old.abs(), ref.abs()), (ref - old).abs())
+    excess = (new - ref).abs() - ulp(scale)
+    assert bool((excess <= 0).all()), f"{int((excess > 0).sum())} elements beyond 1 ulp"
+
+
+def assert_within_contract(new, ref, old):
+    """``new`` (fused) against ``ref`` (reference), both computed from ``old``."""
+    assert torch.equal(new.grads_finite, ref.grads_finite)
+    assert_bitwise((new.loss_scale, new.step), (ref.loss_scale, ref.step))
+    if not bool(ref.grads_finite):
+        # a skipped step is a no-op on every tensor of the parameters and optimiser
+        assert_bitwise((new.params, new.master, new.opt_state), (old.params, old.master, old.opt_state))
+        return
+    for a, r, m in zip(tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(old.master)):
+        assert_within_one_operation_ulp(a, r, m)
+    for p, m in zip(tree_leaves(new.params), tree_leaves(new.master)):
+        assert torch.equal(bits(p), bits(m.to(p.dtype)))  # the round-to-nearest working copy
+    # Momentum, counts and flags are not contracted: bitwise.
+    assert_bitwise(new.opt_state, ref.opt_state)
+
+
+def clone(state):
+    return tree_map(lambda x: x.clone(), state)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", TX_NAMES)
+def test_every_chain_within_contract_of_the_reference(name, donate):
+    tx = _txs()[name]
+    state = ff.fp16_init(random_tree(3, scale=0.5), tx)
+    for step in range(STEPS):
+        bad = [None, math.inf, None, math.nan, None, -math.inf][step]
+        grads = _grads(state, step, 0, bad=bad)
+        old = clone(state)
+        ref = ff.fp16_update(old, grads, impl="reference")
+        state = ff.fp16_update(state, grads, impl="fused", donate=donate)
+        assert_within_contract(state, ref, old)
+        state = clone(state) if donate else state
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("loss_scale", ["dynamic", "static", "none"])
+def test_dtypes_and_loss_scales_within_contract(param_dtype, loss_scale):
+    make = {
+        "dynamic": lambda: ff.DynamicLossScale(2.0**8, growth_interval=2),
+        "static": lambda: ff.StaticLossScale(2.0**6),
+        "none": ff.NoOpLossScale,
+    }[loss_scale]
+    state = ff.fp16_init(
+        random_tree(4), ff.sgd(0.05, momentum=0.9), make(), param_dtype=param_dtype
+    )
+    for step in range(STEPS):
+        grads = _grads(state, step, 1, scale=64.0, bad=math.inf if step == 2 else None)
+        old = clone(state)
+        ref = ff.fp16_update(old, grads, impl="reference")
+        state = ff.fp16_update(state, grads, impl="fused")
+        assert_within_contract(state, ref, old)
+    if param_dtype == torch.float32:  # the working copy is the master itself
+        assert all(p is m for p, m in zip(tree_leaves(state.params), tree_leaves(state.master)))
+
+
+TORCH_CONFIGS = [
+    dict(momentum=0.9),
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+    dict(momentum=0.9, weight_decay=1e-3),
+    dict(),
+]
+
+
+@pytest.mark.parametrize("cfg", TORCH_CONFIGS, ids=str)
+def test_one_step_within_one_ulp_of_torch_sgd_and_long_runs_within_four(cfg):
+    torch.manual_seed(0)
+    n, lr, scale = 100_003, 0.05, 1024.0
+    m0 = torch.randn(n) * 0.05
+    state = ff.fp16_init({"w": m0}, ff.sgd(lr, **cfg), ff.StaticLossScale(scale))
+    param = torch.nn.Parameter(m0.clone())
+    opt = torch.optim.SGD([param], lr=lr, foreach=True, **cfg)
+    inv = ff.unscale_factor(torch.tensor(scale))
+    for step in range(30):
+        g16 = (torch.randn(n) * scale * 0.1).half()
+        param.grad = g16.float() * inv
+        state = ff.fp16_update(state, {"w": g16})
+        opt.step()
+        ours, theirs = state.master["w"], param.detach()
+        if step == 0:  # one step from the same state: 1 ulp of the result
+            assert bool(((ours - theirs).abs() <= ulp(theirs)).all())
+        # a long run: a few ulps of the result
+        assert bool(((ours - theirs).abs() <= 4 * ulp(theirs)).all()), step
+        if cfg.get("momentum"):
+            buf = opt.state[param]["momentum_buffer"]
+            assert bool(((state.opt_state[1].trace["w"] - buf).abs() <= 4 * ulp(buf)).all())
+
+
+def test_the_readme_and_example_optimisers_take_the_fused_path():
+    params = random_tree(0)
+    quick = ff.fp16_init(params, ff.sgd(1e-3, momentum=0.9))
+    clipped = ff.fp16_init(
+        params, ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(1e-3, momentum=0.9))
+    )
+    assert ff.update_path(quick) == ff.update_path(clipped) == "fused"
+    assert ff.update_path(quick, impl="foreach") == "foreach-sgd"
+    assert ff.update_path(clipped, impl="foreach") == "foreach"
+    assert ff.update_path(quick, impl="reference") == "reference"
+    with pytest.raises(ValueError, match="impl"):
+        ff.update_path(quick, impl="fast")
+
+
+def test_without_a_compiler_it_warns_once_and_runs_the_multi_tensor_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "_loaded", True)
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "no C compiler found (test)")
+    monkeypatch.setattr(fused_update, "_warned", set())
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    grads = _grads(state, 0, 0)
+    with pytest.warns(RuntimeWarning, match="no C compiler found"):
+        new = ff.fp16_update(state, grads)
+    assert ff.update_path(state) == "foreach-sgd"
+    assert_bitwise(new, ff.fp16_update(state, grads, impl="foreach"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ff.fp16_update(state, grads)  # said once, not every step
+
+
+def test_pure_outputs_never_alias_live_tensors_and_dropped_ones_are_reused():
+    tx = ff.sgd(0.1, momentum=0.9)
+    s0 = ff.fp16_init({"w": torch.randn(1000), "b": torch.randn(10)}, tx)
+    keep = clone(s0)
+    grads = _grads(s0, 0, 0)
+    s1 = ff.fp16_update(s0, grads)
+    s2 = ff.fp16_update(s1, grads)
+    live = {x.untyped_storage().data_ptr() for x in tree_leaves((s0, s1))}
+    assert not live & {x.untyped_storage().data_ptr() for x in tree_leaves(s2.master)}
+    assert_bitwise(s0, keep)  # inputs are never written
+    view = s1.master["w"][:10]  # a view keeps its storage alive
+    keep_view = view.clone()
+    old_ptrs = {x.untyped_storage().data_ptr() for x in tree_leaves(s1)}
+    del s1
+    gc.collect()
+    s3 = ff.fp16_update(s2, grads)
+    s4 = ff.fp16_update(s3, grads)
+    now = {x.untyped_storage().data_ptr() for x in tree_leaves((s3, s4))}
+    assert view.untyped_storage().data_ptr() not in now
+    assert now & (old_ptrs - {view.untyped_storage().data_ptr()})  # the rest is reused
+    assert torch.equal(view, keep_view)  # and the view's values were never overwritten
+
+
+def test_channels_last_and_strided_gradients():
+    params = {"conv": torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)}
+    state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+    assert ff.update_path(state) == "fused"
+    g = (torch.randn(8, 3, 3, 3) * 100).half()  # contiguous, unlike the master
+    ref = ff.fp16_update(state, {"conv": g}, impl="reference")
+    new = ff.fp16_update(state, {"conv": g})
+    assert_within_contract(new, ref, state)
+    assert new.master["conv"].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 40_000])
+@pytest.mark.parametrize("value", [None, math.inf, -math.inf, math.nan, 6e4, -3e38])
+def test_kernel_finite_decision_matches_grads_finite(dtype, n, value):
+    g = torch.randn(n).to(dtype)
+    if value is not None:
+        g[n // 2] = value
+    for inv in (torch.tensor(1.0), torch.tensor(2.0**-10), torch.tensor(2.0**100), None):
+        peak, _ = cpu_kernel.grad_stats([g, torch.ones(3, dtype=dtype)], inv, sum_squares=False)
+        mine = torch.isfinite(peak if inv is None else peak * inv)
+        assert bool(mine) == bool(grads_finite([g], inv))
+
+
+def test_kernel_sum_of_squares_matches_global_norm():
+    g = [(torch.randn(n) * 300).half() for n in (1, 17, 70_001)]
+    inv = torch.tensor(2.0**-8)
+    _, sq = cpu_kernel.grad_stats(g, inv, sum_squares=True)
+    expected = ff.global_norm([x.float() * inv for x in g])
+    assert torch.equal(sq.sqrt().float(), expected)
+
+
+def test_the_compiled_update_still_matches_eager_fused():
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    grads = _grads(state, 0, 0)
+    compiled = torch.compile(ff.fp16_update, fullgraph=True)
+    new = compiled(state, grads)
+    ref = ff.fp16_update(state, grads, impl="reference")
+    assert_within_contract(new, ref, state)
+
+
+def test_leaves_without_a_state_layout_are_refused_by_the_plan_not_the_kernel():
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    bad = state.replace(master=tree_map(lambda m: m.double(), state.master))
+    assert fused_update.fused_plan(bad) is None
+    assert fused_update.fused_plan(state) is not None
