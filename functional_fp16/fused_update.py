@@ -67,7 +67,9 @@ class FusedPlan(NamedTuple):
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+    return t.is_contiguous() or (
+        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    )
 
 
 def _why_not(state) -> str | None:
@@ -211,8 +213,10 @@ def fused_update(state, grads, decide, donate: bool):
     opt_state = state.opt_state
     if old_trace is not None:
         initialized = torch.where(finite, torch.ones_like(old_trace.initialized), started)
-        new_trace = TraceState(trace=tree_unflatten(tree_flatten(old_trace.trace)[1], trace_out),
-                               initialized=initialized)
+        new_trace = TraceState(
+            trace=tree_unflatten(tree_flatten(old_trace.trace)[1], trace_out),
+            initialized=initialized,
+        )
         opt_state = replace_at(opt_state, plan.trace_path, new_trace)
     if count is not None:
         advanced = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)

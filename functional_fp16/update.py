@@ -40,8 +40,8 @@ from functional_fp16._tree import (
 from functional_fp16.base import GradientTransformation, apply_updates
 from functional_fp16.fast_update import foreach_update
 from functional_fp16.fused_update import fused_plan, fused_update
-from functional_fp16.sgd_plan import sgd_plan
 from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.sgd_plan import sgd_plan
 
 __all__ = ["FP16State", "fp16_init", "fp16_update", "update_path"]
 

@@ -1,6 +1,7 @@
 """Small shared utilities for the tests: random trees, float distances, a host-sync trap."""
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,24 @@ def scaled_error(a: torch.Tensor, b: torch.Tensor) -> float:
     if magnitude == 0.0:
         return 0.0
     return float((a - b).abs().max()) / (torch.finfo(torch.float32).eps * magnitude)
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """The float32 spacing above |x|, elementwise."""
+    x = x.abs().float()
+    return torch.nextafter(x, torch.full_like(x, math.inf)) - x
+
+
+def assert_within_one_operation_ulp(new, ref, old):
+    """|new - ref| <= ulp(max(|old|, |ref|, |ref - old|)), elementwise.
+
+    The numerical contract's bound for one step that contracts ``old + f * v``
+    into a fused multiply-add where ``ref`` rounds ``f * v`` first: one ulp at
+    the scale of the operation (see ``tests/test_fused_update.py``).
+    """
+    scale = torch.maximum(torch.maximum(old.abs(), ref.abs()), (ref - old).abs())
+    excess = (new - ref).abs() - ulp(scale)
+    assert bool((excess <= 0).all()), f"{int((excess > 0).sum())} elements beyond 1 ulp"
 
 
 # Reading a tensor's value on the host, by method or by ATen operator.

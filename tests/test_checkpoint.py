@@ -334,7 +334,22 @@ def test_loss_scale_kind_mismatch_is_named(tmp_path):
 
 def test_optimizer_state_mismatch_is_named(tmp_path):
     like = ff.fp16_init(make_params(1), ff.sgd(0.1), make_scale())
-    _mismatch(tmp_path, like, r"\.opt_state.*length 2 != 1")
+    _mismatch(tmp_path, like, r"\.opt_state.*length 2 != 3")
+
+
+def test_sgd_checkpoints_load_across_momentum_and_weight_decay_settings(tmp_path):
+    # sgd keeps one state layout: a run saved with momentum and weight decay
+    # resumes with both set to 0, and the other way round.
+    params = make_params(0)
+    saved = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9, weight_decay=1e-3))
+    grads = tree_map(lambda p: torch.ones_like(p), saved.params)
+    saved = ff.fp16_update(saved, grads)
+    ff.save_checkpoint(tmp_path / "a.ckpt", saved)
+    plain = ff.load_checkpoint(tmp_path / "a.ckpt", ff.fp16_init(params, ff.sgd(0.1)))
+    assert_trees_bitwise_equal(plain.opt_state, saved.opt_state)
+    ff.save_checkpoint(tmp_path / "b.ckpt", plain)
+    back = ff.fp16_init(params, ff.sgd(0.1, momentum=0.5, weight_decay=1e-2))
+    assert_trees_bitwise_equal(ff.load_checkpoint(tmp_path / "b.ckpt", back), plain)
 
 
 def test_template_of_another_type_is_refused(tmp_path):

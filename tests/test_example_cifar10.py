@@ -14,6 +14,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves
+from tests.helpers import assert_within_one_operation_ulp
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -311,5 +312,7 @@ def test_train_step_traces_as_one_graph_for_compile():
     s1, _, m1 = compiled(state, buffers, images, labels)
     s2, _, m2 = step(state, buffers, images, labels)
     assert torch.equal(m1.loss, m2.loss) and torch.equal(m1.skipped, m2.skipped)
+    # Traced, the update runs the two-rounding multi-tensor code; eager, the
+    # fused kernel: within the contract's one ulp at the operation's scale.
     for name in s2.master:
-        assert torch.equal(s1.master[name], s2.master[name]), name
+        assert_within_one_operation_ulp(s1.master[name], s2.master[name], state.master[name])

@@ -183,11 +183,19 @@ def run_episode(rng: random.Random, impl: str, donate: bool, counts: Counts) -> 
         counts.at_max += scale == hi
         state = new
 
-    # Clean replay: the transform alone, fed only the accepted steps.
+    # Clean replay: fed only the accepted steps, already unscaled, no skipping.
+    # The transform alone replays the reference arithmetic; the fused kernel's
+    # own arithmetic (contracted multiply-adds) is replayed by the same kernel
+    # on an FP32 state without loss scaling.
     master, opt_state = init.master, init.opt_state
+    replay = ff.fp16_init(init.master, tx, ff.NoOpLossScale(), param_dtype=torch.float32)
     for grads, used_scale in applied:
         inv = unscale_factor(used_scale)
         grads32 = tree_map(lambda g: g.float() * inv, grads)
+        if impl == "fused":
+            replay = ff.fp16_update(replay, grads32, impl=impl)
+            master, opt_state = replay.master, replay.opt_state
+            continue
         updates, opt_state = tx.update(grads32, opt_state, master)
         master = ff.apply_updates(master, updates)
     assert_bitwise(state.master, master, "master vs clean replay")

@@ -25,7 +25,7 @@ import functional_fp16 as ff
 from functional_fp16 import cpu_kernel, fused_update
 from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.fast_update import grads_finite
-from tests.helpers import random_tree
+from tests.helpers import assert_within_one_operation_ulp, random_tree, ulp
 from tests.test_fast_update import STEPS, TX_NAMES, _grads, _txs
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
@@ -43,25 +43,15 @@ def assert_bitwise(a, b):
         assert torch.equal(bits(x), bits(y)), (x, y)
 
 
-def ulp(x: torch.Tensor) -> torch.Tensor:
-    x = x.abs().float()
-    return torch.nextafter(x, torch.full_like(x, math.inf)) - x
-
-
-def assert_within_one_operation_ulp(new, ref, old):
-    """|new - ref| <= ulp(max(|old|, |ref|, |ref - old|)), elementwise (see the module doc)."""
-    scale = torch.maximum(torch.maximum(old.abs(), ref.abs()), (ref - old).abs())
-    excess = (new - ref).abs() - ulp(scale)
-    assert bool((excess <= 0).all()), f"{int((excess > 0).sum())} elements beyond 1 ulp"
-
-
 def assert_within_contract(new, ref, old):
     """``new`` (fused) against ``ref`` (reference), both computed from ``old``."""
     assert torch.equal(new.grads_finite, ref.grads_finite)
     assert_bitwise((new.loss_scale, new.step), (ref.loss_scale, ref.step))
     if not bool(ref.grads_finite):
         # a skipped step is a no-op on every tensor of the parameters and optimiser
-        assert_bitwise((new.params, new.master, new.opt_state), (old.params, old.master, old.opt_state))
+        assert_bitwise(
+            (new.params, new.master, new.opt_state), (old.params, old.master, old.opt_state)
+        )
         return
     for a, r, m in zip(tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(old.master)):
         assert_within_one_operation_ulp(a, r, m)

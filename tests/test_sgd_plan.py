@@ -53,8 +53,16 @@ def _undeclared():
         ff.apply_if_finite(ff.sgd(0.1), 1),  # undeclared wrapper
         _undeclared(),  # same init, another update, no spec
     ],
-    ids=["identity", "order", "decay_after_trace", "decay_twice", "clip_last", "no_lr",
-         "apply_if_finite", "undeclared"],
+    ids=[
+        "identity",
+        "order",
+        "decay_after_trace",
+        "decay_twice",
+        "clip_last",
+        "no_lr",
+        "apply_if_finite",
+        "undeclared",
+    ],
 )
 def test_other_chains_run_as_written(tx):
     assert sgd_plan(tx) is None
