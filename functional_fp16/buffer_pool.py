@@ -31,9 +31,15 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 
 class BufferPool:
-    """Hands out CPU tensors, reusing storages nothing else refers to any more."""
+    """Hands out CPU tensors, reusing storages nothing else refers to any more.
 
-    def __init__(self) -> None:
+    Tensors smaller than ``min_bytes`` come from the ordinary allocator: glibc
+    serves them from its heap without new page faults, and a plain allocation
+    costs less Python than a pool lookup.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 18) -> None:
+        self.min_bytes = min_bytes
         self._held: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
 
@@ -51,8 +57,13 @@ class BufferPool:
                 else:
                     kept.append(st)
             out = []
+            taken = 0
             for like, dtype in zip(tensors, dtypes):
                 nbytes = like.numel() * dtype.itemsize
+                if nbytes < self.min_bytes:
+                    out.append(torch.empty_like(like, dtype=dtype))
+                    continue
+                taken += 1
                 bucket = free.get(nbytes)
                 st = bucket.pop() if bucket else torch.UntypedStorage(nbytes)
                 kept.append(st)
@@ -60,7 +71,7 @@ class BufferPool:
                 out.append(t.set_(st, 0, like.shape, like.stride()))
             # Free storages not taken are released here; a caller that keeps
             # many old states alive does not make the pool track them all.
-            self._held = kept[-4 * max(1, len(out)) :]
+            self._held = kept[-4 * max(1, taken) :]
             return out
 
     def clear(self) -> None:

@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from array import array
 from pathlib import Path
 
 import torch
@@ -127,8 +128,27 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _ptrs(tensors: list[torch.Tensor | None]):
-    return (_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+class _Arrays:
+    """Packs per-leaf values into C arrays (``array.array``), kept alive while a call runs."""
+
+    def __init__(self) -> None:
+        self._keep: list[array] = []
+
+    def ptrs(self, tensors: list[torch.Tensor] | None) -> int | None:
+        if tensors is None:
+            return None
+        return self._pack("Q", [t.data_ptr() for t in tensors])
+
+    def _pack(self, code: str, values: list[int]) -> int:
+        a = array(code, values)
+        self._keep.append(a)
+        return a.buffer_info()[0]
+
+    def i64(self, values: list[int]) -> int:
+        return self._pack("q", values)
+
+    def i32(self, values: list[int]) -> int:
+        return self._pack("i", values)
 
 
 def _addr(t: torch.Tensor | None) -> int | None:
@@ -140,14 +160,14 @@ def grad_stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One read of the gradients: (largest |g| as float32, +inf if any is inf or NaN; and
     the float64 sum of ``fl32(g * inv)**2`` if ``sum_squares``). 0-d tensors."""
-    n = len(grads)
     peak = torch.empty((), dtype=torch.float32)
     sq = torch.empty((), dtype=torch.float64) if sum_squares else None
+    c = _Arrays()
     _lib.ff_grad_stats(
-        n,
-        _ptrs(grads),
-        (_i64 * n)(*[g.numel() for g in grads]),
-        (_i32 * n)(*[DTYPE_CODES[g.dtype] for g in grads]),
+        len(grads),
+        c.ptrs(grads),
+        c.i64([g.numel() for g in grads]),
+        c.i32([DTYPE_CODES[g.dtype] for g in grads]),
         _addr(inv),
         int(sum_squares),
         torch.get_num_threads(),
@@ -183,20 +203,19 @@ def sgd_update(
     (``inv``, ``clip``'s divisor and factor, ``lr``) or bool (``apply``,
     ``started``). Outputs may be the inputs themselves (donation).
     """
-    n = len(grads)
-    no_trace = [None] * n
+    c = _Arrays()
     _lib.ff_sgd_update(
-        n,
-        _ptrs(grads),
-        _ptrs(master),
-        _ptrs(trace if trace is not None else no_trace),
-        _ptrs(params),
-        _ptrs(master_out),
-        _ptrs(trace_out if trace_out is not None else no_trace),
-        _ptrs(params_out),
-        (_i64 * n)(*[g.numel() for g in grads]),
-        (_i32 * n)(*[DTYPE_CODES[g.dtype] for g in grads]),
-        (_i32 * n)(*[DTYPE_CODES[p.dtype] for p in params_out]),
+        len(grads),
+        c.ptrs(grads),
+        c.ptrs(master),
+        c.ptrs(trace),
+        c.ptrs(params),
+        c.ptrs(master_out),
+        c.ptrs(trace_out),
+        c.ptrs(params_out),
+        c.i64([g.numel() for g in grads]),
+        c.i32([DTYPE_CODES[g.dtype] for g in grads]),
+        c.i32([DTYPE_CODES[p.dtype] for p in params_out]),
         _addr(inv),
         _addr(clip[0]) if clip is not None else None,
         _addr(clip[1]) if clip is not None else None,

@@ -60,7 +60,7 @@ _warned: set[str] = set()
 
 
 class FusedPlan(NamedTuple):
-    """What the fused kernel needs to know about a state, found once per call."""
+    """What the fused kernel needs to know about a state's layout."""
 
     sgd: SGDPlan
     kernel: str  # "cpu"
@@ -82,7 +82,7 @@ def _why_not(state) -> str | None:
     masters, spec = tree_flatten(state.master)
     if not state_fits(plan, state.opt_state, spec):
         return "an optimiser state of another layout"
-    if not masters or masters[0].device.type != "cpu":
+    if not masters or any(m.device.type != "cpu" for m in masters):
         return "tensors that are not on the CPU"
     params = tree_flatten(state.params)[0]
     trace = (
@@ -101,7 +101,14 @@ def _why_not(state) -> str | None:
 
 
 def fused_plan(state) -> FusedPlan | None:
-    """The plan for ``state``, or ``None`` when it runs another path."""
+    """The plan for ``state``, or ``None`` when it runs another path.
+
+    States produced by the fused kernel carry their plan; others are checked
+    leaf by leaf once.
+    """
+    cached = state._kernel_plan
+    if cached is not None:
+        return cached
     if _why_not(state) is not None:
         return None
     if not cpu_kernel.available():
@@ -222,7 +229,7 @@ def fused_update(state, grads, decide, donate: bool):
         advanced = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)
         new_count = ScaleByScheduleState(count=torch.where(finite, advanced, count))
         opt_state = replace_at(opt_state, plan.lr_path, new_count)
-    return state.replace(
+    new = state.replace(
         params=tree_unflatten(p_spec, p_out),
         master=tree_unflatten(m_spec, m_out),
         opt_state=opt_state,
@@ -230,3 +237,5 @@ def fused_update(state, grads, decide, donate: bool):
         step=state.step + 1,
         grads_finite=finite,
     )
+    new._kernel_plan = fp  # same layout as the input: no need to check it again
+    return new

@@ -66,7 +66,9 @@ class FP16State:
     Static configuration: ``tx``, the :class:`GradientTransformation`.
     """
 
-    __slots__ = _FIELDS + ("tx",)
+    # ``_kernel_plan``: the fused kernel's verdict on this object's layout,
+    # cached by the update that produced it (never by replace or unflatten).
+    __slots__ = _FIELDS + ("tx", "_kernel_plan")
 
     def __init__(
         self,
@@ -85,10 +87,11 @@ class FP16State:
         self.step = step
         self.grads_finite = grads_finite
         self.tx = tx
+        self._kernel_plan = None
 
     def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""
-        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields = {name: getattr(self, name) for name in _FIELDS + ("tx",)}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"FP16State has no field(s) {sorted(unknown)}")
@@ -345,7 +348,7 @@ def fp16_update(
         impl = "fused"  # which falls back to "foreach" where it does not apply
     if impl not in _IMPLEMENTATIONS:
         raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
-    check_like(state.params, grads, name="grads", reference_name="params")
+    g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     if agree is not None and not callable(agree):
@@ -354,7 +357,8 @@ def fp16_update(
         raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
     # with ``create_graph``) are taken as values: no graph reaches the new state.
-    grads = tree_map(torch.Tensor.detach, grads)
+    if any(g.requires_grad for g in g_leaves):
+        grads = tree_map(torch.Tensor.detach, grads)
     return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
 
 
