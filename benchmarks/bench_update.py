@@ -2,7 +2,18 @@
 
 For each parameter tree (the example CNN, a ResNet-18-shaped tree, one flat
 10M and one flat 100M tensor) every row performs one SGD-momentum step
-(lr 0.05, momentum 0.9) from the same parameters and the same gradients:
+(lr 0.05, momentum 0.9) from the same parameters and the same gradients.
+
+The first table, **default**, is what users run as they would run it:
+``fp16_update(state, grads)`` pure and with ``donate=True`` (the fused kernel),
+next to ``GradScaler`` with ``SGD(fused=True)`` and ``SGD(foreach=True)`` on
+FP32 parameters, without and with global-norm clipping
+(``chain(clip_by_global_norm(1), sgd(...))`` against ``scaler.unscale_`` +
+``clip_grad_norm_`` + the step). Its *first call* column is the time of a
+row's first call in the process; the one-off build of the CPU kernel (once
+per machine, then cached on disk) is timed separately.
+
+The second table, **peers**, adds the other ways of doing the step:
 
 =========================  ==========================================================
 row                        what one step does
@@ -11,6 +22,7 @@ copy_ (bandwidth)          ``dst.copy_(src)`` in FP32: the measured copy bandwid
 add (3-stream bandwidth)   ``torch.add(a, b, out=c)`` in FP32, a second yardstick
 fp16_update eager          ``fp16_update(state, grads)``: pure, the default impl
 fp16_update donated        ``fp16_update(state, grads, donate=True)``
+fp16_update foreach        ``impl="foreach"``: the multi-tensor path (no compiler)
 fp16_update compiled       ``torch.compile(fp16_update, fullgraph=True)``, pure
 fp16_update compiled+don.  the same with ``donate=True``
 fp16_update reference      ``impl="reference"`` (the specification; not at 100M)
@@ -38,7 +50,8 @@ Usage::
     python benchmarks/bench_update.py --out FILE.md   # also write the markdown
     python benchmarks/bench_update.py --smoke         # seconds: agreement checks only
 
-``--no-tune-malloc`` keeps glibc's default allocator thresholds (see
+glibc's allocator keeps its default settings, as in a user's process;
+``--tune-malloc`` raises its thresholds first (see
 ``functional_fp16.fast_update.tune_malloc``).
 """
 
@@ -48,6 +61,8 @@ import argparse
 import math
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -63,6 +78,7 @@ from functional_fp16.fast_update import tune_malloc  # noqa: E402
 LR = 0.05
 MOMENTUM = 0.9
 SCALE = 2.0**10
+MAX_NORM = 1.0  # the clipped rows: the gradients' norm is well above it
 RTOL = 1e-5  # agreement: |a - b| <= RTOL * max|reference| per tensor
 
 
@@ -185,13 +201,16 @@ class AddBandwidth(Row):
 class FP16Update(Row):
     bytes_per_param = 22
 
-    def __init__(self, p0, grads, *, impl="auto", donate=False, compiled=False, name=""):
+    def __init__(
+        self, p0, grads, *, impl="auto", donate=False, compiled=False, clip=False, name=""
+    ):
         self.name = name
         self.grads = grads
         self.keys = list(p0)
-        self.state = ff.fp16_init(
-            p0, ff.sgd(LR, momentum=MOMENTUM), ff.DynamicLossScale(SCALE, growth_interval=10**6)
-        )
+        tx = ff.sgd(LR, momentum=MOMENTUM)
+        if clip:
+            tx = ff.chain(ff.clip_by_global_norm(MAX_NORM), tx)
+        self.state = ff.fp16_init(p0, tx, ff.DynamicLossScale(SCALE, growth_interval=10**6))
 
         def update(state, g):
             return ff.fp16_update(state, g, impl=impl, donate=donate)
@@ -208,8 +227,9 @@ class FP16Update(Row):
 class GradScalerSGD(Row):
     bytes_per_param = 28
 
-    def __init__(self, p0, grads, *, fused, name):
+    def __init__(self, p0, grads, *, fused, name, clip=False):
         self.name = name
+        self.clip = clip
         self.params = [torch.nn.Parameter(v.clone()) for v in p0.values()]
         self.grads32 = [[g.float() for g in gs.values()] for gs in grads]
         kw = {"fused": True} if fused else {"foreach": True}
@@ -226,6 +246,9 @@ class GradScalerSGD(Row):
                 p.grad.copy_(g)
 
     def step(self, i):
+        if self.clip:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.params, MAX_NORM, foreach=True)
         self.scaler.step(self.opt)
         self.scaler.update()
 
@@ -338,12 +361,29 @@ class OptaxJmp(Row):
         return [torch.from_numpy(np.asarray(self.state[0][k]).copy()) for k in self.keys]
 
 
-def row_factories(n_params: int, only: set[str] | None) -> list[Callable[..., Row]]:
+def default_rows(clip: bool) -> list[Callable[..., Row]]:
+    """The first table: the default update and the stock recipe, as users run them."""
+    tag = " + clip" if clip else ""
+    return [
+        lambda p, g: FP16Update(p, g, clip=clip, name=f"fp16_update{tag} (pure, default)"),
+        lambda p, g: FP16Update(p, g, clip=clip, donate=True, name=f"fp16_update{tag} donated"),
+        lambda p, g: GradScalerSGD(
+            p, g, fused=True, clip=clip, name=f"GradScaler{tag} + SGD(fused) FP32"
+        ),
+        lambda p, g: GradScalerSGD(
+            p, g, fused=False, clip=clip, name=f"GradScaler{tag} + SGD(foreach) FP32"
+        ),
+    ]
+
+
+def peer_rows(n_params: int) -> list[Callable[..., Row]]:
+    """The second table: bandwidth yardsticks and every other way of doing the step."""
     rows: list[Callable[..., Row]] = [
         Copy,
         AddBandwidth,
         lambda p, g: FP16Update(p, g, name="fp16_update eager (pure)"),
         lambda p, g: FP16Update(p, g, donate=True, name="fp16_update eager donated"),
+        lambda p, g: FP16Update(p, g, impl="foreach", name="fp16_update foreach (pure)"),
         lambda p, g: FP16Update(p, g, compiled=True, name="fp16_update compiled (pure)"),
         lambda p, g: FP16Update(
             p, g, compiled=True, donate=True, name="fp16_update compiled donated"
@@ -361,6 +401,29 @@ def row_factories(n_params: int, only: set[str] | None) -> list[Callable[..., Ro
     return rows
 
 
+def _default_path() -> str:
+    state = ff.fp16_init({"w": torch.zeros(4)}, ff.sgd(LR, momentum=MOMENTUM))
+    return ff.update_path(state)
+
+
+def kernel_build_seconds() -> float:
+    """Seconds to compile the CPU kernel from scratch (into a throw-away cache folder)."""
+    from functional_fp16 import cpu_kernel
+
+    old = os.environ.get("FUNCTIONAL_FP16_CACHE")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["FUNCTIONAL_FP16_CACHE"] = tmp
+        try:
+            t0 = time.perf_counter()
+            cpu_kernel._build()
+            return time.perf_counter() - t0
+        finally:
+            if old is None:
+                del os.environ["FUNCTIONAL_FP16_CACHE"]
+            else:
+                os.environ["FUNCTIONAL_FP16_CACHE"] = old
+
+
 # -- running --------------------------------------------------------------------------
 
 
@@ -368,13 +431,20 @@ def agreement(shapes) -> list[tuple[str, str, float]]:
     """Runs every row through 3 finite steps and one overflow; compares with the reference."""
     p0, grads = make_inputs(shapes)
     n = sum(math.prod(s) for s in shapes.values())
-    ref = FP16Update(p0, grads, impl="reference", name="reference")
+    results = []
+    for clip, makers in [(False, peer_rows(n) + default_rows(False)), (True, default_rows(True))]:
+        results += _agreement(p0, grads, clip, makers)
+    return results
+
+
+def _agreement(p0, grads, clip, makers) -> list[tuple[str, str, float]]:
+    ref = FP16Update(p0, grads, impl="reference", clip=clip, name="reference")
     for i in range(4):
         ref.step(i)
     assert not bool(ref.state.grads_finite)
     expected = ref.master()
     results = []
-    for make in row_factories(n, None):
+    for make in makers:
         row = make(p0, grads)
         got = None
         if not isinstance(row, (Copy, AddBandwidth)):
@@ -395,7 +465,7 @@ def agreement(shapes) -> list[tuple[str, str, float]]:
     return results
 
 
-def bench_tree(label, shapes, reps, warmup, mem_calls, interleave_max=20_000_000):
+def bench_tree(makers, shapes, reps, warmup, mem_calls, interleave_max=20_000_000):
     """Times every row on one tree.
 
     Up to ``interleave_max`` parameters all rows live at once and take turns
@@ -422,11 +492,13 @@ def bench_tree(label, shapes, reps, warmup, mem_calls, interleave_max=20_000_000
         return run
 
     def measure(rows):
-        mem = {}
+        mem, first = {}, {}
         for r in rows:
             counters[r.name] = 0
             r.prepare(0)
+            t0 = time.perf_counter()
             r.step(0)  # compile / first-call costs stay out of the memory and time numbers
+            first[r.name] = time.perf_counter() - t0
             mem[r.name] = C.peak_growth(lambda r=r: (prep(r)(), call(r)()), mem_calls)
         times = C.time_interleaved(
             {r.name: call(r) for r in rows},
@@ -434,43 +506,65 @@ def bench_tree(label, shapes, reps, warmup, mem_calls, interleave_max=20_000_000
             warmup=warmup,
             prepare={r.name: prep(r) for r in rows},
         )
-        return {r.name: (C.median(times[r.name]), r.bytes_per_param, mem[r.name]) for r in rows}
+        return {
+            r.name: (C.median(times[r.name]), r.bytes_per_param, mem[r.name], first[r.name])
+            for r in rows
+        }
 
     measured = {}
     order = []
     if interleave:
-        rows = [make(p0, grads) for make in row_factories(n, None)]
+        rows = [make(p0, grads) for make in makers]
         order = [r.name for r in rows]
         measured = measure(rows)
         del rows
     else:
-        for make in row_factories(n, None):
+        for make in makers:
             row = make(p0, grads)
             order.append(row.name)
             measured.update(measure([row]))
             del row
             C.release_free_memory()
-    copy_bw = 8 * n / measured[Copy.name][0]
     out = []
     for name in order:
-        t, bpp, mem = measured[name]
-        bw = bpp * n / t
-        out.append((name, t, bpp, bw, bw / copy_bw, mem))
-    return n, len(shapes), out, interleave
+        t, bpp, mem, first = measured[name]
+        out.append((name, t, bpp, bpp * n / t, mem, first))
+    return n, out, interleave
 
 
-def markdown_table(label, n, n_tensors, results) -> str:
+def default_table(label, n, n_tensors, results) -> str:
+    """The first table: time relative to GradScaler + SGD(fused), with and without clipping."""
     lines = [
         f"### {label}: {n:,} parameters in {n_tensors} tensors",
         "",
-        "| row | ms | bytes/param | GB/s | of copy BW | vs fused GradScaler | peak RSS growth |",
+        "| row | ms | time vs GradScaler + SGD(fused) | GB/s at its bytes/param "
+        "| first call | peak RSS growth |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, t, bpp, bw, mem, first in results:
+        clip = "clip" in name
+        fused = next(t2 for n2, t2, *_ in results if "SGD(fused)" in n2 and ("clip" in n2) == clip)
+        lines.append(
+            f"| {name} | {t * 1e3:.2f} | {t / fused:.2f}x | {bw / 1e9:.1f} ({bpp} B) "
+            f"| {first * 1e3:.1f} ms | {C.fmt_bytes(mem)} |"
+        )
+    return "\n".join(lines)
+
+
+def peer_table(label, n, n_tensors, results) -> str:
+    lines = [
+        f"### {label}: {n:,} parameters in {n_tensors} tensors",
+        "",
+        "| row | ms | bytes/param | GB/s | of copy BW | time vs fused GradScaler "
+        "| peak RSS growth |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    fused = next(t for name, t, *_ in results if "fused" in name)
-    for name, t, bpp, bw, frac, mem in results:
+    copy_bw = next(bw / bpp * 8 for name, t, bpp, bw, *_ in results if name == Copy.name)
+    fused = next(t for name, t, *_ in results if "SGD(fused)" in name)
+    for name, t, bpp, bw, mem, _first in results:
         lines.append(
-            f"| {name} | {t * 1e3:.2f} | {bpp} | {bw / 1e9:.1f} | {frac:.0%} | "
-            f"{fused / t:.2f}x | {C.fmt_bytes(mem)} |"
+            f"| {name} | {t * 1e3:.2f} | {bpp} | {bw / 1e9:.1f} | {bw / copy_bw:.0%} | "
+            f"{t / fused:.2f}x | {C.fmt_bytes(mem)} |"
         )
     return "\n".join(lines)
 
@@ -494,12 +588,15 @@ def main(argv=None) -> int:
         default=20_000_000,
         help="largest tree (params) whose rows are interleaved; bigger ones run row by row",
     )
-    ap.add_argument("--no-tune-malloc", action="store_true")
+    ap.add_argument(
+        "--tune-malloc", action="store_true", help="raise glibc's malloc thresholds first"
+    )
+    ap.add_argument("--no-peers", action="store_true", help="only the default table")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
 
     C.set_threads(args.threads)
-    tuned = False if args.no_tune_malloc else tune_malloc()
+    tuned = tune_malloc() if args.tune_malloc else False
     all_trees = trees(args.smoke)
     if args.only:
         wanted = {s.strip() for s in args.only.split(",")}
@@ -507,8 +604,14 @@ def main(argv=None) -> int:
     md = ["## Optimiser step", ""]
     md.append("Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()))
     md.append(f"glibc malloc thresholds raised (tune_malloc): {tuned}")
+    md.append(f"update path of the default rows: {_default_path()}")
+    if not args.smoke:
+        md.append(
+            f"CPU kernel build from scratch (once per machine): {kernel_build_seconds():.2f} s"
+        )
     md.append("")
     failed = False
+    tables: dict[str, list[str]] = {"default": [], "peers": []}
     for label, shapes in all_trees.items():
         if label in ("example CNN", "small tree"):
             md.append(
@@ -522,19 +625,20 @@ def main(argv=None) -> int:
             md.append("")
         if args.smoke:
             continue
-        print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-        n, n_tensors, results, interleaved = bench_tree(
-            label, shapes, args.reps, args.warmup, args.mem_calls, args.interleave_max
-        )
-        md.append(markdown_table(label, n, n_tensors, results))
-        md.append("")
-        md.append(
-            "(rows interleaved call by call)"
-            if interleaved
-            else "(rows measured one after another, to bound memory)"
-        )
-        md.append("")
-        C.release_free_memory()
+        n = sum(math.prod(s) for s in shapes.values())
+        groups = [("default", default_rows(False) + default_rows(True), default_table)]
+        if not args.no_peers:
+            groups.append(("peers", peer_rows(n), peer_table))
+        for group, makers, table in groups:
+            print(f"[bench] {label}: {group} ...", file=sys.stderr, flush=True)
+            n, results, interleaved = bench_tree(
+                makers, shapes, args.reps, args.warmup, args.mem_calls, args.interleave_max
+            )
+            how = "interleaved call by call" if interleaved else "one after another"
+            tables[group] += [table(label, n, len(shapes), results), "", f"(rows {how})", ""]
+            C.release_free_memory()
+    md += ["## Default: the update as users call it", ""] + tables["default"]
+    md += ["## Peers", ""] + tables["peers"]
     md.append(f"load average at the end: {C.machine_description()['load average (1, 5, 15 min)']}")
     text = "\n".join(md)
     print(text)

@@ -304,13 +304,14 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
  * skipped pure step), and the outputs mo, bo, po (equal to m, b, p when
  * donating; po equal to mo for an FP32 working copy). Scalars are read through
  * pointers: inv (NULL: 1), clip_div and clip_mul (NULL: no clipping), lr;
- * apply and started are bools (started NULL: no momentum). */
+ * apply and started are bools (started NULL: no momentum); take_started is
+ * fl32(1 - dampening), rounded once from the exact difference. */
 void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *const *b,
                    void *const *p, float *const *mo, float *const *bo, void *const *po,
                    const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
                    const float *inv_ptr, const float *clip_div_ptr, const float *clip_mul_ptr,
                    const float *lr_ptr, const uint8_t *apply_ptr, const uint8_t *started_ptr,
-                   float weight_decay, float momentum, float dampening, int32_t nesterov,
+                   float weight_decay, float momentum, float take_started, int32_t nesterov,
                    int32_t threads) {
     const int apply = *apply_ptr != 0;
     Hyper h;
@@ -325,7 +326,7 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
     const int started = started_ptr ? *started_ptr != 0 : 0;
     /* the first buffer is the gradient itself: b * 0 + u * 1 */
     h.keep = started ? momentum : 0.0f;
-    h.take = started ? 1.0f - dampening : 1.0f;
+    h.take = started ? take_started : 1.0f;
     h.nesterov = nesterov != 0;
     h.factor = *lr_ptr;
 

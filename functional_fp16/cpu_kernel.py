@@ -224,7 +224,7 @@ def sgd_update(
         _addr(started),
         weight_decay,
         momentum,
-        dampening,
+        1.0 - dampening,  # rounded once to float32, as the reference's scalar
         int(nesterov),
         torch.get_num_threads(),
     )

@@ -28,8 +28,10 @@ skipped steps are bitwise the reference's.
 On the CPU the kernel is compiled C (:mod:`functional_fp16.cpu_kernel`); pure
 updates write fresh buffers with streaming stores, taken from a
 :class:`~functional_fp16.buffer_pool.BufferPool` so that a dropped state's memory
-is reused instead of page-faulted anew. Elsewhere, under ``torch.compile``,
-or for any other optimiser, the update runs the multi-tensor ``foreach`` path.
+is reused instead of page-faulted anew. On CUDA it is a Triton kernel
+(:mod:`functional_fp16.cuda_kernel`), one launch per leaf after the
+all-finite reduction. Under ``torch.compile``, or for any other optimiser, the
+update runs the multi-tensor ``foreach`` path.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16 import cpu_kernel
+from functional_fp16 import cpu_kernel, cuda_kernel
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.buffer_pool import BufferPool
-from functional_fp16.fast_update import foreach_update
+from functional_fp16.fast_update import foreach_update, grads_finite
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -63,7 +65,11 @@ class FusedPlan(NamedTuple):
     """What the fused kernel needs to know about a state's layout."""
 
     sgd: SGDPlan
-    kernel: str  # "cpu"
+    kernel: Any  # the module that runs it: cpu_kernel or cuda_kernel
+
+
+_KERNELS = {"cpu": cpu_kernel, "cuda": cuda_kernel}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -82,8 +88,10 @@ def _why_not(state) -> str | None:
     masters, spec = tree_flatten(state.master)
     if not state_fits(plan, state.opt_state, spec):
         return "an optimiser state of another layout"
-    if not masters or any(m.device.type != "cpu" for m in masters):
-        return "tensors that are not on the CPU"
+    if not masters or masters[0].device.type not in _KERNELS:
+        return "tensors on a device without a fused kernel"
+    if any(m.device != masters[0].device for m in masters):
+        return "tensors on several devices"
     params = tree_flatten(state.params)[0]
     trace = (
         tree_flatten(state_at(state.opt_state, plan.trace_path).trace)[0]
@@ -93,7 +101,7 @@ def _why_not(state) -> str | None:
     for m, p, b in zip(masters, params, trace):
         if m.dtype != torch.float32 or b.dtype != torch.float32:
             return "a master or momentum that is not float32"
-        if p.dtype not in cpu_kernel.DTYPE_CODES:
+        if p.dtype not in _DTYPES:
             return f"a working copy of dtype {p.dtype}"
         if not _dense(m) or p.stride() != m.stride() or b.stride() != m.stride():
             return "state tensors that are not dense with one layout"
@@ -111,8 +119,9 @@ def fused_plan(state) -> FusedPlan | None:
         return cached
     if _why_not(state) is not None:
         return None
-    if not cpu_kernel.available():
-        reason = cpu_kernel.unavailable_reason()
+    kernel = _KERNELS[tree_flatten(state.master)[0][0].device.type]
+    if not kernel.available():
+        reason = kernel.unavailable_reason()
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(
@@ -122,15 +131,24 @@ def fused_plan(state) -> FusedPlan | None:
                 stacklevel=4,
             )
         return None
-    return FusedPlan(sgd_plan(state.tx), "cpu")
+    return FusedPlan(sgd_plan(state.tx), kernel)
 
 
 def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``g`` laid out like ``m`` (a copy only when its strides differ)."""
-    if g.stride() == m.stride() and g.dtype in cpu_kernel.DTYPE_CODES:
+    if g.stride() == m.stride() and g.dtype in _DTYPES:
         return g
-    dtype = g.dtype if g.dtype in cpu_kernel.DTYPE_CODES else torch.float32
+    dtype = g.dtype if g.dtype in _DTYPES else torch.float32
     return torch.empty_like(m, dtype=dtype).copy_(g)
+
+
+def _sum_squares(grads: list[torch.Tensor], inv: torch.Tensor | None) -> torch.Tensor:
+    """Sum of w**2 over w = fl32(g * inv), in float64 (as global_norm sums)."""
+    total = [
+        torch.sum(torch.square((g.float() if inv is None else g.float() * inv).double()))
+        for g in grads
+    ]
+    return torch.stack(total).sum()
 
 
 def _inv_scale(loss_scale) -> torch.Tensor | None:
@@ -148,10 +166,11 @@ def _clip_factors(max_norm: float, sum_sq: torch.Tensor):
     return torch.where(inside, one, norm), torch.where(inside, one, torch.full_like(norm, max_norm))
 
 
-def _learning_rate(plan: SGDPlan, opt_state: Any):
-    """(signed step factor, new learning-rate state or None)."""
+def _learning_rate(plan: SGDPlan, opt_state: Any, device: torch.device):
+    """(signed step factor, the schedule's count or None)."""
     if not callable(plan.learning_rate):
-        return torch.full((), plan.sign * plan.learning_rate, dtype=torch.float32), None
+        factor = plan.sign * plan.learning_rate
+        return torch.full((), factor, dtype=torch.float32, device=device), None
     count = state_at(opt_state, plan.lr_path).count
     lr = plan.learning_rate(count).to(torch.float32) * plan.sign
     return lr.reshape(()).contiguous(), count
@@ -171,13 +190,17 @@ def fused_update(state, grads, decide, donate: bool):
     g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
     inv = _inv_scale(state.loss_scale)
 
-    peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=plan.max_norm is not None)
-    finite = torch.isfinite(peak if inv is None else peak * inv)
+    if fp.kernel is cpu_kernel:
+        peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=plan.max_norm is not None)
+        finite = torch.isfinite(peak if inv is None else peak * inv)
+    else:
+        finite = grads_finite(g, inv)
+        sum_sq = _sum_squares(g, inv) if plan.max_norm is not None else None
     if decide is not None:
         finite = decide(finite)
     apply = finite.contiguous()
     clip = _clip_factors(plan.max_norm, sum_sq) if plan.max_norm is not None else None
-    factor, count = _learning_rate(plan, state.opt_state)
+    factor, count = _learning_rate(plan, state.opt_state, masters[0].device)
 
     old_trace: TraceState | None = None
     trace = trace_out = None
@@ -192,13 +215,16 @@ def fused_update(state, grads, decide, donate: bool):
         likes = masters + (trace or []) + [p for p, s in zip(params, same) if not s]
         dtypes = [torch.float32] * (len(masters) + len(trace or []))
         dtypes += [p.dtype for p, s in zip(params, same) if not s]
-        fresh = iter(_POOL.empty_like(likes, dtypes))
+        if fp.kernel is cpu_kernel:
+            fresh = iter(_POOL.empty_like(likes, dtypes))
+        else:  # CUDA's caching allocator already reuses freed blocks
+            fresh = iter([torch.empty_like(t, dtype=d) for t, d in zip(likes, dtypes)])
         m_out = [next(fresh) for _ in masters]
         trace_out = [next(fresh) for _ in trace] if trace is not None else None
         p_out = [m if s else next(fresh) for m, s in zip(m_out, same)]
 
     started = old_trace.initialized.contiguous() if old_trace is not None else None
-    cpu_kernel.sgd_update(
+    fp.kernel.sgd_update(
         g,
         masters,
         trace,

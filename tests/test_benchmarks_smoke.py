@@ -44,10 +44,12 @@ def test_update_benchmark_rows_agree():
         "apex",
         "torchopt",
         "optax",
+        "fp16_update + clip (pure, default)",
+        "GradScaler + clip + SGD(fused)",
     ):
         assert row in names, proc.stdout
     assert not any(line.startswith("- FAIL") for line in lines), proc.stdout
-    assert sum(line.startswith("- PASS") for line in lines) >= 10, proc.stdout
+    assert sum(line.startswith("- PASS") for line in lines) >= 18, proc.stdout
 
 
 def test_train_step_benchmark_loops_agree():

@@ -112,3 +112,27 @@ def test_compiled_update_on_cuda_matches_eager():
                 torch.testing.assert_close(x.float(), y.float(), rtol=1e-5, atol=1e-6)
             else:
                 assert torch.equal(x, y)
+
+
+def test_the_default_update_is_the_fused_triton_kernel_within_the_contract():
+    from tests.helpers import assert_within_one_operation_ulp
+
+    for tx in [
+        ff.sgd(0.05, momentum=0.9),
+        ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.05, momentum=0.9, nesterov=True)),
+    ]:
+        state = _state(tx)
+        assert ff.update_path(state) == "fused"
+        for i in range(4):
+            g = _grads(state, 30 + i, bad=(i == 1))
+            ref = ff.fp16_update(state, g, impl="reference")
+            new = ff.fp16_update(state, g)
+            assert torch.equal(new.grads_finite, ref.grads_finite)
+            assert _bits_equal((new.loss_scale, new.step), (ref.loss_scale, ref.step))
+            if bool(ref.grads_finite):
+                for k in state.master:
+                    assert_within_one_operation_ulp(new.master[k], ref.master[k], state.master[k])
+                    assert torch.equal(new.params[k], new.master[k].half())
+            else:
+                assert _bits_equal((new.master, new.opt_state), (state.master, state.opt_state))
+            state = ref

@@ -1,0 +1,171 @@
+"""The single-pass SGD kernel for CUDA tensors, written in Triton.
+
+The same arithmetic as the CPU kernel (``_sgd_kernel.c``), element by element:
+
+.. math::
+    u &= \\operatorname{fl}_{32}(g)\\cdot s^{-1}, \\quad u \\leftarrow (u / c_d)\\, c_m
+         \\text{ (clipping)}, \\quad u \\leftarrow \\operatorname{fma}(m, \\lambda, u)
+         \\text{ (decay)} \\\\
+    b' &= \\operatorname{fl}(\\operatorname{fl}(b \\cdot k) + \\operatorname{fl}(u \\cdot t)),
+          \\qquad v = \\operatorname{fma}(b', \\mu, u) \\text{ (Nesterov) or } b' \\\\
+    m' &= \\operatorname{fma}(v, f, m), \\qquad p' = \\operatorname{fl}_{16}(m')
+
+launched with ``enable_fp_fusion=False`` so that only the explicit
+``tl.fma`` calls contract (``ptxas`` would otherwise fuse the momentum sum).
+Scalars held in tensors (the skip flag, 1/scale, the clip factors, the learning
+rate, whether momentum has started) are loaded by the kernel: no host read,
+so the update stays capturable in a CUDA graph. One launch per leaf; the
+kernel is compiled once per combination of flags and dtypes, never per shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["available", "unavailable_reason", "sgd_update"]
+
+try:
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as err:  # pragma: no cover - triton ships with CUDA builds of torch
+    triton = tl = None
+    _IMPORT_ERROR = f"triton is not importable ({err})"
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK = 2048
+
+
+def available() -> bool:
+    """Whether the kernel can run on CUDA tensors here."""
+    return _IMPORT_ERROR is None and torch.cuda.is_available()
+
+
+def unavailable_reason() -> str | None:
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sgd_step(
+        g_ptr,
+        m_ptr,
+        b_ptr,
+        p_ptr,
+        mo_ptr,
+        bo_ptr,
+        po_ptr,
+        n,
+        inv_ptr,
+        cdiv_ptr,
+        cmul_ptr,
+        lr_ptr,
+        apply_ptr,
+        started_ptr,
+        wd,
+        mu,
+        take_started,
+        HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr,
+        DECAY: tl.constexpr,
+        MOMENTUM: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        P_IS_MASTER: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        apply = tl.load(apply_ptr) != 0
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_INV:
+            u = u * tl.load(inv_ptr)
+        if CLIP:
+            u = (u / tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+        if DECAY:
+            u = tl.fma(m, wd, u)
+        v = u
+        if MOMENTUM:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            started = tl.load(started_ptr) != 0
+            keep = tl.where(started, mu, 0.0)
+            take = tl.where(started, take_started, 1.0)
+            nb = b * keep + u * take  # two roundings: fusion is off for this launch
+            tl.store(bo_ptr + offs, tl.where(apply, nb, b), mask=mask)
+            if NESTEROV:
+                v = tl.fma(nb, mu, u)
+            else:
+                v = nb
+        nm = tl.where(apply, tl.fma(v, tl.load(lr_ptr), m), m)
+        tl.store(mo_ptr + offs, nm, mask=mask)
+        if not P_IS_MASTER:
+            p_old = tl.load(p_ptr + offs, mask=mask)
+            p_new = nm.to(po_ptr.dtype.element_ty)  # round to nearest even
+            tl.store(po_ptr + offs, tl.where(apply, p_new, p_old), mask=mask)
+
+
+def sgd_update(
+    grads: list[torch.Tensor],
+    master: list[torch.Tensor],
+    trace: list[torch.Tensor] | None,
+    params: list[torch.Tensor],
+    master_out: list[torch.Tensor],
+    trace_out: list[torch.Tensor] | None,
+    params_out: list[torch.Tensor],
+    *,
+    inv: torch.Tensor | None,
+    clip: tuple[torch.Tensor, torch.Tensor] | None,
+    lr: torch.Tensor,
+    apply: torch.Tensor,
+    started: torch.Tensor | None,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+) -> None:
+    """The Triton counterpart of :func:`functional_fp16.cpu_kernel.sgd_update` (same contract)."""
+    momentum_on = momentum != 0.0
+    flags = dict(
+        HAS_INV=inv is not None,
+        CLIP=clip is not None,
+        DECAY=weight_decay != 0.0,
+        MOMENTUM=momentum_on,
+        NESTEROV=bool(nesterov),
+        BLOCK=BLOCK,
+    )
+    options = {} if _INTERPRET else {"enable_fp_fusion": False}
+    lr = lr.reshape(())
+    dummy = lr  # an unused pointer argument
+    for i, g in enumerate(grads):
+        n = g.numel()
+        if n == 0:
+            continue
+        p_is_master = params_out[i] is master_out[i]
+        _sgd_step[(triton.cdiv(n, BLOCK),)](
+            g,
+            master[i],
+            trace[i] if momentum_on else dummy,
+            params[i],
+            master_out[i],
+            trace_out[i] if momentum_on else dummy,
+            params_out[i],
+            n,
+            inv if inv is not None else dummy,
+            clip[0] if clip is not None else dummy,
+            clip[1] if clip is not None else dummy,
+            lr,
+            apply,
+            started if started is not None else apply,
+            weight_decay,
+            momentum,
+            1.0 - dampening,
+            P_IS_MASTER=p_is_master,
+            **flags,
+            **options,
+        )
