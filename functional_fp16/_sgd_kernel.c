@@ -312,8 +312,13 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
                    const float *inv_ptr, const float *clip_div_ptr, const float *clip_mul_ptr,
                    const float *lr_ptr, const uint8_t *apply_ptr, const uint8_t *started_ptr,
                    float weight_decay, float momentum, float take_started, int32_t nesterov,
-                   int32_t threads) {
-    const int apply = *apply_ptr != 0;
+                   int32_t threads, float *peak_out) {
+    /* apply_ptr NULL: a speculative pure step, applied whatever the gradients;
+     * peak_out then receives their largest magnitude (ff_grad_stats's value)
+     * and ff_keep_unless undoes the step if the decision says so. */
+    const int apply = apply_ptr ? *apply_ptr != 0 : 1;
+    const int want_peak = peak_out != NULL;
+    float peak = 0.0f;
     Hyper h;
     h.inv = inv_ptr ? *inv_ptr : 1.0f;
     h.clip = clip_div_ptr != NULL;
@@ -332,12 +337,16 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
 
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak)
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int l = c->leaf;
         const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         const int p_is_master = po[l] == (void *)mo[l];
+        if (want_peak) {
+            float v = peak_value(peak_bits((const char *)g[l] + c->start * gs, c->len, gd), gd);
+            peak = v > peak ? v : peak;
+        }
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
             float *mo_s = mo[l] + s;
@@ -354,13 +363,17 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
             float gbuf[BLOCK], pbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             const float *b_s = h.momentum ? b[l] + s : NULL;
+            float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
             if (mo[l] == m[l]) {
-                /* donated: in place, on lines the loads just brought into cache */
+                /* donated: master and momentum in place, on lines the loads just
+                 * brought into cache; the working copy, never read, streamed */
                 sgd_dispatch(&h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
-                if (!p_is_master) from_f32(pbuf, po_s, n, pd);
+                if (!p_is_master) {
+                    from_f32(pbuf, hbuf, n, pd);
+                    stream_bytes(po_s, hbuf, n * ps);
+                }
             } else {
                 float mbuf[BLOCK], bbuf[BLOCK];
-                float hbuf[BLOCK]; /* room for any working-copy dtype */
                 sgd_dispatch(&h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
                 stream_bytes(mo_s, mbuf, n * 4);
                 if (h.momentum) stream_bytes(bo_s, bbuf, n * 4);
@@ -371,6 +384,29 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
             }
         }
         stream_fence(); /* each thread orders its own streaming stores */
+    }
+    free(chunks);
+    if (want_peak) *peak_out = peak;
+}
+
+/* Undoes a speculative pure step (ff_sgd_update with apply_ptr NULL) if *apply_ptr
+ * is false: copies the old master, momentum (b may be NULL) and working copy
+ * over the outputs, bit for bit. Does nothing if the step is applied. */
+void ff_keep_unless(int64_t n_leaves, float *const *m, float *const *b, void *const *p,
+                    float *const *mo, float *const *bo, void *const *po, const int64_t *numel,
+                    const int32_t *pdt, const uint8_t *apply_ptr, int32_t threads) {
+    if (*apply_ptr) return;
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf, ps = dt_size(pdt[l]);
+        const int64_t s = c->start, n = c->len;
+        memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
+        if (b) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
+        if (po[l] != (void *)mo[l])
+            memcpy((char *)po[l] + s * ps, (const char *)p[l] + s * ps, (size_t)(n * ps));
     }
     free(chunks);
 }

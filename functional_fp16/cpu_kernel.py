@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "grad_stats", "sgd_update", "DTYPE_CODES"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "grad_stats",
+    "sgd_update",
+    "keep_unless",
+    "DTYPE_CODES",
+]
 
 _SOURCE = Path(__file__).with_name("_sgd_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
@@ -110,8 +117,10 @@ def _load() -> None:
         return
     lib.ff_grad_stats.argtypes = [_i64, _p, _p, _p, _p, _i32, _i32, _p, _p]
     lib.ff_grad_stats.restype = None
-    lib.ff_sgd_update.argtypes = [_i64] + [_p] * 10 + [_p] * 6 + [_f32, _f32, _f32, _i32, _i32]
+    lib.ff_sgd_update.argtypes = [_i64] + [_p] * 16 + [_f32, _f32, _f32, _i32, _i32, _p]
     lib.ff_sgd_update.restype = None
+    lib.ff_keep_unless.argtypes = [_i64] + [_p] * 9 + [_i32]
+    lib.ff_keep_unless.restype = None
     _lib = lib
 
 
@@ -189,19 +198,23 @@ def sgd_update(
     inv: torch.Tensor | None,
     clip: tuple[torch.Tensor, torch.Tensor] | None,
     lr: torch.Tensor,
-    apply: torch.Tensor,
+    apply: torch.Tensor | None,
     started: torch.Tensor | None,
     weight_decay: float,
     momentum: float,
     dampening: float,
     nesterov: bool,
+    peak_out: torch.Tensor | None = None,
 ) -> None:
     """Runs the update of ``_sgd_kernel.c`` into the given output tensors.
 
-    All tensors are contiguous CPU tensors: masters, traces and their outputs
-    float32, the others of a dtype in :data:`DTYPE_CODES`; 0-d scalars float32
-    (``inv``, ``clip``'s divisor and factor, ``lr``) or bool (``apply``,
-    ``started``). Outputs may be the inputs themselves (donation).
+    All tensors are dense CPU tensors, each leaf's laid out alike: masters,
+    traces and their outputs float32, the others of a dtype in
+    :data:`DTYPE_CODES`; 0-d scalars float32 (``inv``, ``clip``'s divisor and
+    factor, ``lr``) or bool (``apply``, ``started``). Outputs may be the inputs
+    themselves (donation). ``apply=None`` runs a speculative pure step and
+    writes the gradients' largest magnitude (as :func:`grad_stats`) into the
+    0-d float32 ``peak_out``; :func:`keep_unless` then undoes it if needed.
     """
     c = _Arrays()
     _lib.ff_sgd_update(
@@ -220,11 +233,38 @@ def sgd_update(
         _addr(clip[0]) if clip is not None else None,
         _addr(clip[1]) if clip is not None else None,
         lr.data_ptr(),
-        apply.data_ptr(),
+        _addr(apply),
         _addr(started),
         weight_decay,
         momentum,
         1.0 - dampening,  # rounded once to float32, as the reference's scalar
         int(nesterov),
+        torch.get_num_threads(),
+        _addr(peak_out),
+    )
+
+
+def keep_unless(
+    apply: torch.Tensor,
+    master: list[torch.Tensor],
+    trace: list[torch.Tensor] | None,
+    params: list[torch.Tensor],
+    master_out: list[torch.Tensor],
+    trace_out: list[torch.Tensor] | None,
+    params_out: list[torch.Tensor],
+) -> None:
+    """If the 0-d bool ``apply`` is false, copies the old tensors over the outputs, bitwise."""
+    c = _Arrays()
+    _lib.ff_keep_unless(
+        len(master),
+        c.ptrs(master),
+        c.ptrs(trace),
+        c.ptrs(params),
+        c.ptrs(master_out),
+        c.ptrs(trace_out),
+        c.ptrs(params_out),
+        c.i64([m.numel() for m in master]),
+        c.i32([DTYPE_CODES[p.dtype] for p in params_out]),
+        apply.data_ptr(),
         torch.get_num_threads(),
     )

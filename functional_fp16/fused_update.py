@@ -10,6 +10,10 @@ with or without a schedule), the update is two loops over the parameters:
    momentum and the working copy once (22 bytes per parameter with FP16
    gradients and parameters, counting step 1).
 
+A pure step without clipping on the CPU folds step 1 into step 2 (20 bytes
+per parameter): it writes its fresh outputs speculatively while finding the
+gradients' peak, and copies the old state over them if the step is skipped.
+
 Per element, with :math:`\\hat g = \\operatorname{fl}_{32}(g) \\cdot s^{-1}`:
 
 .. math::
@@ -142,6 +146,12 @@ def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(m, dtype=dtype).copy_(g)
 
 
+def _decision(peak: torch.Tensor, inv: torch.Tensor | None, decide) -> torch.Tensor:
+    """The all-finite flag from the gradients' peak magnitude (as ``grads_finite``), then ``decide``."""
+    finite = torch.isfinite(peak if inv is None else peak * inv)
+    return decide(finite) if decide is not None else finite
+
+
 def _sum_squares(grads: list[torch.Tensor], inv: torch.Tensor | None) -> torch.Tensor:
     """Sum of w**2 over w = fl32(g * inv), in float64 (as global_norm sums)."""
     total = [
@@ -190,16 +200,23 @@ def fused_update(state, grads, decide, donate: bool):
     g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
     inv = _inv_scale(state.loss_scale)
 
-    if fp.kernel is cpu_kernel:
-        peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=plan.max_norm is not None)
-        finite = torch.isfinite(peak if inv is None else peak * inv)
+    clipping = plan.max_norm is not None
+    # A pure CPU step without clipping runs speculatively: the update pass also
+    # finds the gradients' peak, and a skipped step is undone afterwards (a
+    # copy, on overflow steps only). That saves the separate read of the
+    # gradients; a donated step cannot be undone, a clipped one needs the norm first.
+    speculate = fp.kernel is cpu_kernel and not donate and not clipping
+    sum_sq = None
+    if speculate:
+        finite = None
+    elif fp.kernel is cpu_kernel:
+        peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=clipping)
+        finite = _decision(peak, inv, decide)
     else:
         finite = grads_finite(g, inv)
-        sum_sq = _sum_squares(g, inv) if plan.max_norm is not None else None
-    if decide is not None:
-        finite = decide(finite)
-    apply = finite.contiguous()
-    clip = _clip_factors(plan.max_norm, sum_sq) if plan.max_norm is not None else None
+        finite = decide(finite) if decide is not None else finite
+        sum_sq = _sum_squares(g, inv) if clipping else None
+    clip = _clip_factors(plan.max_norm, sum_sq) if clipping else None
     factor, count = _learning_rate(plan, state.opt_state, masters[0].device)
 
     old_trace: TraceState | None = None
@@ -224,6 +241,7 @@ def fused_update(state, grads, decide, donate: bool):
         p_out = [m if s else next(fresh) for m, s in zip(m_out, same)]
 
     started = old_trace.initialized.contiguous() if old_trace is not None else None
+    peak = torch.empty((), dtype=torch.float32) if speculate else None
     fp.kernel.sgd_update(
         g,
         masters,
@@ -235,13 +253,17 @@ def fused_update(state, grads, decide, donate: bool):
         inv=inv,
         clip=clip,
         lr=factor,
-        apply=apply,
+        apply=None if speculate else finite.contiguous(),
         started=started,
         weight_decay=plan.weight_decay,
         momentum=plan.momentum,
         dampening=plan.dampening,
         nesterov=plan.nesterov,
+        peak_out=peak,
     )
+    if speculate:
+        finite = _decision(peak, inv, decide)
+        cpu_kernel.keep_unless(finite.contiguous(), masters, trace, params, m_out, trace_out, p_out)
 
     opt_state = state.opt_state
     if old_trace is not None:

@@ -53,6 +53,21 @@ def test_fc1_input_is_the_real_feature_map_size():
     assert net(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_net_is_the_seed_recipes_two_linear_layer_cnn():
+    shapes = {k: tuple(v.shape) for k, v in example.Net().named_parameters()}
+    assert shapes == {
+        "conv1.weight": (64, 3, 3, 3),
+        "conv1.bias": (64,),
+        "conv2.weight": (128, 64, 3, 3),
+        "conv2.bias": (128,),
+        "fc1.weight": (256, 128 * 6 * 6),
+        "fc1.bias": (256,),
+        "fc2.weight": (10, 256),
+        "fc2.bias": (10,),
+    }
+    assert sum(v.numel() for v in example.Net().parameters()) == 1_258_122
+
+
 def test_fake_run_writes_metrics_plot_checkpoint_and_final_line(tmp_path, capsys):
     out = tmp_path / "run"
     summary = example.main(

@@ -37,16 +37,18 @@ def snapshot(tree):
     return [x.clone() for x in leaves(tree)]
 
 
+def bits(x):
+    x = x.detach().reshape(-1).contiguous()
+    return x.view(torch.uint8) if x.dtype != torch.bool else x
+
+
 def assert_leaves_equal(tree, snap):
+    """Bit patterns equal: -0.0 is not +0.0, and NaNs must keep their payload."""
     now = leaves(tree)
     assert len(now) == len(snap)
     for a, b in zip(now, snap):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert (
-            torch.equal(a, b)
-            or (a.isnan() == b.isnan()).all()
-            and torch.equal(a.nan_to_num(), b.nan_to_num())
-        )
+        assert torch.equal(bits(a), bits(b))
 
 
 def fp16_grads(params16, seed, scale=1.0, inject=None):
@@ -151,12 +153,23 @@ def test_skipped_step_is_a_bitwise_noop(impl, donate, value):
     state = ff.fp16_init(params, tx)
     for s in range(3):
         state = update(state, fp16_grads(state.params, seed=s, scale=100.0), impl)
+    # Signed zeros in the master, working copy and momentum: a select or an
+    # arithmetic no-op (x + 0, x * 1 - 0) could turn them into +0.0.
+    master = {**state.master, "scalar": torch.tensor(-0.0)}
+    params16 = {**state.params, "scalar": torch.tensor(-0.0, dtype=torch.float16)}
+    trace = state.opt_state[1][1]
+    trace = trace._replace(trace={**trace.trace, "scalar": torch.tensor(-0.0)})
+    opt_state = (state.opt_state[0], (*state.opt_state[1][:1], trace, *state.opt_state[1][2:]))
+    state = state.replace(master=master, params=params16, opt_state=opt_state)
     keep = snapshot((state.params, state.master, state.opt_state))
     scale = float(state.loss_scale.loss_scale)
     bad = fp16_grads(state.params, seed=9, scale=100.0, inject=(4, value))
     new = update(state, bad, impl, donate=donate)
     assert not bool(new.grads_finite)
     assert_leaves_equal((new.params, new.master, new.opt_state), keep)
+    assert torch.signbit(new.master["scalar"]) and torch.signbit(
+        new.opt_state[1][1].trace["scalar"]
+    )
     assert float(new.loss_scale.loss_scale) == scale / 2
     assert int(new.step) == 4
     # Training continues normally afterwards.
