@@ -128,8 +128,16 @@ def sgd_update(
     momentum: float,
     dampening: float,
     nesterov: bool,
+    peak_out: torch.Tensor | None = None,
 ) -> None:
-    """The Triton counterpart of :func:`functional_fp16.cpu_kernel.sgd_update` (same contract)."""
+    """The Triton counterpart of :func:`functional_fp16.cpu_kernel.sgd_update`.
+
+    The same contract, except that ``apply`` is required: no speculative steps
+    (``peak_out`` must be ``None``); on CUDA the separate all-finite reduction
+    costs far less than undoing a step would.
+    """
+    if apply is None or peak_out is not None:
+        raise ValueError("the CUDA kernel runs decided steps only (apply given, no peak_out)")
     momentum_on = momentum != 0.0
     flags = dict(
         HAS_INV=inv is not None,

@@ -37,7 +37,7 @@ data_mod = sys.modules["cifar10_data"]
 TINY = [
     "--dataset", "fake", "--fake-train-size", "96", "--fake-test-size", "40",
     "--batch-size", "16", "--eval-batch-size", "20", "--max-steps-per-epoch", "3",
-    "--device", "cpu", "--no-progress", "--workers", "0",
+    "--device", "cpu", "--no-progress", "--workers", "0", "--no-tune-malloc",
 ]  # fmt: skip
 
 
@@ -204,7 +204,7 @@ def test_imagefolder_run_end_to_end_via_auto_detection(tmp_path, capsys):
     out = tmp_path / "run"
     summary = example.main([
         "--data-dir", str(tmp_path / "data"), "--epochs", "1", "--batch-size", "4",
-        "--eval-batch-size", "4", "--device", "cpu", "--no-progress", "--workers", "0",
+        "--eval-batch-size", "4", "--device", "cpu", "--no-progress", "--workers", "0", "--no-tune-malloc",
         "--precision", "bf16", "--out-dir", str(out),
     ])  # fmt: skip
     last, _ = final_line(capsys)

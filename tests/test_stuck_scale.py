@@ -202,7 +202,7 @@ def test_the_cifar10_example_stops_with_the_stuck_scale_error(tmp_path, capsys):
     argv = [
         "--dataset", "fake", "--fake-train-size", "160", "--fake-test-size", "20",
         "--batch-size", "16", "--eval-batch-size", "20", "--device", "cpu",
-        "--no-progress", "--no-plot", "--workers", "0", "--epochs", "1",
+        "--no-progress", "--no-plot", "--workers", "0", "--epochs", "1", "--no-tune-malloc",
         "--lr", "1e4", "--init-scale", "4", "--stuck-patience", "3", "--log-every", "2",
         "--out-dir", str(tmp_path),
     ]  # fmt: skip

@@ -229,11 +229,12 @@ def test_structure_mismatch_names_the_trees():
 
 
 def test_apply_updates_rounds_once_in_the_params_dtype():
-    # 1 + (2**-11 + 2**-24) rounds up to the next FP16 number (the sum is above
-    # half an ulp of 1.0); rounding the update to FP16 first gives 2**-11, a
-    # tie, and the sum would round to even: 1.0. optax adds, then casts once.
+    # 1 + (2**-11 + 2**-22) (exact in float32) rounds up to the next FP16
+    # number: the sum is above half an FP16 ulp of 1.0. Rounding the update to
+    # FP16 first gives 2**-11, a tie, and the sum would round to even: 1.0.
+    # optax adds, then casts once.
     p = {"w": torch.tensor([1.0], dtype=torch.float16)}
-    u = {"w": torch.tensor([2.0**-11 + 2.0**-24], dtype=torch.float32)}
+    u = {"w": torch.tensor([2.0**-11 + 2.0**-22], dtype=torch.float32)}
     out = ff.apply_updates(p, u)
     assert out["w"].dtype == torch.float16
     assert out["w"].item() == 1.0 + 2.0**-10
