@@ -270,7 +270,37 @@ def check_compiled(device) -> None:
             report("FAIL", name, f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
-# -- 4. fast path vs reference on the device ------------------------------------------
+# -- 4. fast paths vs reference on the device -----------------------------------------
+
+
+def check_fused_vs_reference(device) -> None:
+    """The default (fused) update against the reference: the numerical contract, step by step."""
+    from tests.helpers import assert_within_one_operation_ulp
+
+    for tx_name, tx in txs().items():
+        name = f"fused-vs-reference (contract) tx={tx_name}"
+        try:
+            state = ff.fp16_init(make_tree(device), tx, ff.DynamicLossScale(SCALE))
+            path = ff.update_path(state)
+            for i in range(5):
+                g = grads_for(state, 60 + i, bad=(i == 2))
+                ref = ff.fp16_update(state, g, impl="reference")
+                new = ff.fp16_update(state, g)
+                if bool(new.grads_finite) != bool(ref.grads_finite):
+                    raise AssertionError(f"skip decision differs at step {i}")
+                if not bitwise_equal(new.loss_scale, ref.loss_scale):
+                    raise AssertionError(f"loss scale differs at step {i}")
+                if bool(ref.grads_finite):
+                    for x, r, m in zip(
+                        tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(state.master)
+                    ):
+                        assert_within_one_operation_ulp(x, r, m)
+                elif not bitwise_equal((new.master, new.opt_state), (state.master, state.opt_state)):
+                    raise AssertionError(f"skipped step {i} changed the state")
+                state = ref
+            report("PASS", name, f"path {path}: decisions bitwise, master within 1 ulp")
+        except Exception as err:
+            report("FAIL", name, f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
 def check_foreach_vs_reference(device) -> None:
@@ -428,6 +458,7 @@ def main(argv=None) -> int:
     check_cuda_graph(device)
     check_compiled(device)
     check_foreach_vs_reference(device)
+    check_fused_vs_reference(device)
     sizes = (100_000,) if args.smoke else (10_000_000, 100_000_000)
     reps, inner = (3, 2) if args.smoke else (7, 10)
     table = speed_table(device, sizes, reps, inner, args.budget)
