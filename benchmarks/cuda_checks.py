@@ -295,7 +295,9 @@ def check_fused_vs_reference(device) -> None:
                         tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(state.master)
                     ):
                         assert_within_one_operation_ulp(x, r, m)
-                elif not bitwise_equal((new.master, new.opt_state), (state.master, state.opt_state)):
+                elif not bitwise_equal(
+                    (new.master, new.opt_state), (state.master, state.opt_state)
+                ):
                     raise AssertionError(f"skipped step {i} changed the state")
                 state = ref
             report("PASS", name, f"path {path}: decisions bitwise, master within 1 ulp")

@@ -39,8 +39,10 @@ its int32 counters come back exactly) and detached from autograd.
 Writes are atomic: the file is written to a temporary file in the same
 directory, flushed and fsynced, renamed over ``path`` with :func:`os.replace`,
 and the directory is fsynced. A crash at any point leaves either the previous
-checkpoint or the new one, never a mixture. A crash mid-write may leave a
-``.NAME.*.tmp`` file beside the checkpoint; it is never read and may be deleted.
+checkpoint or the new one, never a mixture. A writer killed mid-write leaves a
+``.NAME.HOST.PID.*.tmp`` file beside the checkpoint; it is never read, and the
+next save of the same checkpoint on that host deletes it once that process is
+gone.
 
 Loading checks, in order: the file opens with ``weights_only=True`` (else it is
 truncated or not ours), the format marker and version, the SHA-256 checksum
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import tempfile
 from collections import OrderedDict, defaultdict
 from typing import Any, Union
@@ -69,6 +72,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "atomic_torch_save",
+    "remove_stale_temporaries",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
@@ -284,15 +288,66 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
     atomic_torch_save(payload, path)
 
 
+def _temp_prefix(path: str) -> str:
+    """``.NAME.HOST.`` : the temporary files of ``path``'s writers, named by host and pid."""
+    host = socket.gethostname().replace(".", "_") or "host"
+    return f".{os.path.basename(path)}.{host}."
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: PathLike) -> list[str]:
+    """Deletes temporary files of ``path`` left by writers on this host that no longer run.
+
+    A save killed before its rename (SIGKILL, power loss) leaves its
+    ``.NAME.HOST.PID.*.tmp`` file behind. Files of live processes, and of
+    other hosts (a shared file system), are left alone. Returns the removed paths.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _temp_prefix(path)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid_text = name[len(prefix) :].split(".", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except OSError:  # another cleaner got there first
+            pass
+    return removed
+
+
 def atomic_torch_save(obj: Any, path: PathLike) -> None:
     """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
 
     A crash at any point leaves either the previous file at ``path`` or the new
-    one, never a partial file (a leftover ``.NAME.*.tmp`` may remain beside it).
+    one, never a partial file. A writer killed before its rename leaves a
+    ``.NAME.HOST.PID.*.tmp`` file beside ``path``; the next save of ``path``
+    deletes those of dead processes on this host (see
+    :func:`remove_stale_temporaries`).
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=directory
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
@@ -383,7 +438,10 @@ class _Decoder:
                 self.map_location if self.map_location is not None else self.info[index]["device"]
             )
         try:
-            return t.to(device)
+            # A copy of its own, detached: whatever the file's pickled metadata
+            # says about autograd or shared storages, a restored tensor is a
+            # plain, independent value (its bytes are what the checksum covers).
+            return t.detach().to(device, copy=True)
         except (RuntimeError, AssertionError) as err:
             raise CheckpointError(
                 f"{self.file}: checkpoint{path} was saved on {self.info[index]['device']} and "

@@ -68,3 +68,11 @@ def test_cuda_checks_script_runs_on_cpu(tmp_path):
     assert "PASS" in proc.stdout
     summary = out.read_text()
     assert "All checks passed." in summary and "| fp16_update compiled donated |" in summary
+
+
+def test_example_vs_stock_benchmark_runs_every_side():
+    proc = _run("bench_example_vs_stock.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| example (functional FP16, defaults) |" in proc.stdout
+    assert "| stock recipe (autocast) |" in proc.stdout
+    assert "example / stock:" in proc.stdout

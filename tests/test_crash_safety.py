@@ -274,3 +274,28 @@ def test_interrupted_runs_resume_bit_identically(tmp_path, seed):
     assert_bitwise(run, reference)
     # The runs met poisoned batches, so skips and backoffs crossed the resumes.
     assert reference["skipped"] >= 3
+
+
+def test_a_save_removes_temporaries_of_dead_writers_only(tmp_path):
+    import socket
+
+    path = tmp_path / "run.ckpt"
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    host = socket.gethostname().replace(".", "_")
+    stale = tmp_path / f".run.ckpt.{host}.{dead}.k3j2.tmp"
+    live = tmp_path / f".run.ckpt.{host}.{os.getppid()}.a1b2.tmp"  # a running writer
+    remote = tmp_path / f".run.ckpt.otherhost.{dead}.x9y8.tmp"  # another machine's writer
+    other = tmp_path / f".other.ckpt.{host}.{dead}.zz.tmp"  # another checkpoint's file
+    for f in (stale, live, remote, other):
+        f.write_bytes(b"half a checkpoint")
+    ff.save_checkpoint(path, {"x": torch.ones(2)})
+    assert not stale.exists()
+    assert live.exists() and remote.exists() and other.exists()
+    assert torch.equal(ff.load_checkpoint(path, {"x": torch.zeros(2)})["x"], torch.ones(2))
