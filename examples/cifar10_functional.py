@@ -464,9 +464,34 @@ def run_config(args: argparse.Namespace, policy: Policy, data: cifar10_data.Data
     }
 
 
-def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config) -> dict:
-    """Everything needed to continue bit-identically, as plain tensors and numbers."""
+HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "skipped", "lr")
+
+
+def history_tensor(rows: list[dict]) -> torch.Tensor:
+    """The per-step metrics so far as a float64 ``(steps, 6)`` tensor (for checkpoints)."""
+    values = [[float(r[c]) for c in HISTORY_COLUMNS] for r in rows]
+    return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(HISTORY_COLUMNS))
+
+
+def history_rows(history: torch.Tensor) -> list[dict]:
+    """The inverse of :func:`history_tensor`: metrics rows as written to ``metrics.jsonl``."""
+    rows = []
+    for values in history.tolist():
+        row = dict(zip(HISTORY_COLUMNS, values))
+        row["step"], row["epoch"] = int(row["step"]), int(row["epoch"])
+        row["skipped"] = bool(row["skipped"])
+        rows.append(row)
+    return rows
+
+
+def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config, rows) -> dict:
+    """Everything needed to continue bit-identically, as plain tensors and numbers.
+
+    ``history`` holds every step's metrics so far, so that a run resumed into
+    another ``--out-dir`` still writes the whole run's ``metrics.jsonl`` and summary.
+    """
     return {
+        "history": history_tensor(rows),
         "state": state,
         "buffers": buffers,
         "epoch": epoch,  # epochs completed
@@ -480,6 +505,7 @@ def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, co
 
 
 CHECKPOINT_KEYS = (
+    "history",
     "state",
     "buffers",
     "epoch",
@@ -516,6 +542,7 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
                 f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
             )
     like = {
+        "history": torch.empty_like(plain["history"]),
         "state": state,
         "buffers": buffers,
         "epoch": 0,
@@ -546,22 +573,6 @@ def prune_checkpoints(out_dir: Path, keep: int, epoch: int) -> None:
 
 
 # -- metrics and the plot ------------------------------------------------------------
-
-
-def read_metrics(path: Path, upto_step: int) -> list[dict]:
-    """The rows of an existing metrics file with ``step <= upto_step`` (for resuming)."""
-    if not path.is_file():
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a torn last line from an interrupted run
-            if row.get("step", math.inf) <= upto_step:
-                rows.append(row)
-    return rows
 
 
 def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: str) -> None:
@@ -643,7 +654,9 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
     main_rank = ffd.is_main_process()  # only rank 0 writes files
     rank, world = ffd.get_rank(), ffd.get_world_size()
     per_rank = args.batch_size // world
-    rows = read_metrics(metrics_path, global_step) if epoch0 and main_rank else []
+    # The whole run's metrics so far (from the checkpoint when resuming), so
+    # that metrics.jsonl and the summary describe the whole run in any --out-dir.
+    rows = list(start.get("rows", [])) if main_rank else []
     if main_rank:
         with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -761,7 +774,9 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
                 flush=True,
             )
 
-        tree = checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config)
+        tree = checkpoint_tree(
+            state, buffers, epoch, global_step, data_rng, accuracies, config, rows
+        )
         if world > 1:  # rank 0 writes; every rank returns once the file is complete
             ffd.save_checkpoint_rank0(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
         else:
@@ -877,6 +892,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "global_step": ckpt["global_step"],
             "accuracies": ckpt["test_accuracy"].tolist(),
             "data_rng": data_rng,
+            "rows": history_rows(ckpt["history"]),
         }
         print(
             f"resumed from {args.resume} after epoch {ckpt['epoch']} (step {ckpt['global_step']})",

@@ -131,6 +131,13 @@ def test_resume_from_epoch_1_is_bit_identical(tmp_path, capsys):
     assert torch.equal(a.step, b.step) and int(b.step) == 6
     assert resumed["test_accuracy_per_epoch"] == full["test_accuracy_per_epoch"]
     assert "resumed from" in capsys.readouterr().out
+    # Resumed into a fresh --out-dir: the metrics and the summary still
+    # describe the whole run, the steps before the checkpoint included.
+    again = [
+        json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert again == rows
+    assert resumed["skipped_steps"] == full["skipped_steps"] == sum(r["skipped"] for r in rows)
 
 
 def test_interrupted_run_continues_its_metrics_file(tmp_path):
