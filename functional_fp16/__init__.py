@@ -38,7 +38,14 @@ from functional_fp16.sgd import (
     sgd,
     trace,
 )
-from functional_fp16.stuck_scale import StuckScaleError, StuckScaleMonitor, StuckScaleState
+from functional_fp16.stuck_scale import (
+    StuckScaleError,
+    StuckScaleMonitor,
+    StuckScaleState,
+    stuck_scale_check,
+    stuck_scale_init,
+    stuck_scale_observe,
+)
 from functional_fp16.update import FP16State, fp16_init, fp16_update, update_path
 
 __version__ = "0.1.0"
@@ -100,6 +107,9 @@ __all__ = [
     "StuckScaleMonitor",
     "StuckScaleState",
     "StuckScaleError",
+    "stuck_scale_init",
+    "stuck_scale_observe",
+    "stuck_scale_check",
     # data parallelism (more in functional_fp16.distributed)
     "all_reduce_mean",
     "tree_all_reduce_mean",

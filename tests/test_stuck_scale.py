@@ -231,3 +231,31 @@ def test_a_first_step_that_backs_off_onto_the_floor_is_not_called_stuck():
     monitor.observe(state)
     with pytest.raises(ff.StuckScaleError):
         monitor.check()
+
+
+def test_the_pure_pair_counts_from_the_first_update_and_never_mutates():
+    state = make_state(ff.DynamicLossScale(init_scale=1.0, min_scale=1.0))  # at the floor
+    tracker = ff.stuck_scale_init(state)
+    assert int(tracker.run) == 0 and float(tracker.scale) == 1.0
+    history = [tracker]
+    for value in (INF, INF, None, INF):  # the very first update is already stuck
+        state = ff.fp16_update(state, grads_for(state, value), loss=torch.tensor(1.0))
+        before = [t.clone() for t in tracker]
+        new = ff.stuck_scale_observe(tracker, state, torch.tensor(1.0))
+        same = [
+            torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8))
+            for a, b in zip(tracker, before)
+        ]  # bitwise: the loss starts as NaN
+        assert all(same)  # pure
+        tracker = new
+        history.append(tracker)
+    assert [int(t.run) for t in history] == [0, 1, 2, 0, 1]
+    assert int(tracker.worst) == 2 and int(tracker.last_applied_step) == 3
+    with pytest.raises(ff.StuckScaleError, match="2 consecutive updates \\(1 to 2\\)"):
+        ff.stuck_scale_check(tracker, patience=2)
+    fresh = ff.stuck_scale_check(tracker, patience=3)  # below patience: a new window
+    assert int(fresh.worst) == int(fresh.run) == 1
+    with pytest.raises(TypeError, match="tracker must be a StuckScaleState"):
+        ff.stuck_scale_observe({"run": 0}, state)
+    with pytest.raises(ValueError, match="patience must be >= 1"):
+        ff.stuck_scale_check(tracker, patience=0)
