@@ -160,7 +160,7 @@ def _fingerprint(samples: list[tuple[str, int]], root: Path, image_size: int) ->
 
 def _save_atomic(obj: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_torch_save(obj, path)
+    atomic_torch_save(path, obj)
 
 
 def _decode_split(

@@ -1,6 +1,7 @@
 """functional_fp16: pure, composable FP16 mixed-precision training for PyTorch."""
 
 from functional_fp16._tree import NAMESPACE
+from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module
 from functional_fp16.checkpoint import (
@@ -13,7 +14,6 @@ from functional_fp16.checkpoint import (
 from functional_fp16.clipping import clip_by_global_norm, global_norm
 from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.distributed import agree_finite, all_reduce_mean, tree_all_reduce_mean
-from functional_fp16.fast_update import tune_malloc
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     LossScale,

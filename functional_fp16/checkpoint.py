@@ -63,6 +63,7 @@ from typing import Any, Union
 import optree
 import torch
 
+from functional_fp16 import _deprecation as deprecation
 from functional_fp16._tree import PyTree, describe_tensor
 from functional_fp16.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from functional_fp16.update import _FIELDS as _STATE_FIELDS
@@ -285,7 +286,7 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
         "tensor_info": encoder.info,
         "checksum": _checksum(root, encoder.info, encoder.tensors),
     }
-    atomic_torch_save(payload, path)
+    atomic_torch_save(path, payload)
 
 
 def _temp_prefix(path: str) -> str:
@@ -333,7 +334,11 @@ def remove_stale_temporaries(path: PathLike) -> list[str]:
     return removed
 
 
-def atomic_torch_save(obj: Any, path: PathLike) -> None:
+def _is_path(x: Any) -> bool:
+    return isinstance(x, (str, bytes, os.PathLike))
+
+
+def atomic_torch_save(path: PathLike, obj: Any) -> None:
     """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
 
     A crash at any point leaves either the previous file at ``path`` or the new
@@ -342,6 +347,11 @@ def atomic_torch_save(obj: Any, path: PathLike) -> None:
     deletes those of dead processes on this host (see
     :func:`remove_stale_temporaries`).
     """
+    if _is_path(obj) and not _is_path(path):
+        deprecation.warn(
+            "atomic_torch_save(obj, path) is deprecated; call atomic_torch_save(path, obj)"
+        )
+        path, obj = obj, path
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)

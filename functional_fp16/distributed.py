@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import (
     PyTree,
     describe_tensor,
@@ -309,10 +310,11 @@ def _check_predivide(predivide_factor: float | None) -> float | None:
     return value
 
 
+@keyword_only("group")
 def tree_all_reduce_mean(
     tree: PyTree,
-    group: ProcessGroup = None,
     *,
+    group: ProcessGroup = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
     predivide_factor: float | None = None,
@@ -373,9 +375,10 @@ def tree_all_reduce_mean(
     return tree_unflatten(spec, out)
 
 
+@keyword_only("group")
 def all_reduce_mean(
-    group: ProcessGroup = None,
     *,
+    group: ProcessGroup = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
     predivide_factor: float | None = None,
@@ -416,7 +419,7 @@ def all_reduce_mean(
         _require_group("all_reduce_mean")
         mean = tree_all_reduce_mean(
             updates,
-            group,
+            group=group,
             bucket_bytes=bucket_bytes,
             comm_dtype=comm_dtype,
             predivide_factor=predivide_factor,
@@ -426,7 +429,8 @@ def all_reduce_mean(
     return GradientTransformation(init, update)
 
 
-def agree_finite(finite: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+@keyword_only("group")
+def agree_finite(finite: torch.Tensor, *, group: ProcessGroup = None) -> torch.Tensor:
     r"""The finite flag every rank agrees on: true only if it is true on all ranks.
 
     .. math:: f = \neg \max_r (\neg f_r)
@@ -512,8 +516,9 @@ def check_same_tree(tree: PyTree, group: ProcessGroup = None, *, name: str = "tr
     )
 
 
+@keyword_only("src", "group")
 def broadcast_state(
-    tree: PyTree, src: int = 0, group: ProcessGroup = None, *, name: str = "state"
+    tree: PyTree, *, src: int = 0, group: ProcessGroup = None, name: str = "state"
 ) -> PyTree:
     """Every rank gets ``src``'s values of ``tree`` (e.g. the initial :class:`~functional_fp16.FP16State`).
 
@@ -629,4 +634,4 @@ def load_checkpoint_broadcast(
         except Exception as err:  # reported to every rank below
             error = err
     _agree_on_error(error, src, group, f"reading checkpoint {os.fspath(path)!r}")
-    return broadcast_state(tree, src, group, name="checkpoint")
+    return broadcast_state(tree, src=src, group=group, name="checkpoint")

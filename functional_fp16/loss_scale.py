@@ -25,7 +25,7 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16._tree import NAMESPACE, PyTree, tree_map
+from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_map
 
 __all__ = [
     "DynamicLossScale",
@@ -34,6 +34,7 @@ __all__ = [
     "LossScale",
     "all_finite",
     "unscale_factor",
+    "loss_scale_for",
 ]
 
 
@@ -135,6 +136,42 @@ class _LossScaleBase:
     def _replace(self, **tensors: torch.Tensor) -> Any:
         values = tuple(tensors.get(n, getattr(self, n)) for n in self.TENSOR_FIELDS)
         return self._from_parts(self.config(), values)
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with the given fields changed; the original is untouched.
+
+        Tensor fields (``TENSOR_FIELDS``: the scale, the counters) take a
+        number or a 0-d tensor, converted to the field's dtype on its device;
+        configuration fields (``CONFIG_FIELDS``) are checked as the constructor
+        checks them. For example ``scale.replace(loss_scale=2.0**10,
+        growth_count=0)`` carries a ``GradScaler``'s state over.
+        """
+        unknown = set(changes) - set(self.TENSOR_FIELDS) - set(self.CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} has no field(s) {sorted(unknown)}; fields: "
+                f"{list(self.TENSOR_FIELDS + self.CONFIG_FIELDS)}"
+            )
+        config = dict(zip(self.CONFIG_FIELDS, self.config()))
+        config.update({k: v for k, v in changes.items() if k in self.CONFIG_FIELDS})
+        if config != dict(zip(self.CONFIG_FIELDS, self.config())):
+            # The constructor validates the configuration; its tensors are discarded.
+            checked = type(self)(**config, init_scale=float(self.loss_scale.float()))
+            config = dict(zip(self.CONFIG_FIELDS, checked.config()))
+        tensors = []
+        for name in self.TENSOR_FIELDS:
+            old = getattr(self, name)
+            value = changes.get(name, old)
+            if not isinstance(value, torch.Tensor):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"{name} must be a number or a 0-d tensor, got {value!r}")
+                value = torch.full((), value, dtype=old.dtype, device=old.device)
+            if value.ndim != 0 or value.dtype != old.dtype:
+                raise TypeError(
+                    f"{name} must be a 0-d {old.dtype} tensor, got {describe_tensor(value)}"
+                )
+            tensors.append(value)
+        return self._from_parts(tuple(config[n] for n in self.CONFIG_FIELDS), tensors)
 
     def to(self, device: torch.device | str) -> Any:
         """A copy whose tensors live on ``device``."""
@@ -383,3 +420,13 @@ for _cls in (DynamicLossScale, StaticLossScale, NoOpLossScale):
         path_entry_type=optree.GetAttrEntry,
         namespace=NAMESPACE,
     )
+
+
+def loss_scale_for(*dtypes: torch.dtype) -> LossScale:
+    """A fresh :class:`DynamicLossScale` if any of ``dtypes`` is float16, else :class:`NoOpLossScale`.
+
+    FP16 gradients underflow without scaling; bfloat16 has float32's exponent
+    range and needs none. The one rule behind ``fp16_init``'s default and
+    :func:`~functional_fp16.default_loss_scale`.
+    """
+    return DynamicLossScale() if torch.float16 in dtypes else NoOpLossScale()

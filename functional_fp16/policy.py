@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from functional_fp16 import _deprecation as deprecation
 from functional_fp16._tree import PyTree, tree_map
-from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from functional_fp16.loss_scale import LossScale, loss_scale_for
 
 __all__ = [
     "Policy",
@@ -108,8 +109,8 @@ def _check_dtype(field: str, dtype: Any) -> torch.dtype:
     return dtype
 
 
-def cast_to(dtype: torch.dtype, tree: PyTree) -> PyTree:
-    r"""Casts every floating-point tensor leaf of ``tree`` to ``dtype``.
+def cast_to(tree: PyTree, dtype: torch.dtype) -> PyTree:
+    r"""Casts every floating-point tensor leaf of ``tree`` to ``dtype`` (tree first, as in jmp).
 
     .. math:: x \mapsto \operatorname{fl}_{dtype}(x) \text{ if } x \text{ is floating, else } x
 
@@ -118,12 +119,18 @@ def cast_to(dtype: torch.dtype, tree: PyTree) -> PyTree:
     is differentiable, so gradients come back in each leaf's original dtype.
 
     Args:
-      dtype: the target floating-point dtype.
       tree: any pytree (``None`` is an empty subtree).
+      dtype: the target floating-point dtype.
 
     Returns:
       A new tree of the same structure.
+
+    The old order ``cast_to(dtype, tree)`` still works for one release, with a
+    ``DeprecationWarning``.
     """
+    if isinstance(tree, torch.dtype) and not isinstance(dtype, torch.dtype):
+        deprecation.warn("cast_to(dtype, tree) is deprecated; call cast_to(tree, dtype)")
+        tree, dtype = dtype, tree
     dtype = _check_dtype("dtype", dtype)
 
     def cast(x: Any) -> Any:
@@ -152,15 +159,15 @@ class Policy:
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """Casts the floating-point leaves of ``tree`` to ``param_dtype``."""
-        return cast_to(self.param_dtype, tree)
+        return cast_to(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: PyTree) -> PyTree:
         """Casts the floating-point leaves of ``tree`` to ``compute_dtype``."""
-        return cast_to(self.compute_dtype, tree)
+        return cast_to(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: PyTree) -> PyTree:
         """Casts the floating-point leaves of ``tree`` to ``output_dtype``."""
-        return cast_to(self.output_dtype, tree)
+        return cast_to(tree, self.output_dtype)
 
     def with_param_dtype(self, dtype: torch.dtype) -> Policy:
         """A copy with ``param_dtype`` replaced."""
@@ -265,4 +272,4 @@ def default_loss_scale(policy: Policy) -> LossScale:
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
-    return DynamicLossScale() if policy.uses_float16 else NoOpLossScale()
+    return loss_scale_for(policy.param_dtype, policy.compute_dtype, policy.output_dtype)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import (
     PyTree,
     check_same_structure,
@@ -97,7 +98,10 @@ def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
-def trace(decay: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:
+@keyword_only("nesterov", "dampening")
+def trace(
+    decay: float, *, nesterov: bool = False, dampening: float = 0.0
+) -> GradientTransformation:
     r"""Momentum, with ``torch.optim.SGD``'s first step and dampening.
 
     .. math::
@@ -235,9 +239,11 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     return GradientTransformation(init, update, DecaySpec(wd))
 
 
+@keyword_only("nesterov", "dampening", "weight_decay")
 def sgd(
     learning_rate: float | Schedule,
     momentum: float = 0.0,
+    *,
     nesterov: bool = False,
     dampening: float = 0.0,
     weight_decay: float = 0.0,

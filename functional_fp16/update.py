@@ -40,7 +40,13 @@ from functional_fp16._tree import (
 from functional_fp16.base import GradientTransformation, apply_updates
 from functional_fp16.fast_update import foreach_update
 from functional_fp16.fused_update import fused_plan, fused_update
-from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_for,
+)
 from functional_fp16.sgd_plan import sgd_plan
 
 __all__ = ["FP16State", "fp16_init", "fp16_update", "update_path"]
@@ -194,7 +200,7 @@ def fp16_init(
     if not isinstance(param_dtype, torch.dtype) or not param_dtype.is_floating_point:
         raise TypeError(f"param_dtype must be a floating torch.dtype, got {param_dtype!r}")
     if loss_scale is None:
-        loss_scale = DynamicLossScale() if param_dtype == torch.float16 else NoOpLossScale()
+        loss_scale = loss_scale_for(param_dtype)
     if not isinstance(loss_scale, _LOSS_SCALES):
         raise TypeError(
             "loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "

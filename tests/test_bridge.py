@@ -342,7 +342,7 @@ def test_cuda_functional_grads_match_module_and_fp16_compute_gives_fp16_grads():
         torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-5)
 
     # All-FP16 BatchNorm (weights and running statistics alike) takes the native kernel.
-    half, half_buffers = cast_to(torch.float16, params), cast_to(torch.float16, buffers)
+    half, half_buffers = cast_to(params, torch.float16), cast_to(buffers, torch.float16)
     grads16, (loss16, _) = grad_fn(DynamicLossScale().to("cuda"), half, half_buffers, x.half(), y)
     assert all(g.dtype == torch.float16 and g.is_cuda for g in grads16.values())
     torch.testing.assert_close(loss16.float(), loss, rtol=1e-2, atol=1e-2)

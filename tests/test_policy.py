@@ -129,13 +129,13 @@ def test_casts_change_only_floating_tensor_leaves(method, field):
 
 def test_cast_to_returns_leaves_already_in_dtype_without_copying():
     x = torch.randn(4)
-    assert cast_to(F32, {"x": x})["x"] is x
-    assert cast_to(F16, {"x": x})["x"].dtype == F16
+    assert cast_to({"x": x}, F32)["x"] is x
+    assert cast_to({"x": x}, F16)["x"].dtype == F16
 
 
 def test_cast_to_rejects_a_non_dtype():
     with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
-        cast_to(torch.int32, {"x": torch.randn(2)})
+        cast_to({"x": torch.randn(2)}, torch.int32)
 
 
 def test_gradients_flow_back_through_a_cast_in_the_leaf_dtype():
