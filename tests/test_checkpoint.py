@@ -457,3 +457,60 @@ def test_save_replaces_atomically_via_os_replace(tmp_path, monkeypatch):
     ff.save_checkpoint(path, {"step": 3})
     assert calls == ["fsync", "fsync"]  # the file, then its directory
     assert ff.load_checkpoint(path) == {"step": 3}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # flips of the protocol byte
+def test_no_bit_flip_in_the_tensor_section_loads_differently_without_an_error(tmp_path):
+    """Every bit of the pickled metadata and of every tensor record, flipped one at a time.
+
+    A flip must either raise a CheckpointError or load a tree bitwise equal to
+    the original, with every tensor detached and owning its storage (a flipped
+    ``requires_grad`` or a storage shared between two leaves must not survive).
+    The file is decoded from memory, through the loader's own two stages.
+    """
+    import io
+    import zipfile
+
+    from functional_fp16 import checkpoint as ckpt
+
+    def load(data: bytes):
+        payload = ckpt._read(io.BytesIO(data))
+        return ckpt._Decoder("flipped", payload, None).like(payload["tree"], like, "")
+
+    params = {"w": torch.randn(3), "b": torch.randn(2)}
+    ff.save_checkpoint(tmp_path / "s.ckpt", ff.fp16_init(params, ff.sgd(0.1, momentum=0.9)))
+    data = bytearray((tmp_path / "s.ckpt").read_bytes())
+    like = ff.fp16_init({k: torch.zeros_like(v) for k, v in params.items()}, ff.sgd(0.1))
+    want = [bits(x) for x in tree_leaves(load(bytes(data)))]
+    # The byte ranges of data.pkl and of the tensor records (not the zip directory).
+    spans = []
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        for info in z.infolist():
+            if info.filename.endswith("data.pkl") or "/data/" in info.filename:
+                h = info.header_offset  # the local header gives the name and padding lengths
+                name_len = int.from_bytes(data[h + 26 : h + 28], "little")
+                extra_len = int.from_bytes(data[h + 28 : h + 30], "little")
+                start = h + 30 + name_len + extra_len
+                spans.append((start, start + info.compress_size))
+    silent, checked = [], 0
+    for start, end in spans:
+        for byte in range(start, end):
+            for bit in range(8):
+                data[byte] ^= 1 << bit
+                try:
+                    leaves = tree_leaves(load(bytes(data)))
+                except ff.CheckpointError:
+                    leaves = None
+                data[byte] ^= 1 << bit
+                checked += 1
+                if leaves is None:
+                    continue
+                same = len(leaves) == len(want) and all(
+                    x.shape == w.shape and torch.equal(bits(x), w) for x, w in zip(leaves, want)
+                )
+                owners = {x.untyped_storage().data_ptr() for x in leaves}
+                if not same or any(x.requires_grad for x in leaves) or len(owners) < len(leaves):
+                    silent.append((byte, bit))
+    assert checked > 20_000
+    assert silent == []
