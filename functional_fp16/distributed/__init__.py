@@ -1,0 +1,91 @@
+"""Data-parallel training on ``torch.distributed``: the same pure update on every rank.
+
+Each process (rank) computes gradients on its own shard of the batch; the
+gradients are averaged across the process group, and every rank then runs the
+same :func:`~functional_fp16.fp16_update` on bitwise identical inputs, so every
+rank holds bitwise identical parameters after every step. ``torch.distributed``
+is the engine (gloo on CPU, NCCL on CUDA); this module only arranges the calls.
+
+Two places to average, pick one:
+
+* **Before the update, on the raw gradients** (:func:`tree_all_reduce_mean`):
+  the scaled FP16 gradients are averaged, in FP16 by default, which halves the
+  bytes sent compared with FP32. Each value is divided by the world size
+  *before* the sum (``predivide_factor``), so the sum of finite values stays
+  within the FP16 range (up to the rounding of ``max / N`` when ``N`` is not
+  a power of two: a sum of values all at the FP16 maximum can still round to
+  inf, which only skips that step). This is the usual data-parallel path
+  (DeepSpeed in FP16 mode reduces the FP16 gradients the same way, with its
+  ``gradient_predivide_factor``). The
+  averaged tree is identical on every rank, so every rank also reaches the
+  same finite/non-finite decision.
+* **Inside the optimiser** (:func:`all_reduce_mean` in ``chain``): the
+  transform sees the *unscaled* FP32 gradients, so the average is formed in
+  FP32 (twice the bytes, no range or rounding concern). The finite check of
+  :func:`~functional_fp16.fp16_update` runs before the optimiser on the local
+  gradients, so this path **needs** ``agree=agree_finite``: otherwise a rank
+  whose own gradients were finite would apply an update that another rank's
+  inf has poisoned.
+
+Passing ``agree=agree_finite`` is right on either path, and required whenever
+the decision can differ between ranks (the local ``loss=`` check, gradients
+clipped or reduced differently). It all-reduces the local "not finite" flag
+with MAX, the rule Megatron-LM and DeepSpeed use, without reading the flag on
+the host.
+
+A training step on ``N`` ranks, each fed ``B / N`` examples::
+
+    info = init_from_env()                               # under torchrun
+    state = broadcast_state(fp16_init(params, sgd(0.1, momentum=0.9)))
+    for x, y in shard:                                   # B / N per rank
+        grads = grad_fn(state.params, x, y)              # scaled FP16 grads
+        grads = tree_all_reduce_mean(grads)              # mean over ranks
+        state = fp16_update(state, grads, agree=agree_finite)
+The package's modules, one job each: :mod:`.process_group` (set-up under
+torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
+flag), :mod:`.replicas` (identical trees on every rank) and
+:mod:`.checkpoints` (rank-0 writes, broadcast resumes).
+"""
+
+from functional_fp16.distributed.all_reduce import (
+    DEFAULT_BUCKET_BYTES,
+    agree_finite,
+    all_reduce_mean,
+    tree_all_reduce_mean,
+)
+from functional_fp16.distributed.checkpoints import (
+    load_checkpoint_broadcast,
+    save_checkpoint_rank0,
+)
+from functional_fp16.distributed.process_group import (
+    DistInfo,
+    ProcessGroup,
+    backend_for,
+    get_rank,
+    get_world_size,
+    init_from_env,
+    is_initialized,
+    is_main_process,
+    shutdown,
+)
+from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DistInfo",
+    "ProcessGroup",
+    "backend_for",
+    "init_from_env",
+    "shutdown",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "tree_all_reduce_mean",
+    "all_reduce_mean",
+    "agree_finite",
+    "check_same_tree",
+    "broadcast_state",
+    "save_checkpoint_rank0",
+    "load_checkpoint_broadcast",
+]

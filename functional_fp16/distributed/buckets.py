@@ -1,0 +1,58 @@
+"""Packing tensors into flat buckets, so that one collective moves many leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+
+def _buckets(
+    leaves: list[torch.Tensor], dtypes: list[torch.dtype], bucket_bytes: int
+) -> list[list[int]]:
+    """Groups leaf indices by (device, communication dtype), then cuts each group
+    into consecutive runs of at most ``bucket_bytes`` (a larger leaf goes alone)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (leaf, dtype) in enumerate(zip(leaves, dtypes, strict=True)):
+        groups.setdefault((leaf.device, dtype), []).append(i)
+    buckets: list[list[int]] = []
+    for (_, dtype), indices in groups.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        current: list[int] = []
+        size = 0
+        for i in indices:
+            nbytes = leaves[i].numel() * itemsize
+            if current and size + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def _pack(
+    leaves: list[torch.Tensor], indices: list[int], dtype: torch.dtype, pre: float
+) -> torch.Tensor:
+    """One flat ``dtype`` buffer of ``fl(x / pre)``: divided in the leaf's dtype, then cast.
+
+    Dividing before the cast keeps FP32 leaves that exceed the FP16 range but
+    whose share ``x / pre`` fits from overflowing on the wire. ``torch.cat``
+    always allocates, so the inputs are never written to.
+    """
+    if pre == 1.0:
+        return torch.cat([leaves[i].reshape(-1).to(dtype) for i in indices])
+    return torch.cat([(leaves[i].reshape(-1) / pre).to(dtype) for i in indices])
+
+
+def _unpack(
+    flat: torch.Tensor, like: list[torch.Tensor], indices: list[int], out: list[Any]
+) -> None:
+    offset = 0
+    for i in indices:
+        n = like[i].numel()
+        out[i] = flat[offset : offset + n].view(like[i].shape).to(like[i].dtype)
+        offset += n
