@@ -27,20 +27,13 @@ from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.fast_update import grads_finite
 from tests.helpers import assert_within_one_operation_ulp, random_tree, ulp
 from tests.test_fast_update import STEPS, TX_NAMES, _grads, _txs
+from tests.test_fast_update import _assert_states_bitwise_equal as assert_bitwise
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1).view(torch.uint8)
-
-
-def assert_bitwise(a, b):
-    la, lb = tree_leaves(a), tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(bits(x), bits(y)), (x, y)
 
 
 def assert_within_contract(new, ref, old):
