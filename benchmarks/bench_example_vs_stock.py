@@ -49,7 +49,7 @@ def _load(args):
 
     if args.data_dir:
         return cifar10_data.load_data("auto", args.data_dir, workers=2)
-    return cifar10_data.make_fake(4096, 1000, seed=0)
+    return cifar10_data.make_fake(512 if args.steps < 10 else 4096, 64, seed=0)
 
 
 def worker(args) -> None:

@@ -478,7 +478,7 @@ def test_no_bit_flip_in_the_tensor_section_loads_differently_without_an_error(tm
         payload = ckpt._read(io.BytesIO(data))
         return ckpt._Decoder("flipped", payload, None).like(payload["tree"], like, "")
 
-    params = {"w": torch.randn(3), "b": torch.randn(2)}
+    params = {"w": torch.randn(3)}  # one leaf: every kind of state tensor, few bytes to flip
     ff.save_checkpoint(tmp_path / "s.ckpt", ff.fp16_init(params, ff.sgd(0.1, momentum=0.9)))
     data = bytearray((tmp_path / "s.ckpt").read_bytes())
     like = ff.fp16_init({k: torch.zeros_like(v) for k, v in params.items()}, ff.sgd(0.1))
@@ -512,5 +512,5 @@ def test_no_bit_flip_in_the_tensor_section_loads_differently_without_an_error(tm
                 owners = {x.untyped_storage().data_ptr() for x in leaves}
                 if not same or any(x.requires_grad for x in leaves) or len(owners) < len(leaves):
                     silent.append((byte, bit))
-    assert checked > 20_000
+    assert checked > 15_000
     assert silent == []
