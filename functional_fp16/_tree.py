@@ -40,6 +40,11 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
+def tree_select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """``where(flag, new, old)`` leaf by leaf (a 0-d bool ``flag``; bitwise either side)."""
+    return tree_map(lambda n, o: torch.where(flag, n, o), new, old)
+
+
 def tree_paths(tree: PyTree) -> list[str]:
     """Human-readable paths (``['conv1']['weight']``, ``[0].bias``) of every leaf."""
     accessors = optree.tree_accessors(tree, namespace=NAMESPACE)

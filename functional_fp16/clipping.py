@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
+from functional_fp16 import _validate
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
 
@@ -47,11 +47,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Args:
       max_norm: :math:`c`, finite and > 0.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"max_norm must be a real number, got {type(max_norm).__name__}")
-    max_norm = float(max_norm)
-    if not math.isfinite(max_norm) or max_norm <= 0.0:
-        raise ValueError(f"max_norm must be finite and > 0, got {max_norm}")
+    max_norm = _validate.real("max_norm", max_norm, positive=True)
 
     def init(params: PyTree) -> EmptyState:
         del params

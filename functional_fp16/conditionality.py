@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.base import GradientTransformation
 from functional_fp16.loss_scale import all_finite
 
@@ -22,10 +22,6 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: torch.Tensor  # 0-d bool: whether the last updates were finite
     total_notfinite: torch.Tensor  # 0-d int32: non-finite updates seen in total
     inner_state: Any  # the wrapped transform's state
-
-
-def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
-    return tree_map(lambda n, o: torch.where(flag, n, o), new, old)
 
 
 def apply_if_finite(
@@ -79,7 +75,7 @@ def apply_if_finite(
             notfinite_count=notfinite_count,
             last_finite=finite,
             total_notfinite=torch.where(finite, state.total_notfinite, total),
-            inner_state=_select(apply, new_inner, state.inner_state),
+            inner_state=tree_select(apply, new_inner, state.inner_state),
         )
 
     return GradientTransformation(init, update)

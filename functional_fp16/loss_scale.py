@@ -25,6 +25,7 @@ from typing import Any
 import optree
 import torch
 
+from functional_fp16 import _validate
 from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_map
 
 __all__ = [
@@ -76,12 +77,7 @@ def _unscale_tree(tree: PyTree, scale: torch.Tensor) -> PyTree:
 
 
 def _check_positive_finite(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be finite and > 0, got {value}")
-    return value
+    return _validate.real(name, value, positive=True)
 
 
 _TINY32 = torch.finfo(torch.float32).tiny
@@ -99,13 +95,7 @@ def _check_scale_floor(name: str, value: float) -> float:
 
 
 def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > 2**31 - 1:
-        raise ValueError(f"{name} must fit in int32, got {value}")
-    return value
+    return _validate.integer(name, value, minimum, int32=True)
 
 
 class _LossScaleBase:

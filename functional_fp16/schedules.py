@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from functional_fp16 import _validate
+
 __all__ = [
     "Schedule",
     "constant_schedule",
@@ -33,20 +35,11 @@ def _as_step(step: int | torch.Tensor) -> torch.Tensor:
 
 
 def _check_value(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    return value
+    return _validate.real(name, value)
 
 
 def _check_steps(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return _validate.integer(name, value, minimum)
 
 
 def constant_schedule(value: float) -> Schedule:

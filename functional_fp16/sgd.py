@@ -16,11 +16,11 @@ declares its hyperparameters as a ``spec`` (:class:`DecaySpec`,
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
+from functional_fp16 import _validate
 from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import (
     PyTree,
@@ -83,14 +83,7 @@ class LearningRateSpec(NamedTuple):
 
 
 def _check_hyper(name: str, value: float, *, upper: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if upper is not None and value > upper:
-        raise ValueError(f"{name} must be <= {upper}, got {value}")
-    return value
+    return _validate.real(name, value, upper=upper)
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:

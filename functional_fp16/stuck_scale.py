@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from functional_fp16 import _validate
 from functional_fp16.loss_scale import DynamicLossScale
 from functional_fp16.update import FP16State
 
@@ -103,11 +104,7 @@ def _floor(state: FP16State) -> float:
 
 
 def _check_patience(patience: int) -> int:
-    if isinstance(patience, bool) or not isinstance(patience, int):
-        raise TypeError(f"patience must be an int, got {type(patience).__name__}")
-    if patience < 1:
-        raise ValueError(f"patience must be >= 1, got {patience}")
-    return patience
+    return _validate.integer("patience", patience, 1)
 
 
 def _check_state(state: FP16State) -> None:

@@ -31,11 +31,10 @@ from functional_fp16._tree import (
     PyTree,
     check_like,
     describe_tensor,
-    tree_flatten,
     tree_leaves,
     tree_map,
     tree_paths,
-    tree_unflatten,
+    tree_select,
 )
 from functional_fp16.base import GradientTransformation, apply_updates
 from functional_fp16.fast_update import foreach_update
@@ -222,12 +221,6 @@ def fp16_init(
     )
 
 
-def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
-    new_leaves, spec = tree_flatten(new)
-    old_leaves = tree_leaves(old)
-    return tree_unflatten(spec, [torch.where(flag, n, o) for n, o in zip(new_leaves, old_leaves)])
-
-
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
 UpdateImpl = Callable[[FP16State, PyTree, FiniteHook | None, bool], FP16State]
 """``impl(state, grads, decide, donate)``: ``decide`` (or ``None``) maps the local
@@ -247,8 +240,8 @@ def _reference_update(
     if decide is not None:
         finite = decide(finite)
     updates, opt_state = state.tx.update(grads32, state.opt_state, state.master)
-    master = _select(finite, apply_updates(state.master, updates), state.master)
-    opt_state = _select(finite, opt_state, state.opt_state)
+    master = tree_select(finite, apply_updates(state.master, updates), state.master)
+    opt_state = tree_select(finite, opt_state, state.opt_state)
     params = tree_map(lambda m, p: m.to(p.dtype), master, state.params)
     return state.replace(
         params=params,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from functional_fp16 import _validate
 from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import PyTree, describe_tensor, tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
@@ -51,14 +51,7 @@ def _check_comm_dtype(comm_dtype: torch.dtype | None) -> torch.dtype | None:
 def _check_predivide(predivide_factor: float | None) -> float | None:
     if predivide_factor is None:
         return None
-    if isinstance(predivide_factor, bool) or not isinstance(predivide_factor, (int, float)):
-        raise TypeError(
-            f"predivide_factor must be None or a real number, got {type(predivide_factor).__name__}"
-        )
-    value = float(predivide_factor)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"predivide_factor must be finite and > 0, got {predivide_factor}")
-    return value
+    return _validate.real("predivide_factor", predivide_factor, positive=True)
 
 
 @keyword_only("group")

@@ -1,0 +1,38 @@
+"""Checks of configuration numbers, each error naming the argument (one place for all modules)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["real", "integer"]
+
+
+def real(name: str, value: Any, *, positive: bool = False, upper: float | None = None) -> float:
+    """``value`` as a finite float, ``>= 0`` (or ``> 0`` with ``positive``) and ``<= upper``.
+
+    Raises ``TypeError`` for a non-number (``bool`` included), ``ValueError``
+    for a value outside the range; both messages start with ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if positive:
+        if not math.isfinite(value) or value <= 0.0:
+            raise ValueError(f"{name} must be finite and > 0, got {value}")
+    elif not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper}, got {value}")
+    return value
+
+
+def integer(name: str, value: Any, minimum: int, *, int32: bool = False) -> int:
+    """``value`` as an int ``>= minimum`` (and within int32 with ``int32``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if int32 and value > 2**31 - 1:
+        raise ValueError(f"{name} must fit in int32, got {value}")
+    return value
