@@ -10,7 +10,7 @@ from functional_fp16 import _validate
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
 
-__all__ = ["global_norm", "clip_by_global_norm", "ClipSpec"]
+__all__ = ["global_norm", "clip_by_global_norm", "clip_factors", "ClipSpec"]
 
 
 class ClipSpec(NamedTuple):
@@ -36,6 +36,17 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     return torch.sqrt(torch.stack(sq).sum()).float()
 
 
+def clip_factors(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(divisor, factor)`` such that clipping is :math:`u \mapsto (u / \text{divisor}) \cdot \text{factor}`.
+
+    :math:`(1, 1)` inside the ball (:math:`\lVert u\rVert < c`; ``u / 1 * 1 == u``
+    exactly, so no per-element select is needed), :math:`(\lVert u\rVert, c)` outside.
+    """
+    inside = norm < max_norm
+    one = torch.ones_like(norm)
+    return torch.where(inside, one, norm), torch.where(inside, one, torch.full_like(norm, max_norm))
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     r"""Rescales the updates so that their global norm is at most ``max_norm``.
 
@@ -58,12 +69,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         leaves, spec = tree_flatten(updates)
         if not leaves:
             return updates, state
-        norm = global_norm(updates).to(leaves[0].device)
-        inside = norm < max_norm
-        one = torch.ones_like(norm)
-        # u / 1 * 1 == u exactly, so no per-element select is needed.
-        divisor = torch.where(inside, one, norm)
-        factor = torch.where(inside, one, torch.full_like(norm, max_norm))
+        divisor, factor = clip_factors(global_norm(updates).to(leaves[0].device), max_norm)
         out = [(u / divisor.to(u.dtype)) * factor.to(u.dtype) for u in leaves]
         return tree_unflatten(spec, out), state
 

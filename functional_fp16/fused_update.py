@@ -48,7 +48,8 @@ import torch
 from functional_fp16 import cpu_kernel, cuda_kernel
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.buffer_pool import BufferPool
-from functional_fp16.fast_update import foreach_update, grads_finite
+from functional_fp16.clipping import clip_factors, global_norm
+from functional_fp16.fast_update import _lr_factor, foreach_update, grads_finite
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -60,7 +61,6 @@ from functional_fp16.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, st
 
 __all__ = ["fused_update", "fused_plan", "FusedPlan"]
 
-_INT32_MAX = torch.iinfo(torch.int32).max
 _POOL = BufferPool()
 _warned: set[str] = set()
 
@@ -152,38 +152,11 @@ def _decision(peak: torch.Tensor, inv: torch.Tensor | None, decide) -> torch.Ten
     return decide(finite) if decide is not None else finite
 
 
-def _sum_squares(grads: list[torch.Tensor], inv: torch.Tensor | None) -> torch.Tensor:
-    """Sum of w**2 over w = fl32(g * inv), in float64 (as global_norm sums)."""
-    total = [
-        torch.sum(torch.square((g.float() if inv is None else g.float() * inv).double()))
-        for g in grads
-    ]
-    return torch.stack(total).sum()
-
-
 def _inv_scale(loss_scale) -> torch.Tensor | None:
     """fl32(1 / fl64(s)), or None for a unit scale (no product at all)."""
     if isinstance(loss_scale, NoOpLossScale):
         return None
     return unscale_factor(loss_scale.loss_scale)
-
-
-def _clip_factors(max_norm: float, sum_sq: torch.Tensor):
-    """(divisor, factor) of clip_by_global_norm: (1, 1) inside the ball, (norm, c) outside."""
-    norm = sum_sq.sqrt().float()  # as global_norm: float64 sum and root, one rounding
-    inside = norm < max_norm
-    one = torch.ones_like(norm)
-    return torch.where(inside, one, norm), torch.where(inside, one, torch.full_like(norm, max_norm))
-
-
-def _learning_rate(plan: SGDPlan, opt_state: Any, device: torch.device):
-    """(signed step factor, the schedule's count or None)."""
-    if not callable(plan.learning_rate):
-        factor = plan.sign * plan.learning_rate
-        return torch.full((), factor, dtype=torch.float32, device=device), None
-    count = state_at(opt_state, plan.lr_path).count
-    lr = plan.learning_rate(count).to(torch.float32) * plan.sign
-    return lr.reshape(()).contiguous(), count
 
 
 def fused_update(state, grads, decide, donate: bool):
@@ -207,23 +180,28 @@ def fused_update(state, grads, decide, donate: bool):
     # gradients; a donated step cannot be undone, a clipped one needs the norm first.
     speculate = fp.kernel is cpu_kernel and not donate and not clipping
     sum_sq = None
+    norm = None
     if speculate:
         finite = None
     elif fp.kernel is cpu_kernel:
         peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=clipping)
         finite = _decision(peak, inv, decide)
+        if clipping:  # as global_norm: float64 sum and root, rounded once
+            norm = sum_sq.sqrt().float()
     else:
         finite = grads_finite(g, inv)
         finite = decide(finite) if decide is not None else finite
-        sum_sq = _sum_squares(g, inv) if clipping else None
-    clip = _clip_factors(plan.max_norm, sum_sq) if clipping else None
-    factor, count = _learning_rate(plan, state.opt_state, masters[0].device)
+        if clipping:
+            norm = global_norm([x.float() if inv is None else x.float() * inv for x in g])
+    clip = clip_factors(norm, plan.max_norm) if clipping else None
+    factor, new_lr_state = _lr_factor(plan, state.opt_state, masters[0])
+    factor = factor.reshape(()).contiguous()
 
     old_trace: TraceState | None = None
     trace = trace_out = None
     if plan.trace_path is not None:
         old_trace = state_at(state.opt_state, plan.trace_path)
-        trace = tree_flatten(old_trace.trace)[0]
+        trace, trace_spec = tree_flatten(old_trace.trace)
     same = [p.dtype == torch.float32 for p in params]  # the working copy is the master
     if donate:
         m_out, trace_out = masters, trace
@@ -269,13 +247,13 @@ def fused_update(state, grads, decide, donate: bool):
     if old_trace is not None:
         initialized = torch.where(finite, torch.ones_like(old_trace.initialized), started)
         new_trace = TraceState(
-            trace=tree_unflatten(tree_flatten(old_trace.trace)[1], trace_out),
+            trace=tree_unflatten(trace_spec, trace_out),
             initialized=initialized,
         )
         opt_state = replace_at(opt_state, plan.trace_path, new_trace)
-    if count is not None:
-        advanced = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)
-        new_count = ScaleByScheduleState(count=torch.where(finite, advanced, count))
+    if callable(plan.learning_rate):  # the schedule counts applied steps only
+        count = state_at(opt_state, plan.lr_path).count
+        new_count = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, count))
         opt_state = replace_at(opt_state, plan.lr_path, new_count)
     new = state.replace(
         params=tree_unflatten(p_spec, p_out),
