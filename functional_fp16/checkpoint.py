@@ -1,73 +1,59 @@
-"""Checkpoints: atomic, self-checking files of plain tensors and numbers.
+"""Checkpoints: a pytree's leaves and structure, in one atomic, self-checking file.
 
-``save_checkpoint(path, tree)`` stores an :class:`~functional_fp16.FP16State`,
-or any tree (dicts, lists, tuples, NamedTuples) holding FP16 states, loss
-scales, tensors, numbers, strings and ``None``. ``load_checkpoint(path, like)``
-reads it back, checks it against the template ``like`` and rebuilds it in
-``like``'s types.
+``save_checkpoint(path, tree)`` stores any pytree the library can flatten (an
+:class:`~functional_fp16.FP16State`, or dicts, lists, tuples and NamedTuples
+holding states, loss scales, tensors, numbers, strings and ``None``).
+``load_checkpoint(path, like)`` reads it back, checks it against the template
+``like`` and rebuilds it with ``optree.tree_unflatten(tree_structure(like),
+leaves)``: the registered node types rebuild themselves, and static
+configuration that is not data (an ``FP16State``'s ``tx``) comes from ``like``.
 
-File format (version 1): one ``torch.save`` of a dict made only of tensors,
+File format (version 2): one ``torch.save`` of a dict made only of tensors,
 numbers, strings, lists and dicts, so ``torch.load(path, weights_only=True)``
-opens it without running any pickled code::
+opens it without running pickled code::
 
     {
       "format": "functional_fp16.checkpoint",
-      "version": 1,
-      "tree": NODE,                   # the structure; see below
-      "tensors": [Tensor, ...],       # every tensor leaf, on CPU, in tree order
-      "tensor_info": [{"path": "['state'].master['w']", "dtype": "torch.float32",
-                       "shape": [3, 4], "device": "cuda:0"}, ...],
-      "checksum": "<sha256 hex>",     # over version, tree, tensor_info and tensor bytes
+      "version": 2,
+      "structure": NODE,              # the tree's optree structure, see below
+      "leaves": [LEAF, ...],          # one per optree leaf (dicts in insertion order)
+      "tensors": [Tensor, ...],       # the tensor leaves' data: on CPU, compact
+      "checksum": "<sha256 hex>",     # over everything above, tensor bytes included
     }
 
-A ``NODE`` is a dict with a ``"kind"``:
+A ``LEAF`` is ``{"path": "['state'].master['w']", "tensor": i, "dtype":
+"torch.float32", "shape": [3, 4], "device": "cuda:0"}`` or ``{"path": ...,
+"value": v}`` with ``v`` a bool, int, float or str. A ``NODE`` is ``{"leaf":
+i}`` or ``{"type": "FP16State", "kind": "CUSTOM", "entries": [...],
+"children": [NODE, ...]}``: the class name, optree's node kind, the child
+keys (dict keys, field names or indices), and, for a registered node whose
+static metadata is plain data (a loss scale's configuration), ``"meta"``.
 
-* ``{"kind": "tensor", "index": i}`` — ``tensors[i]``;
-* ``{"kind": "value", "value": v}`` — ``v`` a bool, int, float, str or None;
-* ``{"kind": "list" | "tuple", "items": [NODE, ...]}``;
-* ``{"kind": "dict", "keys": [k, ...], "values": [NODE, ...]}`` (insertion order);
-* ``{"kind": "namedtuple", "name": "TraceState", "fields": [...], "items": [NODE, ...]}``;
-* ``{"kind": "FP16State", "fields": {"params": NODE, "master": NODE, ...}}`` — the
-  six fields of :class:`~functional_fp16.FP16State`; its ``tx`` (Python
-  functions) is not stored;
-* ``{"kind": "DynamicLossScale" | "StaticLossScale" | "NoOpLossScale",
-  "config": {"growth_factor": 2.0, ...}, "fields": {"loss_scale": NODE, ...}}``.
+Tensors are stored bitwise and come back detached, each with storage of its
+own, whatever the pickled tensor records say about autograd or sharing. The
+checksum covers the format, version, structure, leaf table, and every
+tensor's dtype, shape and bytes: everything a load restores.
 
-Tensors are stored bitwise (the FP32 master, the momentum, the loss scale and
-its int32 counters come back exactly) and detached from autograd.
-
-Writes are atomic: the file is written to a temporary file in the same
-directory, flushed and fsynced, renamed over ``path`` with :func:`os.replace`,
-and the directory is fsynced. A crash at any point leaves either the previous
-checkpoint or the new one, never a mixture. A writer killed mid-write leaves a
-``.NAME.HOST.PID.*.tmp`` file beside the checkpoint; it is never read, and the
-next save of the same checkpoint on that host deletes it once that process is
-gone.
-
-Loading checks, in order: the file opens with ``weights_only=True`` (else it is
-truncated or not ours), the format marker and version, the SHA-256 checksum
-(any changed tensor byte or metadata), and, with a template ``like``, the tree
-structure, NamedTuple types, dict keys, tensor shapes and dtypes and every
-loss-scale configuration value. Each failure names the file and the leaf path.
+Writes are atomic (:mod:`functional_fp16.atomic_file`). Loading checks, in
+order: the file opens with ``weights_only=True`` (else it is truncated or not
+ours), the format marker and version, the checksum, and, with ``like``, the
+structure, class names, keys, static configuration, tensor shapes and dtypes
+and value types. Each failure names the file and the path. Files of format
+version 1 load through :mod:`functional_fp16._checkpoint_v1`.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
-import socket
-import tempfile
-from collections import OrderedDict, defaultdict
-from typing import Any, Union
+from typing import Any
 
 import optree
 import torch
 
-from functional_fp16 import _deprecation as deprecation
-from functional_fp16._tree import PyTree, describe_tensor
-from functional_fp16.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from functional_fp16.update import _FIELDS as _STATE_FIELDS
-from functional_fp16.update import FP16State
+from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor
+from functional_fp16.atomic_file import PathLike, atomic_torch_save, remove_stale_temporaries
 
 __all__ = [
     "save_checkpoint",
@@ -84,17 +70,11 @@ __all__ = [
 FORMAT = "functional_fp16.checkpoint"
 """The value of the file's ``"format"`` entry."""
 
-VERSION = 1
+VERSION = 2
 """The format version written by :func:`save_checkpoint`."""
 
-PathLike = Union[str, "os.PathLike[str]"]
-
-# kind: (class, tensor fields, configuration fields in config() order)
-_LOSS_SCALES: dict[str, tuple[type, tuple[str, ...], tuple[str, ...]]] = {
-    cls.__name__: (cls, cls.TENSOR_FIELDS, cls.CONFIG_FIELDS)
-    for cls in (DynamicLossScale, StaticLossScale, NoOpLossScale)
-}
-_VALUE_TYPES = (bool, int, float, str, type(None))
+_VALUES = (bool, int, float, str)
+_KEYS = _VALUES + (type(None),)
 
 
 class CheckpointError(ValueError):
@@ -109,112 +89,44 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint is intact but does not match the template ``like``."""
 
 
-# -- saving ---------------------------------------------------------------
+# -- the structure, as plain data -------------------------------------------------
 
 
-def _key_path(key: Any) -> str:
-    return f"[{key!r}]"
+def _one_level(tree: Any) -> tuple[list[Any], Any, list[Any], list[str]]:
+    """``(children, metadata, entries, paths)`` of one optree node.
+
+    NamedTuples are keyed by field name; ``paths`` are the children's steps as
+    :func:`~functional_fp16._tree.tree_paths` writes them (``['k']``, ``[0]``, ``.name``).
+    """
+    out = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
+    steps = optree.tree_structure(tree, namespace=NAMESPACE).one_level().accessors()
+    entries = list(type(tree)._fields) if optree.is_namedtuple(tree) else list(out.entries)
+    return list(out.children), out.metadata, entries, [step.codify("") for step in steps]
 
 
-def _check_key(key: Any, path: str) -> Any:
-    if type(key) not in _VALUE_TYPES:
-        raise TypeError(
-            f"tree{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
-            "use str, int, float, bool or None keys"
-        )
-    return key
+def _kind(tree: Any) -> str:
+    """How a plain load rebuilds the node: NONE, DICT, LIST, TUPLE, NAMEDTUPLE or CUSTOM."""
+    if optree.is_namedtuple(tree):
+        return "NAMEDTUPLE"
+    if tree is None:
+        return "NONE"
+    for kind, types in (("DICT", dict), ("LIST", (list, collections.deque)), ("TUPLE", tuple)):
+        if isinstance(tree, types):
+            return kind
+    return "CUSTOM"
 
 
-class _Encoder:
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.info: list[dict[str, Any]] = []
-        self.storages: set[int] = set()
-
-    def tensor(self, x: torch.Tensor, path: str) -> dict[str, Any]:
-        if x.layout != torch.strided:
-            raise TypeError(f"tree{path}: only dense tensors can be stored, got layout {x.layout}")
-        if x.is_meta:
-            raise TypeError(f"tree{path}: a meta tensor has no data to store")
-        if x.is_quantized:
-            raise TypeError(f"tree{path}: quantized tensors cannot be stored")
-        data = x.detach().resolve_conj().resolve_neg().to("cpu")
-        compact = (
-            data.is_contiguous()
-            and data.storage_offset() == 0
-            and data.untyped_storage().nbytes() == data.numel() * data.element_size()
-        )
-        if not compact or data.untyped_storage().data_ptr() in self.storages:
-            # A view would drag its whole storage into the file, and two leaves
-            # sharing memory would come back aliased: store a compact copy.
-            data = data.clone(memory_format=torch.contiguous_format)
-        self.storages.add(data.untyped_storage().data_ptr())
-        self.info.append(
-            {
-                "path": path or "<root>",
-                "dtype": str(data.dtype),
-                "shape": list(data.shape),
-                "device": str(x.device),
-            }
-        )
-        self.tensors.append(data)
-        return {"kind": "tensor", "index": len(self.tensors) - 1}
-
-    def encode(self, tree: Any, path: str) -> dict[str, Any]:
-        if isinstance(tree, torch.Tensor):
-            return self.tensor(tree, path)
-        if isinstance(tree, FP16State):
-            return {
-                "kind": "FP16State",
-                "fields": {n: self.encode(getattr(tree, n), f"{path}.{n}") for n in _STATE_FIELDS},
-            }
-        for kind, (cls, fields, config_names) in _LOSS_SCALES.items():
-            if type(tree) is cls:
-                config = dict(zip(config_names, tree.config(), strict=True))
-                return {
-                    "kind": kind,
-                    "config": config,
-                    "fields": {n: self.encode(getattr(tree, n), f"{path}.{n}") for n in fields},
-                }
-        if isinstance(tree, bool):
-            return {"kind": "value", "value": bool(tree)}
-        if isinstance(tree, int):
-            return {"kind": "value", "value": int(tree)}
-        if isinstance(tree, float):
-            return {"kind": "value", "value": float(tree)}
-        if isinstance(tree, str):
-            return {"kind": "value", "value": str(tree)}
-        if tree is None:
-            return {"kind": "value", "value": None}
-        if optree.is_namedtuple(tree):
-            fields = list(type(tree)._fields)
-            return {
-                "kind": "namedtuple",
-                "name": type(tree).__name__,
-                "fields": fields,
-                "items": [self.encode(v, f"{path}.{f}") for f, v in zip(fields, tree, strict=True)],
-            }
-        if isinstance(tree, (list, tuple)) and (type(tree) in (list, tuple)):
-            return {
-                "kind": type(tree).__name__,
-                "items": [self.encode(v, f"{path}[{i}]") for i, v in enumerate(tree)],
-            }
-        if isinstance(tree, dict):
-            keys = [_check_key(k, path) for k in tree]
-            return {
-                "kind": "dict",
-                "keys": keys,
-                "values": [self.encode(tree[k], path + _key_path(k)) for k in keys],
-            }
-        raise TypeError(
-            f"tree{path or ''}: cannot store {type(tree).__name__} "
-            f"({describe_tensor(tree)}); a checkpoint holds tensors, FP16 states, loss scales, "
-            "dicts, lists, tuples, NamedTuples, bool, int, float, str and None"
-        )
+def _plain_meta(tree: Any, meta: Any) -> Any:
+    """A custom node's metadata as plain data (a NamedTuple by field), or ``None`` if it is not."""
+    if _kind(tree) != "CUSTOM":
+        return None
+    if optree.is_namedtuple(meta) and all(type(v) in _KEYS for v in meta):
+        return dict(meta._asdict())
+    return None
 
 
 def _tensor_bytes(x: torch.Tensor) -> Any:
-    """The raw bytes of a contiguous CPU tensor, without a copy where possible."""
+    """The raw bytes of a CPU tensor in row-major order, without a copy where possible."""
     flat = x.reshape(-1).view(torch.uint8)
     try:
         return flat.numpy()  # supports the buffer protocol
@@ -222,44 +134,83 @@ def _tensor_bytes(x: torch.Tensor) -> Any:
         return bytes(flat.tolist())
 
 
-def _checksum(tree: dict, info: list, tensors: list[torch.Tensor]) -> str:
+def _checksum(header: tuple, tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over ``repr(header)`` and each tensor's dtype, shape and bytes."""
     h = hashlib.sha256()
-    h.update(repr((FORMAT, VERSION, tree, info)).encode("utf-8"))
+    h.update(repr(header).encode("utf-8"))
     for t in tensors:
-        h.update(str(t.dtype).encode("utf-8"))
-        h.update(repr(tuple(t.shape)).encode("utf-8"))
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(_tensor_bytes(t))
     return h.hexdigest()
 
 
-def _file_mode(path: str) -> int:
-    """The mode for a new checkpoint: the replaced file's, else what ``open`` would give."""
-    try:
-        return os.stat(path).st_mode & 0o777
-    except OSError:
-        pass
-    umask = 0o022
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    umask = int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o666 & ~umask
+# -- saving ---------------------------------------------------------------------
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class _Writer:
+    def __init__(self) -> None:
+        self.leaves: list[dict[str, Any]] = []
+        self.tensors: list[torch.Tensor] = []
+        self.storages: set[int] = set()
+
+    def leaf(self, x: Any, path: str) -> dict[str, Any]:
+        shown = path or "<root>"
+        if type(x) in _VALUES:
+            self.leaves.append({"path": shown, "value": x})
+        elif isinstance(x, torch.Tensor):
+            if x.layout != torch.strided or x.is_meta or x.is_quantized:
+                raise TypeError(f"tree{path}: cannot store {describe_tensor(x)} ({x.layout})")
+            data = x.detach().resolve_conj().resolve_neg().to("cpu")
+            compact = (
+                data.is_contiguous()
+                and data.storage_offset() == 0
+                and data.untyped_storage().nbytes() == data.numel() * data.element_size()
+            )
+            if not compact or data.untyped_storage().data_ptr() in self.storages:
+                # A view would drag its whole storage into the file; a storage
+                # shared by two leaves is stored twice, as two values.
+                data = data.clone(memory_format=torch.contiguous_format)
+            self.storages.add(data.untyped_storage().data_ptr())
+            self.leaves.append(
+                {
+                    "path": shown,
+                    "tensor": len(self.tensors),
+                    "dtype": str(data.dtype),
+                    "shape": list(data.shape),
+                    "device": str(x.device),
+                }
+            )
+            self.tensors.append(data)
+        else:
+            raise TypeError(
+                f"tree{path}: cannot store {describe_tensor(x)}; a checkpoint holds pytrees "
+                "(dicts, lists, tuples, NamedTuples, the library's states) of tensors, "
+                "bool, int, float, str and None"
+            )
+        return {"leaf": len(self.leaves) - 1}
+
+    def node(self, tree: Any, path: str) -> dict[str, Any]:
+        if optree.tree_is_leaf(tree, namespace=NAMESPACE):
+            return self.leaf(tree, path)
+        children, meta, entries, steps = _one_level(tree)
+        if isinstance(tree, dict):
+            for key in entries:
+                if type(key) not in _KEYS:
+                    raise TypeError(
+                        f"tree{path}: dict key {key!r} of type {type(key).__name__} cannot be "
+                        "stored; use str, int, float, bool or None keys"
+                    )
+            # Stored in insertion order, so a plain load gives the dict back as it was.
+            order = [entries.index(k) for k in tree]
+            children, entries, steps = ([xs[i] for i in order] for xs in (children, entries, steps))
+        node = {"type": type(tree).__name__, "kind": _kind(tree), "entries": entries}
+        plain = _plain_meta(tree, meta)
+        if plain is not None:
+            node["meta"] = plain
+        node["children"] = [
+            self.node(child, path + step) for child, step in zip(children, steps, strict=True)
+        ]
+        return node
 
 
 def save_checkpoint(path: PathLike, tree: PyTree) -> None:
@@ -268,330 +219,228 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
     Args:
       path: the file to write; its directory must exist. An existing file is
         replaced only once the new one is completely on disk.
-      tree: an :class:`~functional_fp16.FP16State`, or any nesting of dicts
-        (keys: str, int, float, bool, None), lists, tuples and NamedTuples whose
-        leaves are FP16 states, loss scales, tensors, bool, int, float, str or None.
+      tree: an :class:`~functional_fp16.FP16State`, or any pytree (dicts with
+        str, int, float, bool or None keys, lists, tuples, NamedTuples, the
+        library's states and loss scales) of tensors, bool, int, float, str
+        and None.
 
     Raises:
       TypeError: a part of ``tree`` cannot be stored; the message names its path.
     """
-    path = os.fspath(path)
-    encoder = _Encoder()
-    root = encoder.encode(tree, "")
+    writer = _Writer()
+    structure = writer.node(tree, "")
     payload = {
         "format": FORMAT,
         "version": VERSION,
-        "tree": root,
-        "tensors": encoder.tensors,
-        "tensor_info": encoder.info,
-        "checksum": _checksum(root, encoder.info, encoder.tensors),
+        "structure": structure,
+        "leaves": writer.leaves,
+        "tensors": writer.tensors,
+        "checksum": _checksum((FORMAT, VERSION, structure, writer.leaves), writer.tensors),
     }
     atomic_torch_save(path, payload)
 
 
-def _temp_prefix(path: str) -> str:
-    """``.NAME.HOST.`` : the temporary files of ``path``'s writers, named by host and pid."""
-    host = socket.gethostname().replace(".", "_") or "host"
-    return f".{os.path.basename(path)}.{host}."
+# -- loading --------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
+def _corrupt(path: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{path}: {what}")
 
 
-def remove_stale_temporaries(path: PathLike) -> list[str]:
-    """Deletes temporary files of ``path`` left by writers on this host that no longer run.
-
-    A save killed before its rename (SIGKILL, power loss) leaves its
-    ``.NAME.HOST.PID.*.tmp`` file behind. Files of live processes, and of
-    other hosts (a shared file system), are left alone. Returns the removed paths.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = _temp_prefix(path)
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
+def _check_node(node: Any, n_leaves: int, file: str) -> None:
+    """Validates a stored structure (a forged file can pass the checksum)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            raise _corrupt(file, f"malformed structure node {node!r}")
+        if "leaf" in node:
+            if type(node["leaf"]) is not int or not 0 <= node["leaf"] < n_leaves:
+                raise _corrupt(file, f"leaf index {node['leaf']!r} out of range")
             continue
-        pid_text = name[len(prefix) :].split(".", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        entries, children = node.get("entries"), node.get("children")
+        if (
+            not isinstance(node.get("type"), str)
+            or not isinstance(node.get("kind"), str)
+            or not isinstance(entries, list)
+            or not isinstance(children, list)
+            or len(entries) != len(children)
+        ):
+            raise _corrupt(file, f"malformed structure node of type {node.get('type')!r}")
+        stack.extend(children)
+
+
+def _check_leaves(leaves: Any, tensors: Any, file: str) -> None:
+    if not isinstance(leaves, list) or not isinstance(tensors, list):
+        raise _corrupt(file, "the leaf table is malformed")
+    for leaf in leaves:
+        if not isinstance(leaf, dict) or not isinstance(leaf.get("path"), str):
+            raise _corrupt(file, f"malformed leaf record {leaf!r}")
+        if "tensor" not in leaf:
+            if type(leaf.get("value")) not in _VALUES:
+                raise _corrupt(file, f"leaf {leaf['path']}: malformed value record")
             continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except OSError:  # another cleaner got there first
-            pass
-    return removed
+        i = leaf["tensor"]
+        if type(i) is not int or not 0 <= i < len(tensors):
+            raise _corrupt(file, f"leaf {leaf['path']}: tensor index {i!r} out of range")
+        t = tensors[i]
+        if (
+            not isinstance(t, torch.Tensor)
+            or leaf.get("dtype") != str(t.dtype)
+            or leaf.get("shape") != list(t.shape)
+        ):
+            raise _corrupt(file, f"leaf {leaf['path']}: the tensor disagrees with its record")
 
 
-def _is_path(x: Any) -> bool:
-    return isinstance(x, (str, bytes, os.PathLike))
-
-
-def atomic_torch_save(path: PathLike, obj: Any) -> None:
-    """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
-
-    A crash at any point leaves either the previous file at ``path`` or the new
-    one, never a partial file. A writer killed before its rename leaves a
-    ``.NAME.HOST.PID.*.tmp`` file beside ``path``; the next save of ``path``
-    deletes those of dead processes on this host (see
-    :func:`remove_stale_temporaries`).
-    """
-    if _is_path(obj) and not _is_path(path):
-        deprecation.warn(
-            "atomic_torch_save(obj, path) is deprecated; call atomic_torch_save(path, obj)"
-        )
-        path, obj = obj, path
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=directory
-    )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
-                os.fchmod(f.fileno(), _file_mode(path))
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-# -- loading --------------------------------------------------------------
-
-
-def _read(path: str) -> dict[str, Any]:
+def _read(path: Any, name: str) -> dict[str, Any]:
+    """Opens, version-checks and checksum-verifies a file; v1 files come back converted."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as err:  # zip, pickle and weights-only errors alike
-        raise CheckpointCorruptError(
-            f"{path}: not a readable checkpoint (truncated, corrupted, or not written by "
-            f"save_checkpoint): {type(err).__name__}: {err}"
+        raise _corrupt(
+            name,
+            "not a readable checkpoint (truncated, corrupted, or not written by "
+            f"save_checkpoint): {type(err).__name__}: {err}",
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointCorruptError(f"{path}: not a functional_fp16 checkpoint (no format marker)")
+        raise _corrupt(name, "not a functional_fp16 checkpoint (no format marker)")
+    if payload.get("version") == 1:
+        from functional_fp16 import _checkpoint_v1
+
+        return _checkpoint_v1.convert(payload, name)
     if payload.get("version") != VERSION:
-        raise CheckpointCorruptError(
-            f"{path}: checkpoint format version {payload.get('version')!r} is not supported "
-            f"(this library reads version {VERSION})"
+        raise _corrupt(
+            name,
+            f"checkpoint format version {payload.get('version')!r} is not supported "
+            f"(this library reads versions 1 and {VERSION})",
         )
-    missing = [k for k in ("tree", "tensors", "tensor_info", "checksum") if k not in payload]
+    missing = [k for k in ("structure", "leaves", "tensors", "checksum") if k not in payload]
     if missing:
-        raise CheckpointCorruptError(f"{path}: checkpoint lacks the entries {missing}")
-    tensors, info = payload["tensors"], payload["tensor_info"]
-    if (
-        not isinstance(tensors, list)
-        or not isinstance(info, list)
-        or len(tensors) != len(info)
-        or not all(isinstance(t, torch.Tensor) for t in tensors)
-    ):
-        raise CheckpointCorruptError(f"{path}: the tensor table is malformed")
+        raise _corrupt(name, f"checkpoint lacks the entries {missing}")
+    _check_leaves(payload["leaves"], payload["tensors"], name)
     try:
-        expected = _checksum(payload["tree"], info, tensors)
+        header = (FORMAT, VERSION, payload["structure"], payload["leaves"])
+        expected = _checksum(header, payload["tensors"])
     except Exception as err:
-        raise CheckpointCorruptError(f"{path}: cannot checksum the contents: {err}") from None
+        raise _corrupt(name, f"cannot checksum the contents: {err}") from None
     if expected != payload["checksum"]:
-        raise CheckpointCorruptError(
-            f"{path}: checksum mismatch, the file was modified or damaged after it was written "
-            f"(stored {str(payload['checksum'])[:16]}..., computed {expected[:16]}...)"
+        raise _corrupt(
+            name,
+            "checksum mismatch, the file was modified or damaged after it was written "
+            f"(stored {str(payload['checksum'])[:16]}..., computed {expected[:16]}...)",
         )
+    _check_node(payload["structure"], len(payload["leaves"]), name)
     return payload
 
 
-class _Decoder:
-    def __init__(self, path: str, payload: dict, map_location: Any) -> None:
-        self.file = path
+class _Reader:
+    def __init__(self, name: str, payload: dict, map_location: torch.device | None) -> None:
+        self.file = name
+        self.leaves = payload["leaves"]
         self.tensors = payload["tensors"]
-        self.info = payload["tensor_info"]
         self.map_location = map_location
-
-    def corrupt(self, path: str, what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{self.file}: malformed entry at checkpoint{path}: {what}")
 
     def mismatch(self, path: str, what: str) -> CheckpointMismatchError:
         return CheckpointMismatchError(
             f"{self.file}: checkpoint{path} does not match like{path}: {what}"
         )
 
-    def _node(self, node: Any, path: str) -> str:
-        if not isinstance(node, dict) or "kind" not in node:
-            raise self.corrupt(path, "not a tree node")
-        return node["kind"]
-
-    def _tensor(self, node: dict, path: str, device: Any) -> torch.Tensor:
-        index = node.get("index")
-        if not isinstance(index, int) or not 0 <= index < len(self.tensors):
-            raise self.corrupt(path, f"tensor index {index!r} out of range")
-        t = self.tensors[index]
-        if device is None:
-            device = (
-                self.map_location if self.map_location is not None else self.info[index]["device"]
-            )
+    def restore(self, index: int, device: torch.device | None) -> Any:
+        leaf = self.leaves[index]
+        if "tensor" not in leaf:
+            return leaf["value"]
+        device = self.map_location or device or leaf.get("device", "cpu")
         try:
-            # A copy of its own, detached: whatever the file's pickled metadata
-            # says about autograd or shared storages, a restored tensor is a
-            # plain, independent value (its bytes are what the checksum covers).
-            return t.detach().to(device, copy=True)
-        except (RuntimeError, AssertionError) as err:
+            # A detached copy with storage of its own: only the checksummed
+            # bytes, dtype and shape of the file's tensor are used.
+            return self.tensors[leaf["tensor"]].detach().to(device, copy=True)
+        except (RuntimeError, AssertionError, TypeError) as err:
             raise CheckpointError(
-                f"{self.file}: checkpoint{path} was saved on {self.info[index]['device']} and "
+                f"{self.file}: checkpoint{leaf['path']} was saved on {leaf.get('device')} and "
                 f"cannot be placed on {device} ({err}); pass map_location= or a like= on "
                 "an available device"
             ) from None
 
-    # Without a template: the plain structure.
-    def plain(self, node: Any, path: str) -> Any:
-        kind = self._node(node, path)
-        if kind == "tensor":
-            return self._tensor(node, path, None)
-        if kind == "value":
-            return node.get("value")
-        if kind in ("list", "tuple"):
-            items = [self.plain(v, f"{path}[{i}]") for i, v in enumerate(node["items"])]
-            return items if kind == "list" else tuple(items)
-        if kind == "dict":
-            return {
-                k: self.plain(v, path + _key_path(k))
-                for k, v in zip(node["keys"], node["values"], strict=True)
-            }
-        if kind == "namedtuple":
-            return {
-                f: self.plain(v, f"{path}.{f}")
-                for f, v in zip(node["fields"], node["items"], strict=True)
-            }
-        if kind == "FP16State":
-            return {f: self.plain(v, f"{path}.{f}") for f, v in node["fields"].items()}
-        if kind in _LOSS_SCALES:
-            cls, fields, config_names = _LOSS_SCALES[kind]
-            config = tuple(node["config"][n] for n in config_names)
-            tensors = tuple(self.plain(node["fields"][n], f"{path}.{n}") for n in fields)
-            return cls._from_parts(config, tensors)
-        raise self.corrupt(path, f"unknown node kind {kind!r}")
+    def what(self, node: dict) -> str:
+        if "leaf" not in node:
+            return f"a {node['type']}"
+        leaf = self.leaves[node["leaf"]]
+        return "a tensor" if "tensor" in leaf else f"a {type(leaf['value']).__name__}"
 
-    # With a template: check everything and rebuild in the template's types.
-    def like(self, node: Any, like: Any, path: str) -> Any:
-        kind = self._node(node, path)
-        if isinstance(like, torch.Tensor):
-            if kind != "tensor":
-                raise self.mismatch(path, f"expected a tensor, the checkpoint holds a {kind}")
-            index = node.get("index")
-            if not isinstance(index, int) or not 0 <= index < len(self.tensors):
-                raise self.corrupt(path, f"tensor index {index!r} out of range")
-            stored = self.tensors[index]
-            if stored.dtype != like.dtype:
-                raise self.mismatch(path, f"dtype {stored.dtype} != {like.dtype}")
-            if stored.shape != like.shape:
-                raise self.mismatch(path, f"shape {tuple(stored.shape)} != {tuple(like.shape)}")
-            device = self.map_location if self.map_location is not None else like.device
-            return self._tensor(node, path, device)
-        if isinstance(like, FP16State):
-            if kind != "FP16State":
-                raise self.mismatch(path, f"expected an FP16State, the checkpoint holds a {kind}")
-            fields = node.get("fields")
-            if not isinstance(fields, dict) or set(fields) != set(_STATE_FIELDS):
-                raise self.corrupt(path, "FP16State fields are incomplete")
-            children = {
-                n: self.like(fields[n], getattr(like, n), f"{path}.{n}") for n in _STATE_FIELDS
-            }
-            return FP16State(**children, tx=like.tx)
-        for name, (cls, fields, config_names) in _LOSS_SCALES.items():
-            if type(like) is cls:
-                if kind != name:
-                    raise self.mismatch(path, f"expected a {name}, the checkpoint holds a {kind}")
-                stored_config = node.get("config", {})
-                for n, v in zip(config_names, like.config(), strict=True):
-                    if stored_config.get(n) != v:
-                        raise self.mismatch(
-                            f"{path}.{n}",
-                            f"loss-scale configuration {n}={stored_config.get(n)!r} in the "
-                            f"checkpoint, {n}={v!r} in like",
-                        )
-                tensors = tuple(
-                    self.like(node["fields"][n], getattr(like, n), f"{path}.{n}") for n in fields
-                )
-                return cls._from_parts(like.config(), tensors)
-        if like is None or isinstance(like, (bool, int, float, str)):
-            if kind != "value":
-                raise self.mismatch(
-                    path, f"expected a {type(like).__name__}, the checkpoint holds a {kind}"
-                )
-            value = node.get("value")
-            if like is not None and type(value) is not type(like):
-                raise self.mismatch(
-                    path, f"expected a {type(like).__name__}, got {type(value).__name__} {value!r}"
-                )
-            if like is None and value is not None:
-                raise self.mismatch(path, f"expected None, got {value!r}")
-            return value
-        if optree.is_namedtuple(like):
-            fields = list(type(like)._fields)
-            if (
-                kind != "namedtuple"
-                or node.get("name") != type(like).__name__
-                or node.get("fields") != fields
-            ):
-                got = (
-                    f"{node.get('name')}{tuple(node.get('fields', ()))}"
-                    if kind == "namedtuple"
-                    else kind
-                )
-                raise self.mismatch(
-                    path, f"expected {type(like).__name__}{tuple(fields)}, got {got}"
-                )
-            items = [
-                self.like(v, lv, f"{path}.{f}")
-                for f, v, lv in zip(fields, node["items"], like, strict=True)
-            ]
-            return type(like)(*items)
-        if type(like) in (list, tuple):
-            if kind != type(like).__name__:
-                raise self.mismatch(
-                    path, f"expected a {type(like).__name__}, the checkpoint holds a {kind}"
-                )
-            items = node.get("items", [])
-            if len(items) != len(like):
-                raise self.mismatch(path, f"length {len(items)} != {len(like)}")
-            return type(like)(
-                self.like(v, lv, f"{path}[{i}]")
-                for i, (v, lv) in enumerate(zip(items, like, strict=True))
+    # Without a template: builtin containers; other nodes as dicts of their children.
+    def plain(self, node: dict) -> Any:
+        if "leaf" in node:
+            return self.restore(node["leaf"], None)
+        children = [self.plain(c) for c in node["children"]]
+        kind = node["kind"]
+        if kind == "NONE":
+            return None
+        if kind == "LIST":
+            return children
+        if kind == "TUPLE":
+            return tuple(children)
+        return dict(zip(node["entries"], children, strict=True))
+
+    # With a template: the leaves in like's flattening order, after checking the structure.
+    def leaves_like(self, node: dict, like: Any, path: str, out: list[Any]) -> None:
+        if optree.tree_is_leaf(like, namespace=NAMESPACE):
+            self.leaf_like(node, like, path, out)
+            return
+        if "leaf" in node or node["type"] != type(like).__name__:
+            raise self.mismatch(
+                path, f"expected a {type(like).__name__}, the checkpoint holds {self.what(node)}"
             )
-        if isinstance(like, dict):
-            if kind != "dict":
-                raise self.mismatch(path, f"expected a dict, the checkpoint holds a {kind}")
-            stored = dict(zip(node.get("keys", []), node.get("values", []), strict=True))
-            missing = [k for k in like if k not in stored]
-            extra = [k for k in stored if k not in like]
+        children, meta, entries, steps = _one_level(like)
+        stored_children = node["children"]
+        if isinstance(like, dict):  # keys in any order
+            by_key = dict(zip(node["entries"], stored_children, strict=True))
+            missing = [k for k in entries if k not in by_key]
+            extra = [k for k in by_key if k not in entries]
             if missing or extra:
                 raise self.mismatch(
                     path, f"keys missing from the checkpoint {missing}, unexpected keys {extra}"
                 )
-            pairs = [(k, self.like(stored[k], like[k], path + _key_path(k))) for k in like]
-            if isinstance(like, defaultdict):
-                return type(like)(like.default_factory, pairs)
-            if isinstance(like, OrderedDict) or type(like) is not dict:
-                return type(like)(pairs)
-            return dict(pairs)
-        raise TypeError(f"like{path}: cannot be a checkpoint template: {describe_tensor(like)}")
+            stored_children = [by_key[k] for k in entries]
+        elif node["entries"] != entries:
+            if len(node["entries"]) != len(entries):
+                raise self.mismatch(path, f"length {len(node['entries'])} != {len(entries)}")
+            raise self.mismatch(path, f"fields {node['entries']} != {entries}")
+        stored, wanted = node.get("meta"), _plain_meta(like, meta)
+        if stored != wanted:
+            for name in sorted(set(stored or {}) | set(wanted or {})):
+                a, b = (stored or {}).get(name), (wanted or {}).get(name)
+                if a != b or type(a) is not type(b):
+                    raise self.mismatch(
+                        f"{path}.{name}",
+                        f"static configuration {name}={a!r} in the checkpoint, {name}={b!r} in like",
+                    )
+        for stored, child, step in zip(stored_children, children, steps, strict=True):
+            self.leaves_like(stored, child, path + step, out)
+
+    def leaf_like(self, node: dict, like: Any, path: str, out: list[Any]) -> None:
+        if isinstance(like, torch.Tensor):
+            leaf = self.leaves[node["leaf"]] if "leaf" in node else {}
+            if "tensor" not in leaf:
+                raise self.mismatch(
+                    path, f"expected a tensor, the checkpoint holds {self.what(node)}"
+                )
+            if leaf["dtype"] != str(like.dtype):
+                raise self.mismatch(path, f"dtype {leaf['dtype']} != {like.dtype}")
+            if leaf["shape"] != list(like.shape):
+                raise self.mismatch(path, f"shape {tuple(leaf['shape'])} != {tuple(like.shape)}")
+            out.append(self.restore(node["leaf"], like.device))
+            return
+        if type(like) not in _VALUES:
+            raise TypeError(f"like{path}: cannot be a checkpoint template: {describe_tensor(like)}")
+        leaf = self.leaves[node["leaf"]] if "leaf" in node else {}
+        if "value" not in leaf or type(leaf["value"]) is not type(like):
+            got = f"{self.what(node)} {leaf['value']!r}" if "value" in leaf else self.what(node)
+            raise self.mismatch(
+                path, f"expected a {type(like).__name__}, the checkpoint holds {got}"
+            )
+        out.append(leaf["value"])
 
 
 def load_checkpoint(
@@ -604,23 +453,25 @@ def load_checkpoint(
 
     With ``like`` (a template tree, e.g. a freshly ``fp16_init``-ed state, or the
     whole ``{"state": ..., "epoch": 0, ...}`` dict) the checkpoint must have the
-    template's structure, NamedTuple types, dict keys, tensor shapes and dtypes
-    and loss-scale configuration; the result is built in the template's types,
-    every :class:`~functional_fp16.FP16State` gets the template's ``tx``, and
-    each tensor goes to the device of the template's tensor at the same path.
+    template's structure: class names, dict keys and fields, static
+    configuration (a loss scale's), tensor shapes and dtypes, and value types.
+    The result is ``optree.tree_unflatten(tree_structure(like), leaves)``: built
+    in the template's types, every :class:`~functional_fp16.FP16State` with the
+    template's ``tx``, each tensor on the device of the template's tensor at the
+    same path.
 
-    Without ``like`` the plain structure comes back: an ``FP16State`` as a dict
-    of its six fields (its ``tx`` is not in the file), a NamedTuple as a dict of
-    its fields, loss scales as loss-scale objects, dicts, lists and tuples as
-    themselves, and tensors on the device they were saved from.
+    Without ``like`` the plain structure comes back: dicts, lists, tuples and
+    ``None`` as themselves, and every other node (an ``FP16State``, a loss
+    scale, a NamedTuple) as a dict of its children keyed by field; tensors on
+    the device they were saved from.
 
     Args:
-      path: the file.
+      path: the file (or an open binary file object).
       like: the template, or ``None``.
       map_location: if given, every tensor goes to this device instead.
 
     Returns:
-      The stored tree.
+      The stored tree. Every tensor is detached and owns its storage.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
@@ -628,22 +479,18 @@ def load_checkpoint(
         not a checkpoint of this library.
       CheckpointMismatchError: the file differs from ``like``; the message names
         the path and what differs.
+      TypeError: ``like`` holds something that cannot be a template (its path is named).
     """
-    path = os.fspath(path)
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
     if map_location is not None:
         try:
             map_location = torch.device(map_location)
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"map_location={map_location!r} is not a device: {err}") from None
-    payload = _read(path)
-    decoder = _Decoder(path, payload, map_location)
-    try:
-        if like is None:
-            return decoder.plain(payload["tree"], "")
-        return decoder.like(payload["tree"], like, "")
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, AttributeError, ValueError) as err:
-        if isinstance(err, TypeError) and str(err).startswith("like"):
-            raise
-        raise CheckpointCorruptError(f"{path}: malformed checkpoint structure: {err!r}") from None
+    payload = _read(path, name)
+    reader = _Reader(name, payload, map_location)
+    if like is None:
+        return reader.plain(payload["structure"])
+    leaves: list[Any] = []
+    reader.leaves_like(payload["structure"], like, "", leaves)
+    return optree.tree_unflatten(optree.tree_structure(like, namespace=NAMESPACE), leaves)

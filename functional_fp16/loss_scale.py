@@ -19,6 +19,7 @@ Three kinds exist:
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -110,9 +111,17 @@ class _LossScaleBase:
     TENSOR_FIELDS: tuple[str, ...] = ()
     CONFIG_FIELDS: tuple[str, ...] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._Config = collections.namedtuple(f"{cls.__name__}Config", cls.CONFIG_FIELDS)
+
     def config(self) -> tuple[Any, ...]:
-        """The static configuration, as a hashable tuple in ``CONFIG_FIELDS`` order."""
-        return tuple(getattr(self, n) for n in self.CONFIG_FIELDS)
+        """The static configuration: a hashable NamedTuple of the ``CONFIG_FIELDS``.
+
+        It is the pytree metadata of the loss scale, so a checkpoint stores it
+        by field name and names the field that differs from a template.
+        """
+        return self._Config(*(getattr(self, n) for n in self.CONFIG_FIELDS))
 
     @classmethod
     def _from_parts(cls, config: tuple[Any, ...], tensors: Any) -> Any:

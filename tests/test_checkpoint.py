@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -159,16 +161,26 @@ def test_file_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
     raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
     assert plain_types_only(raw)
     assert raw["format"] == FORMAT and raw["version"] == VERSION
-    # The loss-scale configuration is stored as plain numbers.
-    scale_node = raw["tree"]["values"][0]["fields"]["loss_scale"]
-    assert scale_node["kind"] == "DynamicLossScale"
-    assert scale_node["config"]["growth_interval"] == 3 and scale_node["config"]["hysteresis"] == 2
-    # Every tensor is listed with its path; the master is stored in float32.
-    paths = [info["path"] for info in raw["tensor_info"]]
-    assert "['state'].master['scalar']" in paths
-    i = paths.index("['state'].master['body'][0]")
-    assert raw["tensors"][i].dtype == torch.float32
-    assert torch.equal(bits(raw["tensors"][i]), bits(state.master["body"][0]))
+    # The structure is optree's: class names, entries, and the loss scale's
+    # configuration by name as plain numbers.
+    root = raw["structure"]
+    assert root["type"] == "dict" and root["entries"] == ["state", "epoch"]
+    state_node = root["children"][0]
+    assert state_node["type"] == "FP16State" and "meta" not in state_node  # tx is not data
+    assert state_node["entries"] == [
+        "params", "master", "opt_state", "loss_scale", "step", "grads_finite"
+    ]  # fmt: skip
+    scale_node = state_node["children"][3]
+    assert scale_node["type"] == "DynamicLossScale" and scale_node["kind"] == "CUSTOM"
+    assert scale_node["meta"]["growth_interval"] == 3 and scale_node["meta"]["hysteresis"] == 2
+    # One leaf record per optree leaf (dicts in insertion order), named by its path.
+    assert sorted(leaf["path"] for leaf in raw["leaves"]) == sorted(
+        ["['state']" + p for p in tree_paths(state)] + ["['epoch']"]
+    )
+    assert raw["leaves"][root["children"][1]["leaf"]] == {"path": "['epoch']", "value": 2}
+    (leaf,) = [r for r in raw["leaves"] if r["path"] == "['state'].master['body'][0]"]
+    assert leaf["dtype"] == "torch.float32" and leaf["shape"] == [5, 3]
+    assert torch.equal(bits(raw["tensors"][leaf["tensor"]]), bits(state.master["body"][0]))
 
 
 def test_load_without_template_returns_the_plain_structure(tmp_path):
@@ -182,8 +194,10 @@ def test_load_without_template_returns_the_plain_structure(tmp_path):
         "weight": plain["params"]["head"]["weight"],
         "bias": plain["params"]["head"]["bias"],
     }
-    assert isinstance(plain["loss_scale"], ff.DynamicLossScale)
-    assert plain["loss_scale"].config() == state.loss_scale.config()
+    # Nodes other than builtin containers come back as dicts of their children.
+    assert set(plain["loss_scale"]) == {"loss_scale", "growth_count", "hysteresis_count"}
+    assert torch.equal(bits(plain["loss_scale"]["loss_scale"]), bits(state.loss_scale.loss_scale))
+    assert list(out) == ["state", "epoch", "t"]  # dicts in the order they were saved
     assert torch.equal(bits(plain["master"]["head"]["weight"]), bits(state.master["head"].weight))
     trace = plain["opt_state"][1][1]
     assert set(trace) == {"trace", "initialized"}
@@ -211,7 +225,7 @@ def test_map_location_and_template_device(tmp_path):
     out = ff.load_checkpoint(tmp_path / "s.ckpt", fresh_like(), map_location="cpu")
     assert all(x.device.type == "cpu" for x in tree_leaves(out))
     raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
-    assert all(info["device"] == "cpu" for info in raw["tensor_info"])
+    assert all(leaf["device"] == "cpu" for leaf in raw["leaves"] if "tensor" in leaf)
 
 
 def test_tensors_follow_the_template_device_or_map_location(tmp_path):
@@ -232,9 +246,10 @@ def test_tensors_follow_the_template_device_or_map_location(tmp_path):
         ff.load_checkpoint(tmp_path / "s.ckpt", map_location="nonsense")
     # A file saved on a device this machine lacks names the tensor and the way out.
     raw = torch.load(tmp_path / "s.ckpt", weights_only=True)
-    assert raw["tensor_info"][-1]["path"] == "['extra']"
-    raw["tensor_info"][-1]["device"] = "cuda:7" if not torch.cuda.is_available() else "nonsense:0"
-    raw["checksum"] = checkpoint._checksum(raw["tree"], raw["tensor_info"], raw["tensors"])
+    assert raw["leaves"][-1]["path"] == "['extra']"
+    raw["leaves"][-1]["device"] = "cuda:7" if not torch.cuda.is_available() else "nonsense:0"
+    header = (FORMAT, VERSION, raw["structure"], raw["leaves"])
+    raw["checksum"] = checkpoint._checksum(header, raw["tensors"])
     torch.save(raw, tmp_path / "moved.ckpt")
     with pytest.raises(
         ff.CheckpointError, match=r"checkpoint\['extra'\] was saved on .* pass map_location="
@@ -286,6 +301,71 @@ def test_cuda_round_trip_both_ways(tmp_path):
     assert plain["master"]["scalar"].is_cuda
 
 
+# -- format version 1 -------------------------------------------------------------
+
+V1_FILE = Path(__file__).parent / "data" / "checkpoint_v1.ckpt"
+
+
+def v1_like(scale=None):
+    return {
+        "state": ff.fp16_init(make_params(1), make_tx(), scale or make_scale()),
+        "epoch": 0,
+        "note": "",
+        "flags": (False, 0.0, None),
+        "history": [torch.zeros(4, dtype=torch.int64)],
+        "static": ff.StaticLossScale(1.0),
+    }
+
+
+def test_files_of_format_version_1_still_load(tmp_path):
+    """``tests/data/checkpoint_v1.ckpt`` was written by the version-1 writer.
+
+    Its tree: ``{"state": trained_state(), "epoch": 3, "note": "written by
+    checkpoint format version 1", "flags": (True, 2.5, None), "history":
+    [torch.arange(4)], "static": ff.StaticLossScale(128.0)}``. What it must
+    load to is read from the file's own tensor table, not from today's code.
+    """
+    raw = torch.load(V1_FILE, weights_only=True)
+    assert raw["version"] == 1
+    stored = {info["path"]: t for info, t in zip(raw["tensor_info"], raw["tensors"], strict=True)}
+    like = v1_like()
+    out = ff.load_checkpoint(V1_FILE, like)
+    state = out["state"]
+    assert isinstance(state, ff.FP16State) and state.tx is like["state"].tx
+    assert isinstance(state.params["head"], Head)
+    assert isinstance(state.opt_state[1][1], ff.TraceState)
+    assert state.loss_scale.config() == make_scale().config()
+    tensors = [(p, x) for p, x in zip(tree_paths(out), tree_leaves(out)) if torch.is_tensor(x)]
+    assert sorted(p for p, _ in tensors) == sorted(stored)
+    for path, x in tensors:
+        assert x.dtype == stored[path].dtype and torch.equal(bits(x), bits(stored[path])), path
+    assert int(state.step) == 7 and float(out["static"].loss_scale) == 128.0
+    assert out["epoch"] == 3 and out["note"] == "written by checkpoint format version 1"
+    assert out["flags"] == (True, 2.5, None)
+    # Without a template, the plain structure; rewritten, it is a version-2 file of the same tree.
+    plain = ff.load_checkpoint(V1_FILE)
+    assert torch.equal(plain["history"][0], torch.arange(4))
+    assert set(plain["state"]) == {
+        "params",
+        "master",
+        "opt_state",
+        "loss_scale",
+        "step",
+        "grads_finite",
+    }
+    ff.save_checkpoint(tmp_path / "v2.ckpt", out)
+    assert torch.load(tmp_path / "v2.ckpt", weights_only=True)["version"] == VERSION
+    assert_trees_bitwise_equal(ff.load_checkpoint(tmp_path / "v2.ckpt", v1_like()), out)
+    # The version-1 checks still hold: the template and the checksum.
+    with pytest.raises(ff.CheckpointMismatchError, match=r"hysteresis=2 in the checkpoint"):
+        ff.load_checkpoint(V1_FILE, v1_like(make_scale(hysteresis=1)))
+    data = bytearray(V1_FILE.read_bytes())
+    at = bytes(data).find(bits(stored["['state'].master['body'][0]"]).numpy().tobytes())
+    data[at + 2] ^= 0x10
+    with pytest.raises(ff.CheckpointCorruptError, match="checksum mismatch"):
+        ff.load_checkpoint(io.BytesIO(bytes(data)), v1_like())
+
+
 # -- validation against the template -----------------------------------------
 
 
@@ -304,7 +384,7 @@ def test_shape_mismatch_names_the_leaf(tmp_path):
 
 def test_dtype_mismatch_names_the_leaf(tmp_path):
     like = ff.fp16_init(make_params(1), make_tx(), make_scale(), param_dtype=torch.bfloat16)
-    _mismatch(tmp_path, like, r"\.params\['scalar'\].*dtype torch.float16 != torch.bfloat16")
+    _mismatch(tmp_path, like, r"\.params\['body'\]\[0\].*dtype torch.float16 != torch.bfloat16")
 
 
 def test_missing_key_names_the_dict(tmp_path):
@@ -392,7 +472,7 @@ def test_rewritten_metadata_is_detected(tmp_path):
     path = tmp_path / "s.ckpt"
     ff.save_checkpoint(path, trained_state())
     raw = torch.load(path, weights_only=True)
-    raw["tree"]["fields"]["loss_scale"]["config"]["min_scale"] = 4.0
+    raw["structure"]["children"][3]["meta"]["min_scale"] = 4.0
     torch.save(raw, path)
     with pytest.raises(ff.CheckpointCorruptError, match="checksum mismatch"):
         ff.load_checkpoint(path, fresh_like())
@@ -410,7 +490,7 @@ def test_foreign_files_are_rejected(tmp_path):
     raw = torch.load(path, weights_only=True)
     raw["version"] = VERSION + 1
     torch.save(raw, path)
-    with pytest.raises(ff.CheckpointCorruptError, match="version 2 is not supported"):
+    with pytest.raises(ff.CheckpointCorruptError, match="version 3 is not supported"):
         ff.load_checkpoint(path)
     with pytest.raises(FileNotFoundError):
         ff.load_checkpoint(tmp_path / "missing.ckpt")
@@ -467,16 +547,13 @@ def test_no_bit_flip_in_the_tensor_section_loads_differently_without_an_error(tm
     A flip must either raise a CheckpointError or load a tree bitwise equal to
     the original, with every tensor detached and owning its storage (a flipped
     ``requires_grad`` or a storage shared between two leaves must not survive).
-    The file is decoded from memory, through the loader's own two stages.
+    The file is loaded from memory.
     """
     import io
     import zipfile
 
-    from functional_fp16 import checkpoint as ckpt
-
     def load(data: bytes):
-        payload = ckpt._read(io.BytesIO(data))
-        return ckpt._Decoder("flipped", payload, None).like(payload["tree"], like, "")
+        return ff.load_checkpoint(io.BytesIO(data), like)
 
     params = {"w": torch.randn(3)}  # one leaf: every kind of state tensor, few bytes to flip
     ff.save_checkpoint(tmp_path / "s.ckpt", ff.fp16_init(params, ff.sgd(0.1, momentum=0.9)))
