@@ -37,10 +37,11 @@ A training step on ``N`` ranks, each fed ``B / N`` examples::
 
     info = init_from_env()                               # under torchrun
     state = broadcast_state(fp16_init(params, sgd(0.1, momentum=0.9)))
+    grad_fn = scaled_grad_and_value(loss_fn)             # loss_fn(params, x, y)
     for x, y in shard:                                   # B / N per rank
-        grads = grad_fn(state.params, x, y)              # scaled FP16 grads
+        grads, (loss, _) = grad_fn(state.loss_scale, state.params, x, y)  # scaled FP16
         grads = tree_all_reduce_mean(grads)              # mean over ranks
-        state = fp16_update(state, grads, agree=agree_finite)
+        state = fp16_update(state, grads, loss=loss, agree=agree_finite)
 The package's modules, one job each: :mod:`.process_group` (set-up under
 torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
 flag), :mod:`.replicas` (identical trees on every rank) and
