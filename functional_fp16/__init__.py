@@ -1,6 +1,7 @@
 """functional_fp16: pure, composable FP16 mixed-precision training for PyTorch."""
 
 from functional_fp16._tree import NAMESPACE
+from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module
@@ -58,6 +59,10 @@ __all__ = [
     "identity",
     "chain",
     "apply_updates",
+    "adam",
+    "adamw",
+    "scale_by_adam",
+    "ScaleByAdamState",
     "sgd",
     "trace",
     "TraceState",

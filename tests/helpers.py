@@ -137,3 +137,14 @@ def no_host_sync():
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of ``t`` (so NaN == NaN and -0.0 != 0.0)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view(_INT_VIEWS[t.element_size()])

@@ -1,0 +1,197 @@
+"""Adam and AdamW as chains of small transforms, following ``torch.optim.Adam``/``AdamW``.
+
+::
+
+    adam(lr)      = chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))
+    adamw(lr, wd) = chain(scale_by_adam(b1, b2, eps),
+                          add_decayed_weights(wd, mask),   # u <- u + wd * p
+                          scale_by_learning_rate(lr))      # u <- -lr * u
+
+as optax composes them. ``torch.optim.Adam(weight_decay=wd)`` (L2 decay,
+added to the gradient) is ``chain(add_decayed_weights(wd), adam(lr))``.
+
+The moments are FP32 and the step count is the number of *applied* steps:
+inside :func:`~functional_fp16.fp16_update` a skipped step leaves the whole
+state, count included, bitwise as it was, so the bias correction stays in
+step with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from functional_fp16 import _validate
+from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+from functional_fp16.base import GradientTransformation, chain
+from functional_fp16.schedules import Schedule
+from functional_fp16.sgd import add_decayed_weights, scale_by_learning_rate
+
+__all__ = ["ScaleByAdamState", "AdamSpec", "scale_by_adam", "adam", "adamw"]
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`."""
+
+    count: torch.Tensor  # 0-d int32: the number of updates produced (applied steps)
+    mu: PyTree  # first moments, float32, shaped like the parameters
+    nu: PyTree  # second moments, float32, shaped like the parameters
+
+
+class AdamSpec(NamedTuple):
+    """Declared form of :func:`scale_by_adam`."""
+
+    b1: float
+    b2: float
+    eps: float
+    eps_root: float
+
+
+def _bias_corrections(count: torch.Tensor, b1: float, b2: float):
+    """``(1 / (1 - b1^t), sqrt(1 - b2^t))`` for ``t = count``, in float64, rounded once to float32.
+
+    Computed on the count's device (no host read), in double precision as
+    ``torch.optim.Adam`` computes them in Python.
+    """
+    t = count.to(torch.float64)
+    one = torch.ones((), dtype=torch.float64, device=count.device)
+    c1 = one - torch.pow(torch.full_like(one, b1), t)
+    c2 = one - torch.pow(torch.full_like(one, b2), t)
+    return (one / c1).to(torch.float32), c2.sqrt().to(torch.float32)
+
+
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, eps_root: float = 0.0
+) -> GradientTransformation:
+    r"""Rescales updates by Adam's bias-corrected moment estimates.
+
+    With :math:`t` the number of this transform's previous updates plus one:
+
+    .. math::
+        m_t &= m_{t-1} + (1 - \beta_1)(g - m_{t-1})  \qquad (\text{torch's } \operatorname{lerp}) \\
+        v_t &= \beta_2 v_{t-1} + (1 - \beta_2)\, g^2 \\
+        u &= \frac{m_t}{\sqrt{v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
+             \cdot \frac{1}{1 - \beta_1^t}
+
+    which is ``torch.optim.Adam``'s step without the learning rate; with
+    ``eps_root > 0`` the denominator is optax's
+    :math:`\sqrt{v_t / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon`. The bias
+    corrections are computed in float64 on the device, as torch computes them
+    in Python, and rounded once to float32.
+
+    Args:
+      b1: :math:`\beta_1 \in [0, 1)`, the first moment's decay.
+      b2: :math:`\beta_2 \in [0, 1)`, the second moment's decay.
+      eps: :math:`\epsilon \ge 0`, added to the denominator.
+      eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
+
+    Returns:
+      A :class:`~functional_fp16.GradientTransformation` with state
+      :class:`ScaleByAdamState` (FP32 moments whatever the updates' dtype).
+    """
+    b1 = _validate.real("b1", b1, upper=1.0)
+    b2 = _validate.real("b2", b2, upper=1.0)
+    if b1 >= 1.0 or b2 >= 1.0:
+        raise ValueError(f"b1 and b2 must be < 1, got b1={b1}, b2={b2}")
+    eps = _validate.real("eps", eps)
+    eps_root = _validate.real("eps_root", eps_root)
+
+    def init(params: PyTree) -> ScaleByAdamState:
+        leaves, spec = tree_flatten(params)
+        device = leaves[0].device if leaves else None
+        zeros = [torch.zeros_like(p, dtype=torch.float32) for p in leaves]
+        return ScaleByAdamState(
+            count=torch.zeros((), dtype=torch.int32, device=device),
+            mu=tree_unflatten(spec, zeros),
+            nu=tree_unflatten(spec, [z.clone() for z in zeros]),
+        )
+
+    def update(updates: PyTree, state: ScaleByAdamState, params: PyTree | None = None):
+        del params
+        g_leaves, spec = tree_flatten(updates)
+        mu = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
+        nu = check_same_structure(updates, state.nu, name="nu", reference_name="updates")
+        count = torch.clamp(state.count + 1, max=_INT32_MAX).to(torch.int32)
+        if not g_leaves:
+            return updates, ScaleByAdamState(count, state.mu, state.nu)
+        g32 = [g.to(torch.float32) for g in g_leaves]
+        new_mu = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(mu, g32)]
+        new_nu = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(nu, g32)]
+        inv_c1, sqrt_c2 = _bias_corrections(count, b1, b2)
+        if eps_root == 0.0:
+            out = [m / (v.sqrt() / sqrt_c2 + eps) * inv_c1 for m, v in zip(new_mu, new_nu)]
+        else:
+            c2 = sqrt_c2.double().square().float()
+            out = [m * inv_c1 / ((v / c2 + eps_root).sqrt() + eps) for m, v in zip(new_mu, new_nu)]
+        out = [u.to(g.dtype) for u, g in zip(out, g_leaves)]
+        new_state = ScaleByAdamState(
+            count, tree_unflatten(spec, new_mu), tree_unflatten(spec, new_nu)
+        )
+        return tree_unflatten(spec, out), new_state
+
+    return GradientTransformation(init, update, AdamSpec(b1, b2, eps, eps_root))
+
+
+def adam(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    eps_root: float = 0.0,
+) -> GradientTransformation:
+    r"""Adam (Kingma & Ba, 2015) with ``torch.optim.Adam``'s arithmetic.
+
+    .. math:: \theta \leftarrow \theta - \eta\, \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}
+
+    Args:
+      learning_rate: :math:`\eta`, a float >= 0 or a schedule of the applied-step count.
+      b1, b2, eps, eps_root: see :func:`scale_by_adam`.
+
+    Returns:
+      ``chain(scale_by_adam(b1, b2, eps, eps_root=eps_root), scale_by_learning_rate(lr))``.
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root=eps_root), scale_by_learning_rate(learning_rate)
+    )
+
+
+def adamw(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    *,
+    mask=None,
+) -> GradientTransformation:
+    r"""AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay.
+
+    .. math::
+        \theta \leftarrow \theta - \eta\,\Big(\frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}
+        + \lambda\, \theta\Big)
+
+    ``torch.optim.AdamW`` writes the decay as :math:`\theta (1 - \eta\lambda)`;
+    the two agree to rounding.
+
+    Args:
+      learning_rate: :math:`\eta`, a float >= 0 or a schedule of the applied-step count.
+      b1, b2, eps: see :func:`scale_by_adam`.
+      weight_decay: :math:`\lambda \ge 0` (optax's default, 1e-4; torch's is 1e-2).
+      mask: which leaves decay: a pytree of bools shaped like the parameters,
+        or a function of the parameters returning one (as optax's ``mask``);
+        ``None`` decays every leaf.
+
+    Returns:
+      ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+      scale_by_learning_rate(learning_rate))``.
+    """
+    decay = (
+        add_decayed_weights(weight_decay)
+        if mask is None
+        else add_decayed_weights(weight_decay, mask=mask)
+    )
+    return chain(scale_by_adam(b1, b2, eps), decay, scale_by_learning_rate(learning_rate))
