@@ -32,7 +32,7 @@ from functional_fp16.sgd import (
     TraceState,
 )
 
-__all__ = ["SGDPlan", "sgd_plan", "state_at", "replace_at"]
+__all__ = ["SGDPlan", "sgd_plan", "chain_parts", "state_at", "replace_at"]
 
 Path = tuple[int, ...]
 
@@ -55,19 +55,22 @@ class SGDPlan(NamedTuple):
     lr_path: Path
 
 
-def _parts(spec: Any, path: Path) -> list[tuple[Any, Path]] | None:
-    """The chain flattened into (spec, state path) pairs; None if a part is undeclared."""
-    if isinstance(spec, ChainSpec):
-        out: list[tuple[Any, Path]] = []
-        for i, part in enumerate(spec.parts):
-            inner = _parts(part, path + (i,))
-            if inner is None:
-                return None
-            out.extend(inner)
-        return out
-    if isinstance(spec, (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)):
+def chain_parts(spec: Any, path: Path = ()) -> list[tuple[Any, Path]] | None:
+    """A declared chain flattened into ``(spec, state path)`` pairs; ``None`` if a part is undeclared.
+
+    Shared by every fused plan: a plan then accepts or refuses the parts' types.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, ChainSpec):
         return [(spec, path)]
-    return None
+    out: list[tuple[Any, Path]] = []
+    for i, part in enumerate(spec.parts):
+        inner = chain_parts(part, path + (i,))
+        if inner is None:
+            return None
+        out.extend(inner)
+    return out
 
 
 def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
@@ -82,6 +85,8 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
     found: dict[type, tuple[Any, Path]] = {}
     rank = -1
     for spec, path in parts:
+        if type(spec) not in order:  # a declared transform the SGD kernel does not run
+            return None
         r = order.index(type(spec))
         if r <= rank:  # out of order, or twice
             return None
@@ -117,7 +122,7 @@ def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
     hit = _CACHE.get(id(tx))
     if hit is not None and hit[0] is tx:
         return hit[1]
-    parts = _parts(getattr(tx, "spec", None), ())
+    parts = chain_parts(getattr(tx, "spec", None))
     plan = _read(parts) if parts else None
     if len(_CACHE) > 256:
         _CACHE.clear()
