@@ -53,8 +53,17 @@ def tree_paths(tree: PyTree) -> list[str]:
 
 def format_path(accessor: optree.PyTreeAccessor) -> str:
     """Formats an ``optree`` accessor as Python indexing syntax, ``<root>`` for the root."""
-    text = "".join(entry.codify("") for entry in accessor)
-    return text or "<root>"
+    return accessor.codify("") or "<root>"
+
+
+def child_steps(node: PyTree) -> list[str]:
+    """The path step from ``node`` to each of its children (``.field``, ``[0]``, ``['key']``).
+
+    Written as :func:`tree_paths` writes them, from the node's own ``optree``
+    accessors, so a path built step by step reads like one built at once.
+    """
+    steps = optree.tree_structure(node, namespace=NAMESPACE).one_level().accessors()
+    return [step.codify("") for step in steps]
 
 
 def describe_tensor(x: Any) -> str:
@@ -89,16 +98,6 @@ def check_same_structure(
         ) from None
 
 
-def _entry_path(node: Any, index: int, entry: Any) -> str:
-    if optree.is_namedtuple(node):
-        return f".{type(node)._fields[index]}"
-    if isinstance(node, (list, tuple)):
-        return f"[{index}]"
-    if isinstance(node, dict):
-        return f"[{entry!r}]"
-    return f".{entry}" if isinstance(entry, str) and entry.isidentifier() else f"[{entry!r}]"
-
-
 def first_difference(reference: PyTree, other: PyTree, path: str = "") -> tuple[str, str] | None:
     """The path of the first node where ``other``'s structure departs from ``reference``'s.
 
@@ -122,8 +121,8 @@ def first_difference(reference: PyTree, other: PyTree, path: str = "") -> tuple[
             return shown, f"missing keys {missing}, unexpected keys {extra}"
     if len(ref.children) != len(oth.children):
         return shown, f"expected length {len(ref.children)}, got {len(oth.children)}"
-    for i, (entry, a, b) in enumerate(zip(ref.entries, ref.children, oth.children, strict=True)):
-        found = first_difference(a, b, path + _entry_path(reference, i, entry))
+    for step, a, b in zip(child_steps(reference), ref.children, oth.children, strict=True):
+        found = first_difference(a, b, path + step)
         if found is not None:
             return found
     if ref.metadata != oth.metadata:
@@ -138,13 +137,15 @@ def check_like(
     name: str,
     reference_name: str,
     check_dtype: bool = True,
+    check_device: bool = True,
 ) -> list[torch.Tensor]:
     """Checks that ``other`` matches ``reference`` leaf by leaf.
 
-    Structure, tensor-ness, shape, dtype (unless ``check_dtype`` is false) and
-    device must agree. The error names the path of the first offending leaf.
-    Returns the leaves of ``other`` in flattening order. Only metadata is read,
-    never tensor values, so the check never synchronises with the device.
+    Structure, tensor-ness, shape, layout, dtype (unless ``check_dtype`` is
+    false) and device (unless ``check_device`` is false) must agree. The error
+    names the path of the first offending leaf. Returns the leaves of ``other``
+    in flattening order. Only metadata is read, never tensor values, so the
+    check never synchronises with the device.
 
     The common case, nothing wrong, costs one flatten of each tree and one
     comparison per leaf; leaf paths are built only to report an error.
@@ -155,7 +156,7 @@ def check_like(
         type(x) is torch.Tensor  # noqa: E721 - subclasses take the slow, thorough path
         and x.shape == r.shape
         and (x.dtype == r.dtype or not check_dtype)
-        and x.device == r.device
+        and (x.device == r.device or not check_device)
         and x.layout == r.layout
         for x, r in zip(leaves, ref_leaves)
     ):
@@ -176,7 +177,7 @@ def check_like(
                 f"{name}{path}: dtype {leaf.dtype} does not match "
                 f"{reference_name}{path} dtype {ref.dtype}"
             )
-        if leaf.device != ref.device:
+        if check_device and leaf.device != ref.device:
             raise ValueError(
                 f"{name}{path}: device {leaf.device} does not match "
                 f"{reference_name}{path} device {ref.device}"
@@ -184,6 +185,6 @@ def check_like(
         if leaf.layout != ref.layout:
             raise TypeError(
                 f"{name}{path}: layout {leaf.layout} does not match "
-                f"{reference_name}{path} layout {ref.layout} (sparse gradients are not supported)"
+                f"{reference_name}{path} layout {ref.layout} (sparse tensors are not supported)"
             )
     return leaves
