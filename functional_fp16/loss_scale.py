@@ -72,11 +72,6 @@ def _scale_leaf(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * scale.to(x.dtype)
 
 
-def _unscale_tree(tree: PyTree, scale: torch.Tensor) -> PyTree:
-    inv = unscale_factor(scale)
-    return tree_map(lambda g: g.float() * inv, tree)
-
-
 def _check_positive_finite(name: str, value: float) -> float:
     return _validate.real(name, value, positive=True)
 
@@ -100,11 +95,12 @@ def _check_int(name: str, value: int, minimum: int) -> int:
 
 
 class _LossScaleBase:
-    """Pytree plumbing shared by the loss scales.
+    """Pytree plumbing and the scaling rule shared by the loss scales.
 
     A subclass names its tensor leaves in ``TENSOR_FIELDS`` and its static
     configuration in ``CONFIG_FIELDS``; flattening, rebuilding, device moves
-    and checkpoints all derive from these two tuples.
+    and checkpoints all derive from these two tuples. :meth:`scale` and
+    :meth:`unscale` use the ``loss_scale`` leaf; a subclass supplies ``adjust``.
     """
 
     __slots__ = ()
@@ -175,6 +171,23 @@ class _LossScaleBase:
     def to(self, device: torch.device | str) -> Any:
         """A copy whose tensors live on ``device``."""
         return self._replace(**{n: getattr(self, n).to(device) for n in self.TENSOR_FIELDS})
+
+    # -- scaling by s = self.loss_scale (NoOpLossScale overrides both) --
+    def scale(self, tree: PyTree) -> PyTree:
+        r"""Multiplies every leaf by the scale: :math:`x \cdot s`.
+
+        FP16/BF16 leaves are promoted to float32 first, so the result cannot
+        overflow merely because the scale exceeds the FP16 range.
+        """
+        return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        r"""Returns the float32 tree :math:`\operatorname{fl}_{32}(g) \cdot s^{-1}`.
+
+        See :func:`unscale_factor` for how :math:`s^{-1}` is rounded.
+        """
+        inv = unscale_factor(self.loss_scale)
+        return tree_map(lambda g: g.float() * inv, tree)
 
 
 class DynamicLossScale(_LossScaleBase):
@@ -281,22 +294,6 @@ class DynamicLossScale(_LossScaleBase):
             f"min_scale={self.min_scale}, max_scale={self.max_scale}, hysteresis={self.hysteresis})"
         )
 
-    # -- the loss-scale interface ---------------------------------------
-    def scale(self, tree: PyTree) -> PyTree:
-        r"""Multiplies every leaf by the scale: :math:`x \cdot s`.
-
-        FP16/BF16 leaves are promoted to float32 first, so the result cannot
-        overflow merely because the scale exceeds the FP16 range.
-        """
-        return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
-
-    def unscale(self, tree: PyTree) -> PyTree:
-        r"""Returns the float32 tree :math:`\operatorname{fl}_{32}(g) \cdot s^{-1}`.
-
-        See :func:`unscale_factor` for how :math:`s^{-1}` is rounded.
-        """
-        return _unscale_tree(tree, self.loss_scale)
-
     def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
         """The next loss scale given whether this step's gradients were finite."""
         finite = _as_flag(grads_finite, self.loss_scale.device)
@@ -346,14 +343,6 @@ class StaticLossScale(_LossScaleBase):
 
     def __repr__(self) -> str:
         return f"StaticLossScale(loss_scale={self.loss_scale!r})"
-
-    def scale(self, tree: PyTree) -> PyTree:
-        r""":math:`x \cdot s`, with FP16/BF16 leaves promoted to float32."""
-        return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
-
-    def unscale(self, tree: PyTree) -> PyTree:
-        r""":math:`\operatorname{fl}_{32}(g) \cdot s^{-1}` (see :func:`unscale_factor`)."""
-        return _unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Returns ``self``: a static scale never changes."""
