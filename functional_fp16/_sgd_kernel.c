@@ -163,26 +163,25 @@ static Chunk *make_chunks(int64_t n_leaves, const int64_t *numel, int64_t *n_chu
 #define BLOCK 512
 
 /* Largest magnitude as a bit pattern: for IEEE formats |x| orders like the
- * integer (bits & ~sign), and inf and NaN come above every finite value. */
+ * integer (bits & ~sign), and inf and NaN come above every finite value.
+ * One loop, instantiated for 32-bit and 16-bit elements. */
+#define PEAK_BITS(NAME, T, NO_SIGN)                     \
+    static T NAME(const T *u, int64_t n) {             \
+        T mx = 0;                                      \
+        _Pragma("omp simd reduction(max : mx)")        \
+        for (int64_t i = 0; i < n; ++i) {              \
+            T a = u[i] & NO_SIGN;                      \
+            mx = a > mx ? a : mx;                      \
+        }                                              \
+        return mx;                                     \
+    }
+PEAK_BITS(peak_bits32, uint32_t, 0x7FFFFFFFu)
+PEAK_BITS(peak_bits16, uint16_t, 0x7FFFu)
+#undef PEAK_BITS
+
 static uint32_t peak_bits(const void *x, int64_t n, int dt) {
-    if (dt == DT_F32) {
-        const uint32_t *u = (const uint32_t *)x;
-        uint32_t mx = 0;
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n; ++i) {
-            uint32_t a = u[i] & 0x7FFFFFFFu;
-            mx = a > mx ? a : mx;
-        }
-        return mx;
-    }
-    const uint16_t *u = (const uint16_t *)x;
-    uint16_t mx = 0;
-#pragma omp simd reduction(max : mx)
-    for (int64_t i = 0; i < n; ++i) {
-        uint16_t a = u[i] & 0x7FFFu;
-        mx = a > mx ? a : mx;
-    }
-    return mx;
+    if (dt == DT_F32) return peak_bits32((const uint32_t *)x, n);
+    return peak_bits16((const uint16_t *)x, n);
 }
 
 /* The float32 value of a magnitude bit pattern; +inf for inf and NaN. */

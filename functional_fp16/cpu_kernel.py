@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from functional_fp16.kernel_args import KernelScalars, KernelTensors
+
 __all__ = [
     "available",
     "unavailable_reason",
@@ -187,84 +189,51 @@ def grad_stats(
 
 
 def sgd_update(
-    grads: list[torch.Tensor],
-    master: list[torch.Tensor],
-    trace: list[torch.Tensor] | None,
-    params: list[torch.Tensor],
-    master_out: list[torch.Tensor],
-    trace_out: list[torch.Tensor] | None,
-    params_out: list[torch.Tensor],
-    *,
-    inv: torch.Tensor | None,
-    clip: tuple[torch.Tensor, torch.Tensor] | None,
-    lr: torch.Tensor,
-    apply: torch.Tensor | None,
-    started: torch.Tensor | None,
-    weight_decay: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    peak_out: torch.Tensor | None = None,
+    tensors: KernelTensors, scalars: KernelScalars, peak_out: torch.Tensor | None = None
 ) -> None:
-    """Runs the update of ``_sgd_kernel.c`` into the given output tensors.
+    """Runs the update of ``_sgd_kernel.c`` into ``tensors``' outputs.
 
-    All tensors are dense CPU tensors, each leaf's laid out alike: masters,
-    traces and their outputs float32, the others of a dtype in
-    :data:`DTYPE_CODES`; 0-d scalars float32 (``inv``, ``clip``'s divisor and
-    factor, ``lr``) or bool (``apply``, ``started``). Outputs may be the inputs
-    themselves (donation). ``apply=None`` runs a speculative pure step and
-    writes the gradients' largest magnitude (as :func:`grad_stats`) into the
-    0-d float32 ``peak_out``; :func:`keep_unless` then undoes it if needed.
+    The arguments are described in :mod:`functional_fp16.kernel_args`; all
+    tensors are dense CPU tensors. ``scalars.apply=None`` runs a speculative
+    pure step and writes the gradients' largest magnitude (as
+    :func:`grad_stats`) into the 0-d float32 ``peak_out``; :func:`keep_unless`
+    then undoes it if needed.
     """
+    t, s = tensors, scalars
     c = _Arrays()
     _lib.ff_sgd_update(
-        len(grads),
-        c.ptrs(grads),
-        c.ptrs(master),
-        c.ptrs(trace),
-        c.ptrs(params),
-        c.ptrs(master_out),
-        c.ptrs(trace_out),
-        c.ptrs(params_out),
-        c.i64([g.numel() for g in grads]),
-        c.i32([DTYPE_CODES[g.dtype] for g in grads]),
-        c.i32([DTYPE_CODES[p.dtype] for p in params_out]),
-        _addr(inv),
-        _addr(clip[0]) if clip is not None else None,
-        _addr(clip[1]) if clip is not None else None,
-        lr.data_ptr(),
-        _addr(apply),
-        _addr(started),
-        weight_decay,
-        momentum,
-        1.0 - dampening,  # rounded once to float32, as the reference's scalar
-        int(nesterov),
+        len(t.grads),
+        *[c.ptrs(x) for x in t],  # grads, master, trace, params and the three outputs
+        c.i64([g.numel() for g in t.grads]),
+        c.i32([DTYPE_CODES[g.dtype] for g in t.grads]),
+        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
+        _addr(s.inv),
+        _addr(s.clip[0]) if s.clip is not None else None,
+        _addr(s.clip[1]) if s.clip is not None else None,
+        s.lr.data_ptr(),
+        _addr(s.apply),
+        _addr(s.started),
+        s.weight_decay,
+        s.momentum,
+        1.0 - s.dampening,  # rounded once to float32, as the reference's scalar
+        int(s.nesterov),
         torch.get_num_threads(),
         _addr(peak_out),
     )
 
 
-def keep_unless(
-    apply: torch.Tensor,
-    master: list[torch.Tensor],
-    trace: list[torch.Tensor] | None,
-    params: list[torch.Tensor],
-    master_out: list[torch.Tensor],
-    trace_out: list[torch.Tensor] | None,
-    params_out: list[torch.Tensor],
-) -> None:
-    """If the 0-d bool ``apply`` is false, copies the old tensors over the outputs, bitwise."""
+def keep_unless(apply: torch.Tensor, tensors: KernelTensors) -> None:
+    """If the 0-d bool ``apply`` is false, copies the old tensors over the outputs, bitwise.
+
+    Undoes a speculative :func:`sgd_update`; ``tensors.grads`` is not read.
+    """
+    t = tensors
     c = _Arrays()
     _lib.ff_keep_unless(
-        len(master),
-        c.ptrs(master),
-        c.ptrs(trace),
-        c.ptrs(params),
-        c.ptrs(master_out),
-        c.ptrs(trace_out),
-        c.ptrs(params_out),
-        c.i64([m.numel() for m in master]),
-        c.i32([DTYPE_CODES[p.dtype] for p in params_out]),
+        len(t.master),
+        *[c.ptrs(x) for x in t[1:]],  # master, trace, params and the three outputs
+        c.i64([m.numel() for m in t.master]),
+        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
         apply.data_ptr(),
         torch.get_num_threads(),
     )

@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from functional_fp16.kernel_args import KernelScalars, KernelTensors
+
 __all__ = ["available", "unavailable_reason", "sgd_update"]
 
 try:
@@ -45,6 +47,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
+    """Why :func:`available` is false, or ``None``."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
     return None if torch.cuda.is_available() else "no CUDA device"
@@ -111,68 +114,52 @@ if triton is not None:
 
 
 def sgd_update(
-    grads: list[torch.Tensor],
-    master: list[torch.Tensor],
-    trace: list[torch.Tensor] | None,
-    params: list[torch.Tensor],
-    master_out: list[torch.Tensor],
-    trace_out: list[torch.Tensor] | None,
-    params_out: list[torch.Tensor],
-    *,
-    inv: torch.Tensor | None,
-    clip: tuple[torch.Tensor, torch.Tensor] | None,
-    lr: torch.Tensor,
-    apply: torch.Tensor,
-    started: torch.Tensor | None,
-    weight_decay: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    peak_out: torch.Tensor | None = None,
+    tensors: KernelTensors, scalars: KernelScalars, peak_out: torch.Tensor | None = None
 ) -> None:
     """The Triton counterpart of :func:`functional_fp16.cpu_kernel.sgd_update`.
 
-    The same contract, except that ``apply`` is required: no speculative steps
-    (``peak_out`` must be ``None``); on CUDA the separate all-finite reduction
-    costs far less than undoing a step would.
+    The same contract, except that ``scalars.apply`` is required: no
+    speculative steps (``peak_out`` must be ``None``); on CUDA the separate
+    all-finite reduction costs far less than undoing a step would.
     """
-    if apply is None or peak_out is not None:
+    t, s = tensors, scalars
+    if s.apply is None or peak_out is not None:
         raise ValueError("the CUDA kernel runs decided steps only (apply given, no peak_out)")
-    momentum_on = momentum != 0.0
+    momentum_on = s.momentum != 0.0
     flags = dict(
-        HAS_INV=inv is not None,
-        CLIP=clip is not None,
-        DECAY=weight_decay != 0.0,
+        HAS_INV=s.inv is not None,
+        CLIP=s.clip is not None,
+        DECAY=s.weight_decay != 0.0,
         MOMENTUM=momentum_on,
-        NESTEROV=bool(nesterov),
+        NESTEROV=bool(s.nesterov),
         BLOCK=BLOCK,
     )
     options = {} if _INTERPRET else {"enable_fp_fusion": False}
-    lr = lr.reshape(())
+    lr = s.lr.reshape(())
     dummy = lr  # an unused pointer argument
-    for i, g in enumerate(grads):
+    for i, g in enumerate(t.grads):
         n = g.numel()
         if n == 0:
             continue
-        p_is_master = params_out[i] is master_out[i]
+        p_is_master = t.params_out[i] is t.master_out[i]
         _sgd_step[(triton.cdiv(n, BLOCK),)](
             g,
-            master[i],
-            trace[i] if momentum_on else dummy,
-            params[i],
-            master_out[i],
-            trace_out[i] if momentum_on else dummy,
-            params_out[i],
+            t.master[i],
+            t.trace[i] if momentum_on else dummy,
+            t.params[i],
+            t.master_out[i],
+            t.trace_out[i] if momentum_on else dummy,
+            t.params_out[i],
             n,
-            inv if inv is not None else dummy,
-            clip[0] if clip is not None else dummy,
-            clip[1] if clip is not None else dummy,
+            s.inv if s.inv is not None else dummy,
+            s.clip[0] if s.clip is not None else dummy,
+            s.clip[1] if s.clip is not None else dummy,
             lr,
-            apply,
-            started if started is not None else apply,
-            weight_decay,
-            momentum,
-            1.0 - dampening,
+            s.apply,
+            s.started if s.started is not None else s.apply,
+            s.weight_decay,
+            s.momentum,
+            1.0 - s.dampening,
             P_IS_MASTER=p_is_master,
             **flags,
             **options,

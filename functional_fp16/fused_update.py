@@ -50,6 +50,7 @@ from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.buffer_pool import BufferPool
 from functional_fp16.clipping import clip_factors, global_norm
 from functional_fp16.fast_update import _lr_factor, foreach_update, grads_finite
+from functional_fp16.kernel_args import KernelScalars, KernelTensors
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -220,14 +221,8 @@ def fused_update(state, grads, decide, donate: bool):
 
     started = old_trace.initialized.contiguous() if old_trace is not None else None
     peak = torch.empty((), dtype=torch.float32) if speculate else None
-    fp.kernel.sgd_update(
-        g,
-        masters,
-        trace,
-        params,
-        m_out,
-        trace_out,
-        p_out,
+    tensors = KernelTensors(g, masters, trace, params, m_out, trace_out, p_out)
+    scalars = KernelScalars(
         inv=inv,
         clip=clip,
         lr=factor,
@@ -237,11 +232,11 @@ def fused_update(state, grads, decide, donate: bool):
         momentum=plan.momentum,
         dampening=plan.dampening,
         nesterov=plan.nesterov,
-        peak_out=peak,
     )
+    fp.kernel.sgd_update(tensors, scalars, peak_out=peak)
     if speculate:
         finite = _decision(peak, inv, decide)
-        cpu_kernel.keep_unless(finite.contiguous(), masters, trace, params, m_out, trace_out, p_out)
+        cpu_kernel.keep_unless(finite.contiguous(), tensors)
 
     opt_state = state.opt_state
     if old_trace is not None:
