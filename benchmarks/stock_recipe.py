@@ -36,6 +36,7 @@ sys.path.insert(1, ROOT)
 
 import cifar10_data  # noqa: E402
 import cifar10_functional as example  # noqa: E402
+import cifar10_loop  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -111,7 +112,7 @@ def main(argv=None) -> dict:
     n = train.labels.shape[0]
     accuracies, speeds = [], []
     for epoch in range(1, args.epochs + 1):
-        order = example.epoch_order(rng, n, 128, 0).to(device)
+        order = cifar10_loop.epoch_order(rng, n, 128, 0).to(device)
         t0 = time.perf_counter()
         for i in range(order.shape[0] // 128):
             idx = order[i * 128 : (i + 1) * 128]

@@ -1,0 +1,294 @@
+"""The training loop of ``cifar10_functional.py``: epochs of pure steps, then evaluation.
+
+:func:`fit` threads a :class:`Loop` (everything that changes: the state, the
+buffers, the step count, the metrics so far) through :func:`train_epoch` and
+:func:`end_epoch`; what stays fixed for the run is a :class:`Fixed`. The step
+functions come from the example's ``make_train_step`` and ``make_eval_step``;
+the loop only calls them, reads metrics back every ``--log-every`` steps, asks
+the stuck-scale monitor, evaluates and writes a checkpoint after each epoch.
+Under ``--distributed`` every rank runs this loop on its share of each batch;
+rank 0 alone writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import cifar10_data
+import torch
+from cifar10_outputs import (
+    CHECKPOINT_PATTERN,
+    checkpoint_tree,
+    prune_checkpoints,
+    run_config,
+)
+
+import functional_fp16 as ff
+from functional_fp16 import distributed as ffd
+
+if TYPE_CHECKING:
+    from cifar10_functional import StepMetrics
+
+
+@torch.no_grad()
+def evaluate(eval_step, params, buffers, split: cifar10_data.Split, batch_size: int) -> float:
+    """Test accuracy in percent; one host synchronisation at the end.
+
+    Under ``--distributed`` each rank evaluates every ``WORLD_SIZE``-th batch and
+    the counts are summed, so every rank gets the accuracy of the whole split.
+    """
+    n = split.labels.shape[0]
+    rank, world = ffd.get_rank(), ffd.get_world_size()
+    correct = torch.zeros((), dtype=torch.int64, device=split.labels.device)
+    for start in range(rank * batch_size, n, world * batch_size):
+        sl = slice(start, start + batch_size)
+        correct = correct + eval_step(params, buffers, split.images[sl], split.labels[sl])
+    if world > 1:
+        torch.distributed.all_reduce(correct)
+    return 100.0 * correct.item() / n
+
+
+def epoch_order(data_rng: torch.Generator, n: int, batch_size: int, max_steps: int) -> torch.Tensor:
+    """This epoch's shuffled indices, trimmed to whole batches (and to ``max_steps``)."""
+    order = torch.randperm(n, generator=data_rng)
+    steps = n // batch_size
+    if max_steps:
+        steps = min(steps, max_steps)
+    return order[: steps * batch_size]
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (CUDA), so that a timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Loop(NamedTuple):
+    """Everything the training loop changes, threaded through it explicitly."""
+
+    state: ff.FP16State
+    buffers: dict[str, torch.Tensor]
+    global_step: int  # training steps completed
+    accuracies: list[float]  # test accuracy after each completed epoch
+    rows: list[dict]  # per-step metrics so far (rank 0 only; the other ranks keep none)
+    speeds: list[tuple[int, float]]  # (images, seconds) of each epoch of this process
+
+
+class Fixed(NamedTuple):
+    """What stays the same for the whole run: settings, data, step functions, outputs."""
+
+    args: argparse.Namespace
+    train_step: Callable[..., Any]
+    eval_step: Callable[..., Any]
+    train: cifar10_data.Split
+    test: cifar10_data.Split
+    device: torch.device
+    config: dict
+    data_rng: torch.Generator  # draws each epoch's shuffle
+    label: str  # "synthetic " for generated data, else ""
+    main_rank: bool  # rank 0 prints and writes files
+    metrics_file: Any  # metrics.jsonl (rank 0) or /dev/null
+    monitor: ff.StuckScaleMonitor | None
+
+
+def metrics_rows(pending: list[StepMetrics], last_step: int, epoch: int, lr: float) -> list[dict]:
+    """The ``metrics.jsonl`` rows of the pending steps, read back in one host transfer."""
+    if not pending:
+        return []
+    stacked = torch.stack(
+        [torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()]) for m in pending]
+    ).cpu()
+    first = last_step - len(pending) + 1
+    return [
+        {
+            "step": first + i,
+            "epoch": epoch,
+            "loss": loss,
+            "loss_scale": scale,
+            "skipped": bool(skipped),
+            "lr": lr,
+        }
+        for i, (loss, scale, skipped) in enumerate(stacked.tolist())
+    ]
+
+
+def log_pending(fx: Fixed, pending: list[StepMetrics], last_step: int, epoch: int) -> list[dict]:
+    """Writes the pending steps' metrics (rank 0) and runs the stuck-scale check."""
+    if not fx.main_rank:  # the other ranks never read their metrics back
+        return []
+    rows = metrics_rows(pending, last_step, epoch, float(fx.args.lr))
+    fx.metrics_file.writelines(json.dumps(row) + "\n" for row in rows)
+    fx.metrics_file.flush()
+    if fx.monitor is not None:
+        try:
+            fx.monitor.check()
+        except ff.StuckScaleError as err:
+            fx.metrics_file.close()
+            raise SystemExit(f"error: {err}") from None
+    return rows
+
+
+def progress_bar(fx: Fixed, epoch: int, steps: int):
+    """A tqdm bar for the epoch, or None (no tqdm, or --no-progress)."""
+    if fx.args.no_progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress bars are optional
+        return None
+    return tqdm(
+        total=steps,
+        desc=f"epoch {epoch}/{fx.args.epochs}",
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+    )
+
+
+def train_epoch(fx: Fixed, loop: Loop, epoch: int) -> tuple[Loop, list[dict]]:
+    """One epoch of steps: ``loop`` in, ``loop`` out, plus this epoch's metrics rows."""
+    args = fx.args
+    n = fx.train.labels.shape[0]
+    rank, world = ffd.get_rank(), ffd.get_world_size()
+    per_rank = args.batch_size // world
+    order = epoch_order(fx.data_rng, n, args.batch_size, args.max_steps_per_epoch).to(fx.device)
+    steps = order.shape[0] // args.batch_size
+    bar = progress_bar(fx, epoch, steps)
+    state, buffers, global_step = loop.state, loop.buffers, loop.global_step
+    pending: list[StepMetrics] = []
+    epoch_rows: list[dict] = []
+    synchronize(fx.device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+        idx = idx[rank * per_rank : (rank + 1) * per_rank]  # this rank's share
+        state, buffers, m = fx.train_step(
+            state, buffers, fx.train.images[idx], fx.train.labels[idx]
+        )
+        if fx.monitor is not None:
+            fx.monitor.observe(state, m.loss)  # sync-free; checked when logging
+        global_step += 1
+        pending.append(m)
+        if len(pending) >= args.log_every or i == steps - 1:
+            new_rows = log_pending(fx, pending, global_step, epoch)
+            epoch_rows += new_rows
+            if bar is not None:
+                bar.update(len(pending))
+                if new_rows:
+                    seconds = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(
+                        loss=f"{new_rows[-1]['loss']:.3f}",
+                        scale=f"{new_rows[-1]['loss_scale']:g}",
+                        img_s=f"{len(epoch_rows) * args.batch_size / seconds:.0f}",
+                    )
+            pending = []
+    synchronize(fx.device)
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    loop = loop._replace(
+        state=state,
+        buffers=buffers,
+        global_step=global_step,
+        rows=loop.rows + epoch_rows,
+        speeds=loop.speeds + [(steps * args.batch_size, seconds)],
+    )
+    return loop, epoch_rows
+
+
+def end_epoch(fx: Fixed, loop: Loop, epoch: int, epoch_rows: list[dict]) -> Loop:
+    """Test accuracy, the epoch's line of output, and its checkpoint."""
+    args = fx.args
+    acc = evaluate(fx.eval_step, loop.state.params, loop.buffers, fx.test, args.eval_batch_size)
+    loop = loop._replace(accuracies=loop.accuracies + [acc])
+    if fx.main_rank:
+        images, seconds = loop.speeds[-1]
+        mean_loss = sum(r["loss"] for r in epoch_rows) / len(epoch_rows)
+        skipped = sum(r["skipped"] for r in epoch_rows)
+        print(
+            f"epoch {epoch}/{args.epochs}: loss {mean_loss:.4f}, {fx.label}test accuracy "
+            f"{acc:.2f} %, {images / seconds:.0f} images/s, loss scale "
+            f"{epoch_rows[-1]['loss_scale']:g}, {skipped} skipped steps",
+            flush=True,
+        )
+    tree = checkpoint_tree(
+        loop.state,
+        loop.buffers,
+        epoch,
+        loop.global_step,
+        fx.data_rng,
+        loop.accuracies,
+        fx.config,
+        loop.rows,
+    )
+    out_dir = Path(args.out_dir)
+    if ffd.get_world_size() > 1:  # rank 0 writes; every rank returns once the file is complete
+        ffd.save_checkpoint_rank0(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+    else:
+        ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+    if fx.main_rank:
+        prune_checkpoints(out_dir, args.keep_checkpoints, epoch)
+    return loop
+
+
+def fit(args, data, state, buffers, train_step, eval_step, device, policy, start) -> dict:
+    """The training loop: threads a :class:`Loop` through ``train_epoch`` and ``end_epoch``.
+
+    ``data``'s images and labels are already on ``device``; ``start`` says where
+    to begin (epoch, step, accuracies and rows so far, the data generator).
+    """
+    main_rank = ffd.is_main_process()  # only rank 0 writes files
+    metrics_path = Path(args.out_dir) / "metrics.jsonl"
+    # The whole run's metrics so far (from the checkpoint when resuming), so
+    # that metrics.jsonl and the summary describe the whole run in any --out-dir.
+    rows = list(start.get("rows", [])) if main_rank else []
+    if main_rank:
+        with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    n = data.train.labels.shape[0]
+    if n < args.batch_size:
+        raise SystemExit(
+            f"error: the training set has {n} images, fewer than --batch-size {args.batch_size}"
+        )
+    monitor = ff.StuckScaleMonitor(args.stuck_patience) if args.stuck_patience else None
+    if monitor is not None:
+        monitor.observe(state)  # starts the tracker from the state in force
+    fx = Fixed(
+        args=args,
+        train_step=train_step,
+        eval_step=eval_step,
+        train=data.train,
+        test=data.test,
+        device=device,
+        config=run_config(args, policy, data),
+        data_rng=start["data_rng"],
+        label="synthetic " if data.synthetic else "",
+        main_rank=main_rank,
+        metrics_file=open(metrics_path, "a") if main_rank else open(os.devnull, "w"),
+        monitor=monitor,
+    )
+    loop = Loop(state, buffers, start["global_step"], list(start["accuracies"]), rows, [])
+    for epoch in range(start["epoch"] + 1, args.epochs + 1):
+        loop, epoch_rows = train_epoch(fx, loop, epoch)
+        loop = end_epoch(fx, loop, epoch, epoch_rows)
+    fx.metrics_file.close()
+
+    # Throughput over the epochs of this run; the first one includes warm-up
+    # (and compilation), so it is left out when there are others.
+    measured = loop.speeds[1:] if len(loop.speeds) > 1 else loop.speeds
+    images = sum(k for k, _ in measured)
+    seconds = sum(s for _, s in measured)
+    return {
+        "state": loop.state,
+        "buffers": loop.buffers,
+        "accuracies": loop.accuracies,
+        "rows": loop.rows,
+        "images_per_s": images / seconds if seconds > 0 else float("nan"),
+        "global_step": loop.global_step,
+    }

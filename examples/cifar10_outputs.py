@@ -1,0 +1,205 @@
+"""What a run of ``cifar10_functional.py`` writes and reads back.
+
+* Checkpoints: one per epoch (``checkpoint_epoch_NNN.pt``, the newest
+  ``--keep-checkpoints`` kept), holding everything a resumed run needs to end
+  bit-identical to an uninterrupted one; :func:`load_resume` reads one back and
+  checks that it belongs to this run's settings.
+* The metrics history: every step's ``metrics.jsonl`` row so far, stored in the
+  checkpoint as one float64 tensor, so that a run resumed into another
+  ``--out-dir`` still writes the whole run's metrics and summary.
+* The plot (``training.png``): loss and loss scale per step, test accuracy per epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import cifar10_data
+import torch
+
+import functional_fp16 as ff
+from functional_fp16.policy import Policy
+
+CHECKPOINT_PATTERN = "checkpoint_epoch_{:03d}.pt"
+
+# -- checkpoints ------------------------------------------------------------------------
+
+RESUME_KEYS = ("seed", "batch_size", "lr", "momentum", "max_steps_per_epoch", "policy", "dataset")
+
+
+def run_config(args: argparse.Namespace, policy: Policy, data: cifar10_data.Data) -> dict:
+    """The settings a resumed run must share with the run that wrote the checkpoint."""
+    return {
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "lr": float(args.lr),
+        "momentum": float(args.momentum),
+        "max_steps_per_epoch": args.max_steps_per_epoch,
+        "policy": str(policy),
+        "dataset": f"{data.source}:{data.train.labels.shape[0]}+{data.test.labels.shape[0]}",
+    }
+
+
+HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "skipped", "lr")
+
+
+def history_tensor(rows: list[dict]) -> torch.Tensor:
+    """The per-step metrics so far as a float64 ``(steps, 6)`` tensor (for checkpoints)."""
+    values = [[float(r[c]) for c in HISTORY_COLUMNS] for r in rows]
+    return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(HISTORY_COLUMNS))
+
+
+def history_rows(history: torch.Tensor) -> list[dict]:
+    """The inverse of :func:`history_tensor`: metrics rows as written to ``metrics.jsonl``."""
+    rows = []
+    for values in history.tolist():
+        row = dict(zip(HISTORY_COLUMNS, values))
+        row["step"], row["epoch"] = int(row["step"]), int(row["epoch"])
+        row["skipped"] = bool(row["skipped"])
+        rows.append(row)
+    return rows
+
+
+def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config, rows) -> dict:
+    """Everything needed to continue bit-identically, as plain tensors and numbers.
+
+    ``history`` holds every step's metrics so far, so that a run resumed into
+    another ``--out-dir`` still writes the whole run's ``metrics.jsonl`` and summary.
+    """
+    return {
+        "history": history_tensor(rows),
+        "state": state,
+        "buffers": buffers,
+        "epoch": epoch,  # epochs completed
+        "global_step": global_step,  # training steps completed
+        "data_rng": data_rng.get_state(),  # draws each epoch's shuffle
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "test_accuracy": torch.tensor(accuracies, dtype=torch.float64),
+        "config": config,
+    }
+
+
+CHECKPOINT_KEYS = (
+    "history",
+    "state",
+    "buffers",
+    "epoch",
+    "global_step",
+    "data_rng",
+    "torch_rng",
+    "cuda_rng",
+    "test_accuracy",
+    "config",
+)
+
+
+def load_resume(path: str, state, buffers, config: dict) -> dict:
+    """Reads a checkpoint, checks it belongs to this run's settings, restores RNG states.
+
+    The checkpoint is read twice: once without a template to learn its sizes
+    and settings, then against a template built from this run's freshly
+    initialised state, which checks every tensor's shape and dtype and puts
+    the state on this run's device.
+    """
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --resume {path}: no such file")
+    try:
+        plain = ff.load_checkpoint(path, map_location="cpu")
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    if not isinstance(plain, dict) or any(k not in plain for k in CHECKPOINT_KEYS):
+        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
+    stored = plain["config"] if isinstance(plain["config"], dict) else {}
+    for key in RESUME_KEYS:
+        if stored.get(key) != config[key]:
+            raise SystemExit(
+                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
+                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
+            )
+    like = {
+        "history": torch.empty_like(plain["history"]),
+        "state": state,
+        "buffers": buffers,
+        "epoch": 0,
+        "global_step": 0,
+        "data_rng": torch.empty_like(plain["data_rng"]),
+        "torch_rng": torch.empty_like(plain["torch_rng"]),
+        "cuda_rng": None if plain["cuda_rng"] is None else torch.empty_like(plain["cuda_rng"]),
+        "test_accuracy": torch.empty_like(plain["test_accuracy"]),
+        "config": config,
+    }
+    try:
+        ckpt = ff.load_checkpoint(path, like=like)
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["cuda_rng"])
+    return ckpt
+
+
+def prune_checkpoints(out_dir: Path, keep: int, epoch: int) -> None:
+    """Deletes the epoch checkpoints older than the newest ``keep`` (``keep <= 0``: none)."""
+    if keep <= 0:
+        return
+    for old in range(1, epoch - keep + 1):
+        path = out_dir / CHECKPOINT_PATTERN.format(old)
+        if path.exists():
+            path.unlink()
+
+
+# -- the plot -------------------------------------------------------------------------
+
+
+def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: str) -> None:
+    """PNG with the loss and the loss scale per step and the test accuracy per epoch."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed, so no plot (pip install matplotlib)", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in rows]
+    losses = [r["loss"] for r in rows]
+    ax = axes[0]
+    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
+    if len(losses) >= 10:
+        w = max(1, len(losses) // 50)
+        smooth = [
+            sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1])
+            for i in range(len(losses))
+        ]
+        ax.plot(steps, smooth, lw=1.5, label=f"mean of {w}")
+    ax.set(xlabel="step", ylabel="training loss", title="loss")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
+    skipped = [r for r in rows if r["skipped"]]
+    if skipped:
+        ax.scatter(
+            [r["step"] for r in skipped],
+            [r["loss_scale"] for r in skipped],
+            color="red",
+            marker="x",
+            s=20,
+            label=f"skipped ({len(skipped)})",
+            zorder=3,
+        )
+        ax.legend()
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+    ax = axes[2]
+    ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
