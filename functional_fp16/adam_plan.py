@@ -27,7 +27,7 @@ from functional_fp16.adam import AdamSpec, ScaleByAdamState
 from functional_fp16.base import GradientTransformation
 from functional_fp16.clipping import ClipSpec
 from functional_fp16.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
-from functional_fp16.sgd_plan import Path, chain_parts, state_at
+from functional_fp16.sgd_plan import Path, cached_plan, state_at
 
 __all__ = ["AdamPlan", "adam_plan", "adam_state_fits"]
 
@@ -79,7 +79,7 @@ def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
     )
 
 
-_CACHE: dict[int, tuple[GradientTransformation, AdamPlan | None]] = {}
+_adam_plan = cached_plan(_read)
 
 
 def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
@@ -87,15 +87,7 @@ def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
 
     Read from the transforms' declared ``spec`` only. Cached per ``tx`` object.
     """
-    hit = _CACHE.get(id(tx))
-    if hit is not None and hit[0] is tx:
-        return hit[1]
-    parts = chain_parts(getattr(tx, "spec", None))
-    plan = _read(parts) if parts else None
-    if len(_CACHE) > 256:
-        _CACHE.clear()
-    _CACHE[id(tx)] = (tx, plan)
-    return plan
+    return _adam_plan(tx)
 
 
 def adam_state_fits(plan: AdamPlan, opt_state: Any, master_spec: Any) -> bool:

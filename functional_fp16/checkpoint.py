@@ -52,7 +52,7 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor
+from functional_fp16._tree import NAMESPACE, PyTree, child_steps, describe_tensor
 from functional_fp16.atomic_file import PathLike, atomic_torch_save, remove_stale_temporaries
 
 __all__ = [
@@ -99,9 +99,8 @@ def _one_level(tree: Any) -> tuple[list[Any], Any, list[Any], list[str]]:
     :func:`~functional_fp16._tree.tree_paths` writes them (``['k']``, ``[0]``, ``.name``).
     """
     out = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
-    steps = optree.tree_structure(tree, namespace=NAMESPACE).one_level().accessors()
     entries = list(type(tree)._fields) if optree.is_namedtuple(tree) else list(out.entries)
-    return list(out.children), out.metadata, entries, [step.codify("") for step in steps]
+    return list(out.children), out.metadata, entries, child_steps(tree)
 
 
 def _kind(tree: Any) -> str:

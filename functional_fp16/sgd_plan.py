@@ -32,7 +32,7 @@ from functional_fp16.sgd import (
     TraceState,
 )
 
-__all__ = ["SGDPlan", "sgd_plan", "chain_parts", "state_at", "replace_at"]
+__all__ = ["SGDPlan", "sgd_plan", "chain_parts", "cached_plan", "state_at", "replace_at"]
 
 Path = tuple[int, ...]
 
@@ -111,7 +111,28 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
     )
 
 
-_CACHE: dict[int, tuple[GradientTransformation, SGDPlan | None]] = {}
+def cached_plan(read: Callable[[list[tuple[Any, Path]]], Any]) -> Callable[..., Any]:
+    """Turns ``read(parts)`` into ``plan(tx)``: the chain's parts read once per ``tx`` object.
+
+    ``plan(tx)`` returns ``None`` for a transform with an undeclared part.
+    """
+    cache: dict[int, tuple[GradientTransformation, Any]] = {}
+
+    def plan(tx: GradientTransformation) -> Any:
+        hit = cache.get(id(tx))
+        if hit is not None and hit[0] is tx:
+            return hit[1]
+        parts = chain_parts(getattr(tx, "spec", None))
+        result = read(parts) if parts else None
+        if len(cache) > 256:
+            cache.clear()
+        cache[id(tx)] = (tx, result)
+        return result
+
+    return plan
+
+
+_sgd_plan = cached_plan(_read)
 
 
 def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
@@ -119,15 +140,7 @@ def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
 
     Read from the transforms' declared ``spec`` only. Cached per ``tx`` object.
     """
-    hit = _CACHE.get(id(tx))
-    if hit is not None and hit[0] is tx:
-        return hit[1]
-    parts = chain_parts(getattr(tx, "spec", None))
-    plan = _read(parts) if parts else None
-    if len(_CACHE) > 256:
-        _CACHE.clear()
-    _CACHE[id(tx)] = (tx, plan)
-    return plan
+    return _sgd_plan(tx)
 
 
 def state_at(state: Any, path: Path) -> Any:
