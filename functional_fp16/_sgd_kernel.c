@@ -409,3 +409,150 @@ void ff_keep_unless(int64_t n_leaves, float *const *m, float *const *b, void *co
     }
     free(chunks);
 }
+
+/* ------------------------------------------------------------------------ */
+/* The Adam/AdamW update.                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Per element, as the reference chain scale_by_adam -> [decay] -> learning rate
+ * computes it (torch.optim.Adam's operations), with u the unscaled gradient:
+ *
+ *   u  = fma(m, l2, u)                                  (Adam's L2 decay only)
+ *   a' = fma(w, u - a, a)  if w < 0.5, else fma(w - 1, u - a, u)
+ *                                                       (torch.lerp(a, u, w), w = 1 - b1)
+ *   v' = fma(c2 * u, u, v * b2)                         (addcmul(v * b2, u, u, c2), c2 = 1 - b2)
+ *   s  = (a' / (sqrt(v') / sqrt_c2 + eps)) * inv_c1     (the bias corrections, float32)
+ *   s  = fma(m, wd, s)                                  (AdamW's decoupled decay only)
+ *   m' = fma(s, f, m)                                   (f = -lr: the allowed contraction)
+ *
+ * The two moment updates contract exactly where torch's CPU kernels for lerp
+ * and addcmul do, so the moments are bitwise the reference's.
+ */
+typedef struct {
+    float inv, clip_div, clip_mul, l2, w, w_minus_1, b2, c2, sqrt_c2, inv_c1, eps, wd, factor;
+    int clip, has_l2, decoupled, small_w;
+} AdamHyper;
+
+static inline __attribute__((always_inline)) void adam_block(
+    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict a, const float *restrict v, float *restrict m_out,
+    float *restrict a_out, float *restrict v_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int L2, const int DECOUPLED) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, l2 = h->l2, b2 = h->b2,
+                c2 = h->c2, sqrt_c2 = h->sqrt_c2, inv_c1 = h->inv_c1, eps = h->eps, wd = h->wd,
+                factor = h->factor;
+    const float coef = h->small_w ? h->w : h->w_minus_1;
+    const int small_w = h->small_w;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        const float mi = m[i], ai = a[i];
+        if (L2) u = fmaf(mi, l2, u);
+        const float na = fmaf(coef, u - ai, small_w ? ai : u);
+        const float nv = fmaf(c2 * u, u, v[i] * b2);
+        a_out[i] = na;
+        v_out[i] = nv;
+        float s = (na / (sqrtf(nv) / sqrt_c2 + eps)) * inv_c1;
+        if (DECOUPLED) s = fmaf(mi, wd, s);
+        const float nm = fmaf(s, factor, mi);
+        m_out[i] = nm;
+        p_out[i] = nm;
+    }
+}
+
+static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, const float *a,
+                          const float *v, float *mo, float *ao, float *vo, float *po, int64_t n) {
+#define ADAM_CASE(C, L, D)                                                   \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {               \
+        adam_block(h, g, m, a, v, mo, ao, vo, po, n, C, L, D);               \
+        return;                                                              \
+    }
+    ADAM_CASE(0, 0, 0)
+    ADAM_CASE(0, 0, 1)
+    ADAM_CASE(0, 1, 0)
+    ADAM_CASE(1, 0, 0)
+    ADAM_CASE(1, 0, 1)
+    ADAM_CASE(1, 1, 0)
+    ADAM_CASE(0, 1, 1)
+    ADAM_CASE(1, 1, 1)
+#undef ADAM_CASE
+}
+
+/* Pointers per leaf: g (grad, dtype gdt), m (master), a and v (the moments),
+ * p (old working copy, dtype pdt), and the outputs mo, ao, vo, po (the inputs
+ * themselves when donating; po equal to mo for an FP32 working copy). Scalars
+ * read through pointers: inv (NULL: 1), clip_div and clip_mul (NULL: no
+ * clipping), lr (the signed step factor), apply (bool), inv_c1 = fl32(1 / (1 -
+ * b1^t)) and sqrt_c2 = fl32(sqrt(1 - b2^t)). l2 and wd of 0: no decay of
+ * that kind. A skipped step (apply false) leaves the outputs equal to the
+ * inputs, bit for bit. */
+void ff_adam_update(int64_t n_leaves, void *const *g, float *const *m, float *const *a,
+                    float *const *v, void *const *p, float *const *mo, float *const *ao,
+                    float *const *vo, void *const *po, const int64_t *numel, const int32_t *gdt,
+                    const int32_t *pdt, const float *inv_ptr, const float *clip_div_ptr,
+                    const float *clip_mul_ptr, const float *lr_ptr, const uint8_t *apply_ptr,
+                    const float *inv_c1_ptr, const float *sqrt_c2_ptr, float l2, float w,
+                    float b2, float c2, float eps, float wd, int32_t threads) {
+    const int apply = *apply_ptr != 0;
+    AdamHyper h;
+    h.inv = inv_ptr ? *inv_ptr : 1.0f;
+    h.clip = clip_div_ptr != NULL;
+    h.clip_div = h.clip ? *clip_div_ptr : 1.0f;
+    h.clip_mul = h.clip ? *clip_mul_ptr : 1.0f;
+    h.has_l2 = l2 != 0.0f;
+    h.l2 = l2;
+    h.w = w;
+    h.w_minus_1 = w - 1.0f;
+    h.small_w = fabsf(w) < 0.5f;
+    h.b2 = b2;
+    h.c2 = c2;
+    h.sqrt_c2 = *sqrt_c2_ptr;
+    h.inv_c1 = *inv_c1_ptr;
+    h.eps = eps;
+    h.decoupled = wd != 0.0f;
+    h.wd = wd;
+    h.factor = *lr_ptr;
+
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf;
+        const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
+        const int p_is_master = po[l] == (void *)mo[l];
+        const int donated = mo[l] == m[l];
+        for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
+            const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
+            char *po_s = (char *)po[l] + s * ps;
+            if (!apply) {
+                /* A skipped step: the new state is the old one, bit for bit. */
+                if (!donated) {
+                    memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
+                    memcpy(ao[l] + s, a[l] + s, (size_t)n * 4);
+                    memcpy(vo[l] + s, v[l] + s, (size_t)n * 4);
+                    if (!p_is_master) memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
+                }
+                continue;
+            }
+            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
+            to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
+            if (donated) {
+                adam_dispatch(&h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
+                              vo[l] + s, p_is_master ? mo[l] + s : pbuf, n);
+            } else {
+                float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
+                adam_dispatch(&h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
+                stream_bytes(mo[l] + s, mbuf, n * 4);
+                stream_bytes(ao[l] + s, abuf, n * 4);
+                stream_bytes(vo[l] + s, vbuf, n * 4);
+            }
+            if (!p_is_master) {
+                from_f32(pbuf, hbuf, n, pd);
+                stream_bytes(po_s, hbuf, n * ps);
+            }
+        }
+        stream_fence();
+    }
+    free(chunks);
+}

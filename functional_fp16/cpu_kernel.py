@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from functional_fp16.kernel_args import KernelScalars, KernelTensors
+from functional_fp16.kernel_args import AdamScalars, AdamTensors, KernelScalars, KernelTensors
 
 __all__ = [
     "available",
     "unavailable_reason",
     "grad_stats",
     "sgd_update",
+    "adam_update",
     "keep_unless",
     "DTYPE_CODES",
 ]
@@ -121,6 +122,8 @@ def _load() -> None:
     lib.ff_grad_stats.restype = None
     lib.ff_sgd_update.argtypes = [_i64] + [_p] * 16 + [_f32, _f32, _f32, _i32, _i32, _p]
     lib.ff_sgd_update.restype = None
+    lib.ff_adam_update.argtypes = [_i64] + [_p] * 19 + [_f32] * 6 + [_i32]
+    lib.ff_adam_update.restype = None
     lib.ff_keep_unless.argtypes = [_i64] + [_p] * 9 + [_i32]
     lib.ff_keep_unless.restype = None
     _lib = lib
@@ -235,5 +238,37 @@ def keep_unless(apply: torch.Tensor, tensors: KernelTensors) -> None:
         c.i64([m.numel() for m in t.master]),
         c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
         apply.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+def adam_update(tensors: AdamTensors, scalars: AdamScalars) -> None:
+    """Runs the Adam update of the C kernel into ``tensors``' outputs.
+
+    The arguments are described in :mod:`functional_fp16.kernel_args`; all
+    tensors are dense CPU tensors. A skipped step (``scalars.apply`` false)
+    leaves the outputs equal to the inputs, bit for bit.
+    """
+    t, s = tensors, scalars
+    c = _Arrays()
+    _lib.ff_adam_update(
+        len(t.grads),
+        *[c.ptrs(x) for x in t],  # grads, master, mu, nu, params and the four outputs
+        c.i64([g.numel() for g in t.grads]),
+        c.i32([DTYPE_CODES[g.dtype] for g in t.grads]),
+        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
+        _addr(s.inv),
+        _addr(s.clip[0]) if s.clip is not None else None,
+        _addr(s.clip[1]) if s.clip is not None else None,
+        s.lr.data_ptr(),
+        s.apply.data_ptr(),
+        s.inv_c1.data_ptr(),
+        s.sqrt_c2.data_ptr(),
+        s.l2_decay,
+        1.0 - s.b1,  # rounded once to float32, as torch.lerp's scalar weight
+        s.b2,
+        1.0 - s.b2,  # as addcmul's scalar value
+        s.eps,
+        s.decoupled_decay,
         torch.get_num_threads(),
     )

@@ -47,6 +47,7 @@ import torch
 
 from functional_fp16 import cpu_kernel, cuda_kernel
 from functional_fp16._tree import tree_flatten, tree_unflatten
+from functional_fp16.adam_plan import AdamPlan, adam_plan, adam_state_fits
 from functional_fp16.buffer_pool import BufferPool
 from functional_fp16.clipping import clip_factors, global_norm
 from functional_fp16.fast_update import _lr_factor, foreach_update, grads_finite
@@ -69,7 +70,7 @@ _warned: set[str] = set()
 class FusedPlan(NamedTuple):
     """What the fused kernel needs to know about a state's layout."""
 
-    sgd: SGDPlan
+    plan: SGDPlan | AdamPlan  # the optimiser's declared hyperparameters
     kernel: Any  # the module that runs it: cpu_kernel or cuda_kernel
 
 
@@ -83,32 +84,47 @@ def _dense(t: torch.Tensor) -> bool:
     )
 
 
+def _optimizer_plan(state) -> tuple[SGDPlan | AdamPlan | None, list[list[torch.Tensor]]]:
+    """The declared plan of ``state.tx`` and its per-parameter FP32 state tensors (momentum, moments)."""
+    masters, spec = tree_flatten(state.master)
+    plan = sgd_plan(state.tx)
+    if plan is not None:
+        if not state_fits(plan, state.opt_state, spec):
+            return None, []
+        if plan.trace_path is None:
+            return plan, []
+        return plan, [tree_flatten(state_at(state.opt_state, plan.trace_path).trace)[0]]
+    plan = adam_plan(state.tx)
+    if plan is not None:
+        if not adam_state_fits(plan, state.opt_state, spec):
+            return None, []
+        adam = state_at(state.opt_state, plan.adam_path)
+        return plan, [tree_flatten(adam.mu)[0], tree_flatten(adam.nu)[0]]
+    return None, []
+
+
 def _why_not(state) -> str | None:
     """Why ``state`` cannot take the fused kernel (``None``: it can)."""
     if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
         return "a loss scale of another type"
-    plan = sgd_plan(state.tx)
+    if sgd_plan(state.tx) is None and adam_plan(state.tx) is None:
+        return "an optimiser that is not a fusable SGD or Adam chain"
+    plan, buffers = _optimizer_plan(state)
     if plan is None:
-        return "an optimiser that is not a fusable SGD chain"
-    masters, spec = tree_flatten(state.master)
-    if not state_fits(plan, state.opt_state, spec):
         return "an optimiser state of another layout"
+    masters = tree_flatten(state.master)[0]
     if not masters or masters[0].device.type not in _KERNELS:
         return "tensors on a device without a fused kernel"
     if any(m.device != masters[0].device for m in masters):
         return "tensors on several devices"
     params = tree_flatten(state.params)[0]
-    trace = (
-        tree_flatten(state_at(state.opt_state, plan.trace_path).trace)[0]
-        if plan.trace_path is not None
-        else masters
-    )
-    for m, p, b in zip(masters, params, trace):
-        if m.dtype != torch.float32 or b.dtype != torch.float32:
-            return "a master or momentum that is not float32"
+    for i, (m, p) in enumerate(zip(masters, params)):
+        own = [b[i] for b in buffers]
+        if m.dtype != torch.float32 or any(b.dtype != torch.float32 for b in own):
+            return "a master or optimiser state that is not float32"
         if p.dtype not in _DTYPES:
             return f"a working copy of dtype {p.dtype}"
-        if not _dense(m) or p.stride() != m.stride() or b.stride() != m.stride():
+        if not _dense(m) or any(t.stride() != m.stride() for t in [p, *own]):
             return "state tensors that are not dense with one layout"
     return None
 
@@ -136,7 +152,7 @@ def fused_plan(state) -> FusedPlan | None:
                 stacklevel=4,
             )
         return None
-    return FusedPlan(sgd_plan(state.tx), kernel)
+    return FusedPlan(_optimizer_plan(state)[0], kernel)
 
 
 def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -160,6 +176,47 @@ def _inv_scale(loss_scale) -> torch.Tensor | None:
     return unscale_factor(loss_scale.loss_scale)
 
 
+def decide_step(kernel, g, inv, decide, clipping: bool):
+    """(the step's all-finite decision, the clipping norm or None): one read of the gradients."""
+    if kernel is cpu_kernel:
+        peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=clipping)
+        # The norm as global_norm computes it: float64 sum and root, rounded once.
+        return _decision(peak, inv, decide), sum_sq.sqrt().float() if clipping else None
+    finite = grads_finite(g, inv)
+    finite = decide(finite) if decide is not None else finite
+    if not clipping:
+        return finite, None
+    return finite, global_norm([x.float() if inv is None else x.float() * inv for x in g])
+
+
+def fresh_outputs(kernel, fp32: list[list[torch.Tensor]], params: list[torch.Tensor]):
+    """New buffers shaped like each list in ``fp32`` (float32), then the new working copy.
+
+    The working copy of an FP32 parameter is its new master (the first list's
+    buffer). On the CPU, buffers come from the pool of dropped states; CUDA's
+    caching allocator already reuses freed blocks.
+    """
+    same = [p.dtype == torch.float32 for p in params]
+    likes = [t for group in fp32 for t in group] + [p for p, s in zip(params, same) if not s]
+    dtypes = [torch.float32] * (len(likes) - sum(not s for s in same))
+    dtypes += [p.dtype for p, s in zip(params, same) if not s]
+    if kernel is cpu_kernel:
+        fresh = iter(_POOL.empty_like(likes, dtypes))
+    else:
+        fresh = iter([torch.empty_like(t, dtype=d) for t, d in zip(likes, dtypes)])
+    groups = [[next(fresh) for _ in group] for group in fp32]
+    return [*groups, [m if s else next(fresh) for m, s in zip(groups[0], same)]]
+
+
+def advance_schedule(plan, opt_state, finite: torch.Tensor, new_lr_state):
+    """The learning-rate schedule's count advanced on applied steps only."""
+    if not callable(plan.learning_rate):
+        return opt_state
+    count = state_at(opt_state, plan.lr_path).count
+    new_count = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, count))
+    return replace_at(opt_state, plan.lr_path, new_count)
+
+
 def fused_update(state, grads, decide, donate: bool):
     """``impl="fused"``; see the module docstring. Same signature as every implementation."""
     if torch.compiler.is_compiling():
@@ -168,7 +225,11 @@ def fused_update(state, grads, decide, donate: bool):
     fp = fused_plan(state)
     if fp is None:
         return foreach_update(state, grads, decide, donate)
-    plan = fp.sgd
+    if isinstance(fp.plan, AdamPlan):
+        from functional_fp16.fused_adam import fused_adam_update  # it builds on this module
+
+        return fused_adam_update(state, grads, decide, donate, fp)
+    plan = fp.plan
     masters, m_spec = tree_flatten(state.master)
     params, p_spec = tree_flatten(state.params)
     g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
@@ -180,20 +241,7 @@ def fused_update(state, grads, decide, donate: bool):
     # copy, on overflow steps only). That saves the separate read of the
     # gradients; a donated step cannot be undone, a clipped one needs the norm first.
     speculate = fp.kernel is cpu_kernel and not donate and not clipping
-    sum_sq = None
-    norm = None
-    if speculate:
-        finite = None
-    elif fp.kernel is cpu_kernel:
-        peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=clipping)
-        finite = _decision(peak, inv, decide)
-        if clipping:  # as global_norm: float64 sum and root, rounded once
-            norm = sum_sq.sqrt().float()
-    else:
-        finite = grads_finite(g, inv)
-        finite = decide(finite) if decide is not None else finite
-        if clipping:
-            norm = global_norm([x.float() if inv is None else x.float() * inv for x in g])
+    finite, norm = (None, None) if speculate else decide_step(fp.kernel, g, inv, decide, clipping)
     clip = clip_factors(norm, plan.max_norm) if clipping else None
     factor, new_lr_state = _lr_factor(plan, state.opt_state, masters[0])
     factor = factor.reshape(()).contiguous()
@@ -208,16 +256,10 @@ def fused_update(state, grads, decide, donate: bool):
         m_out, trace_out = masters, trace
         p_out = [m if s else p for m, p, s in zip(masters, params, same)]
     else:
-        likes = masters + (trace or []) + [p for p, s in zip(params, same) if not s]
-        dtypes = [torch.float32] * (len(masters) + len(trace or []))
-        dtypes += [p.dtype for p, s in zip(params, same) if not s]
-        if fp.kernel is cpu_kernel:
-            fresh = iter(_POOL.empty_like(likes, dtypes))
-        else:  # CUDA's caching allocator already reuses freed blocks
-            fresh = iter([torch.empty_like(t, dtype=d) for t, d in zip(likes, dtypes)])
-        m_out = [next(fresh) for _ in masters]
-        trace_out = [next(fresh) for _ in trace] if trace is not None else None
-        p_out = [m if s else next(fresh) for m, s in zip(m_out, same)]
+        fresh = iter(fresh_outputs(fp.kernel, [masters, *([trace] if trace else [])], params))
+        m_out = next(fresh)
+        trace_out = next(fresh) if trace is not None else None
+        p_out = next(fresh)
 
     started = old_trace.initialized.contiguous() if old_trace is not None else None
     peak = torch.empty((), dtype=torch.float32) if speculate else None
@@ -246,10 +288,7 @@ def fused_update(state, grads, decide, donate: bool):
             initialized=initialized,
         )
         opt_state = replace_at(opt_state, plan.trace_path, new_trace)
-    if callable(plan.learning_rate):  # the schedule counts applied steps only
-        count = state_at(opt_state, plan.lr_path).count
-        new_count = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, count))
-        opt_state = replace_at(opt_state, plan.lr_path, new_count)
+    opt_state = advance_schedule(plan, opt_state, finite, new_lr_state)
     new = state.replace(
         params=tree_unflatten(p_spec, p_out),
         master=tree_unflatten(m_spec, m_out),
