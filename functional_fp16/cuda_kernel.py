@@ -1,4 +1,4 @@
-"""The single-pass SGD kernel for CUDA tensors, written in Triton.
+"""The single-pass SGD and Adam kernels for CUDA tensors, written in Triton.
 
 The same arithmetic as the CPU kernel (``_sgd_kernel.c``), element by element:
 
@@ -24,9 +24,9 @@ import os
 
 import torch
 
-from functional_fp16.kernel_args import KernelScalars, KernelTensors
+from functional_fp16.kernel_args import AdamScalars, AdamTensors, KernelScalars, KernelTensors
 
-__all__ = ["available", "unavailable_reason", "sgd_update"]
+__all__ = ["available", "unavailable_reason", "sgd_update", "adam_update"]
 
 try:
     import triton
@@ -90,7 +90,7 @@ if triton is not None:
         if HAS_INV:
             u = u * tl.load(inv_ptr)
         if CLIP:
-            u = (u / tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+            u = tl.div_rn(u, tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
         if DECAY:
             u = tl.fma(m, wd, u)
         v = u
@@ -107,6 +107,70 @@ if triton is not None:
                 v = nb
         nm = tl.where(apply, tl.fma(v, tl.load(lr_ptr), m), m)
         tl.store(mo_ptr + offs, nm, mask=mask)
+        if not P_IS_MASTER:
+            p_old = tl.load(p_ptr + offs, mask=mask)
+            p_new = nm.to(po_ptr.dtype.element_ty)  # round to nearest even
+            tl.store(po_ptr + offs, tl.where(apply, p_new, p_old), mask=mask)
+
+    @triton.jit
+    def _adam_step(
+        g_ptr,
+        m_ptr,
+        a_ptr,
+        v_ptr,
+        p_ptr,
+        mo_ptr,
+        ao_ptr,
+        vo_ptr,
+        po_ptr,
+        n,
+        inv_ptr,
+        cdiv_ptr,
+        cmul_ptr,
+        lr_ptr,
+        apply_ptr,
+        ic1_ptr,
+        sc2_ptr,
+        l2,
+        w,
+        b2,
+        c2,
+        eps,
+        wd,
+        HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr,
+        L2: tl.constexpr,
+        DECOUPLED: tl.constexpr,
+        SMALL_W: tl.constexpr,
+        P_IS_MASTER: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        apply = tl.load(apply_ptr) != 0
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_INV:
+            u = u * tl.load(inv_ptr)
+        if CLIP:
+            u = tl.div_rn(u, tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+        if L2:
+            u = tl.fma(m, l2, u)
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if SMALL_W:  # torch.lerp(a, u, w)
+            na = tl.fma(w, u - a, a)
+        else:
+            na = tl.fma(w - 1.0, u - a, u)
+        nv = tl.fma(c2 * u, u, v * b2)  # torch.addcmul(v * b2, u, u, value=c2)
+        denom = tl.div_rn(tl.sqrt_rn(nv), tl.load(sc2_ptr)) + eps
+        step = tl.div_rn(na, denom) * tl.load(ic1_ptr)
+        if DECOUPLED:
+            step = tl.fma(m, wd, step)
+        nm = tl.where(apply, tl.fma(step, tl.load(lr_ptr), m), m)
+        tl.store(mo_ptr + offs, nm, mask=mask)
+        tl.store(ao_ptr + offs, tl.where(apply, na, a), mask=mask)
+        tl.store(vo_ptr + offs, tl.where(apply, nv, v), mask=mask)
         if not P_IS_MASTER:
             p_old = tl.load(p_ptr + offs, mask=mask)
             p_new = nm.to(po_ptr.dtype.element_ty)  # round to nearest even
@@ -161,6 +225,59 @@ def sgd_update(
             s.momentum,
             1.0 - s.dampening,
             P_IS_MASTER=p_is_master,
+            **flags,
+            **options,
+        )
+
+
+def adam_update(tensors: AdamTensors, scalars: AdamScalars) -> None:
+    """The Triton counterpart of :func:`functional_fp16.cpu_kernel.adam_update`.
+
+    The same arithmetic as the C kernel, element by element, with the
+    correctly rounded ``div_rn`` and ``sqrt_rn`` and the explicit ``fma``s
+    only; one launch per leaf.
+    """
+    t, s = tensors, scalars
+    w = float(torch.tensor(1.0 - s.b1, dtype=torch.float32))  # as torch.lerp's float weight
+    flags = dict(
+        HAS_INV=s.inv is not None,
+        CLIP=s.clip is not None,
+        L2=s.l2_decay != 0.0,
+        DECOUPLED=s.decoupled_decay != 0.0,
+        SMALL_W=abs(w) < 0.5,
+        BLOCK=BLOCK,
+    )
+    options = {} if _INTERPRET else {"enable_fp_fusion": False}
+    lr = s.lr.reshape(())
+    for i, g in enumerate(t.grads):
+        n = g.numel()
+        if n == 0:
+            continue
+        _adam_step[(triton.cdiv(n, BLOCK),)](
+            g,
+            t.master[i],
+            t.mu[i],
+            t.nu[i],
+            t.params[i],
+            t.master_out[i],
+            t.mu_out[i],
+            t.nu_out[i],
+            t.params_out[i],
+            n,
+            s.inv if s.inv is not None else lr,
+            s.clip[0] if s.clip is not None else lr,
+            s.clip[1] if s.clip is not None else lr,
+            lr,
+            s.apply,
+            s.inv_c1,
+            s.sqrt_c2,
+            s.l2_decay,
+            w,
+            s.b2,
+            1.0 - s.b2,
+            s.eps,
+            s.decoupled_decay,
+            P_IS_MASTER=t.params_out[i] is t.master_out[i],
             **flags,
             **options,
         )

@@ -268,8 +268,10 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
 
     * ``"fused"`` — the single-pass kernel (:mod:`functional_fp16.fused_update`):
       the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
-      or after ``clip_by_global_norm`` or ``add_decayed_weights``) and a kernel
-      exists for the state's device (the CPU, with a C compiler);
+      or after ``clip_by_global_norm`` or ``add_decayed_weights``) or Adam chain
+      (:func:`~functional_fp16.adam`, :func:`~functional_fp16.adamw`, the same
+      prefixes; see :mod:`functional_fp16.adam_plan`) and a kernel exists for
+      the state's device (the CPU with a C compiler, or CUDA with Triton);
     * ``"foreach-sgd"`` — the multi-tensor SGD sequence (a fusable chain
       without clipping, where no kernel is available);
     * ``"foreach"`` — any other optimiser, run on flat lists of tensors;

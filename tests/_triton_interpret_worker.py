@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import cuda_kernel, fused_update  # noqa: E402
 from functional_fp16._tree import tree_leaves, tree_map  # noqa: E402
+from functional_fp16.adam_plan import AdamPlan  # noqa: E402
 from tests.helpers import assert_within_one_operation_ulp, scaled_error  # noqa: E402
 
 
@@ -68,7 +69,13 @@ def check(tx, param_dtype, loss_scale, exact_arithmetic):
                 if param_dtype != torch.bfloat16:  # the interpreter truncates to BF16 (see above)
                     assert bits_equal(new.params[k], new.master[k].to(param_dtype))
         state = ref
-    print("ok", param_dtype, plan.sgd)
+    if isinstance(plan.plan, AdamPlan):  # the moments (fma on a GPU, two roundings here)
+        for want, got in zip(tree_leaves(ref.opt_state), tree_leaves(new.opt_state)):
+            if want.dtype == torch.int32:
+                assert torch.equal(want, got), "the step count differs from the reference's"
+            else:
+                assert scaled_error(got, want) <= 2.0, "the moments differ from the reference's"
+    print("ok", param_dtype, plan.plan)
 
 
 sched = ff.linear_schedule(0.1, 0.01, 3)
@@ -79,4 +86,13 @@ check(ff.sgd(0.05, momentum=0.8, dampening=0.3), torch.float16, ff.StaticLossSca
 check(ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(sched, momentum=0.9)), torch.float16, None, True)
 check(ff.sgd(0.1), torch.float16, None, True)
 check(ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2), torch.float16, None, False)
+# Adam: the moments' fma and the decays contract where the interpreter rounds twice.
+check(ff.adam(1e-3), torch.float16, None, False)
+check(ff.adamw(sched, b1=0.3, weight_decay=1e-2), torch.bfloat16, ff.NoOpLossScale(), False)
+check(
+    ff.chain(ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-2), ff.adam(1e-3)),
+    torch.float32,
+    ff.NoOpLossScale(),
+    False,
+)
 print("ALL OK")

@@ -225,3 +225,21 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
 def test_bad_hyperparameters_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ff.scale_by_adam(**kwargs)
+
+
+def test_the_fused_kernel_runs_adam_adamw_and_l2_adam_but_not_eps_root():
+    params = {"w": torch.zeros(3)}
+    for tx in (
+        ff.adam(LR),
+        ff.adamw(LR),
+        ff.chain(ff.add_decayed_weights(WD), ff.adam(LR)),
+        ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(ff.linear_schedule(LR, 0.0, 10))),
+    ):
+        assert ff.update_path(ff.fp16_init(params, tx)) == "fused"
+    # eps_root's denominator is optax's, which the kernel does not compute
+    assert ff.update_path(ff.fp16_init(params, ff.adam(LR, eps_root=1e-8))) == "foreach"
+    # L2 and decoupled decay together are a declared form; momentum on Adam is not
+    both = ff.chain(ff.add_decayed_weights(WD), ff.adamw(LR, weight_decay=WD))
+    assert ff.update_path(ff.fp16_init(params, both)) == "fused"
+    other = ff.chain(ff.scale_by_adam(), ff.trace(0.9), ff.scale_by_learning_rate(LR))
+    assert ff.update_path(ff.fp16_init(params, other)) == "foreach"

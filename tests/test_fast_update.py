@@ -43,6 +43,11 @@ def _txs():
         "apply_if_finite": ff.apply_if_finite(ff.sgd(0.05, momentum=0.9), 2),
         "identity": ff.identity(),
         "ascent": ff.chain(ff.trace(0.9), ff.scale_by_learning_rate(0.1, flip_sign=False)),
+        "adam": ff.adam(1e-3),
+        "adamw_schedule_small_b1": ff.adamw(sched, b1=0.3, weight_decay=1e-2),
+        "clip_l2_adam": ff.chain(
+            ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-2), ff.adam(1e-3)
+        ),
     }
 
 
