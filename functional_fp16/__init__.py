@@ -23,6 +23,7 @@ from functional_fp16.loss_scale import (
     all_finite,
     unscale_factor,
 )
+from functional_fp16.migration import from_torch, to_torch
 from functional_fp16.policy import Policy, cast_to, default_loss_scale, get_policy, parse_dtype
 from functional_fp16.schedules import (
     constant_schedule,
@@ -92,6 +93,9 @@ __all__ = [
     "fp16_update",
     "update_path",
     "tune_malloc",
+    # moving a torch.optim + GradScaler job in and out
+    "from_torch",
+    "to_torch",
     # the torch.func bridge
     "split_module",
     "make_apply",
