@@ -13,6 +13,7 @@ from functional_fp16.checkpoint import (
     save_checkpoint,
 )
 from functional_fp16.clipping import clip_by_global_norm, global_norm
+from functional_fp16.combining import MultiTransformState, multi_transform, set_to_zero
 from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.distributed import agree_finite, all_reduce_mean, tree_all_reduce_mean
 from functional_fp16.loss_scale import (
@@ -23,6 +24,7 @@ from functional_fp16.loss_scale import (
     all_finite,
     unscale_factor,
 )
+from functional_fp16.masking import MaskedNode, MaskedState, masked
 from functional_fp16.migration import from_torch, to_torch
 from functional_fp16.policy import Policy, cast_to, default_loss_scale, get_policy, parse_dtype
 from functional_fp16.schedules import (
@@ -70,6 +72,12 @@ __all__ = [
     "scale_by_learning_rate",
     "ScaleByScheduleState",
     "add_decayed_weights",
+    "masked",
+    "MaskedState",
+    "MaskedNode",
+    "multi_transform",
+    "MultiTransformState",
+    "set_to_zero",
     "clip_by_global_norm",
     "global_norm",
     "apply_if_finite",

@@ -30,6 +30,7 @@ from functional_fp16._tree import (
     tree_unflatten,
 )
 from functional_fp16.base import EmptyState, GradientTransformation, chain
+from functional_fp16.masking import Mask, masked
 from functional_fp16.schedules import Schedule
 
 __all__ = [
@@ -201,17 +202,33 @@ def scale_by_learning_rate(
     return GradientTransformation(init_const, update_const, LearningRateSpec(lr, sign))
 
 
-def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> GradientTransformation:
     r"""Adds :math:`\lambda p` to the updates (L2 weight decay, ``torch.optim.SGD``'s form).
 
-    .. math:: u \leftarrow u + \lambda\, p
+    .. math:: u_i \leftarrow u_i + \lambda\, p_i \qquad \text{for every leaf } i \text{ with } \text{mask}_i
 
-    Inside :func:`~functional_fp16.fp16_update`, :math:`u` is the unscaled FP32
-    gradient and :math:`p` the FP32 master. With :math:`\lambda = 0` the updates
-    pass through unchanged (no ``+ 0 * p``, which would turn -0.0 into +0.0).
+    (every leaf without a mask; the others pass through unchanged). Inside
+    :func:`~functional_fp16.fp16_update`, :math:`u` is the unscaled FP32
+    gradient and :math:`p` the FP32 master. With :math:`\lambda = 0` the
+    updates pass through unchanged (no ``+ 0 * p``, which would turn -0.0
+    into +0.0).
 
     Args:
       weight_decay: :math:`\lambda \ge 0`.
+      mask: which leaves decay, as optax's ``mask``: a tree of Python bools
+        with the structure of the parameters (or a prefix of it), or a
+        function of the parameters returning one; ``None`` decays every leaf.
+        For example ``lambda p: tree_map(lambda x: x.ndim > 1, p)`` spares
+        biases and norm scales, like a ``torch.optim`` parameter group with
+        ``weight_decay=0``.
+
+    Returns:
+      Without a mask, a stateless transform declaring :class:`DecaySpec` (so
+      that ``sgd`` and ``chain(add_decayed_weights(wd), sgd(...))`` run the
+      fused kernel). With one, ``masked(add_decayed_weights(weight_decay),
+      mask)``, state :class:`~functional_fp16.masking.MaskedState`, which
+      declares no spec and runs the multi-tensor path: a kernel that decays
+      every leaf never sees it.
     """
     wd = _check_hyper("weight_decay", weight_decay)
 
@@ -229,7 +246,8 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         out = [torch.add(u, p.to(u.dtype), alpha=wd) for u, p in zip(u_leaves, p_leaves)]
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init, update, DecaySpec(wd))
+    decay = GradientTransformation(init, update, DecaySpec(wd))
+    return decay if mask is None else masked(decay, mask)
 
 
 @keyword_only("nesterov", "dampening", "weight_decay")
