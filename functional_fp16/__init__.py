@@ -1,6 +1,7 @@
 """functional_fp16: pure, composable FP16 mixed-precision training for PyTorch."""
 
 from functional_fp16._tree import NAMESPACE
+from functional_fp16.accumulation import MultiSteps, MultiStepsState
 from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
@@ -82,6 +83,8 @@ __all__ = [
     "global_norm",
     "apply_if_finite",
     "ApplyIfFiniteState",
+    "MultiSteps",
+    "MultiStepsState",
     # schedules
     "constant_schedule",
     "linear_schedule",

@@ -36,6 +36,11 @@ from functional_fp16._tree import (
     tree_paths,
     tree_select,
 )
+from functional_fp16.accumulation import (
+    fp16_accumulate_update,
+    fp16_accumulates,
+    inner_fp16_state,
+)
 from functional_fp16.base import GradientTransformation, apply_updates
 from functional_fp16.fast_update import foreach_update
 from functional_fp16.fused_update import fused_plan, fused_update
@@ -66,7 +71,9 @@ class FP16State:
     * ``opt_state`` — the optimiser's state, from ``tx.init(master)``.
     * ``loss_scale`` — a loss-scale pytree (:class:`DynamicLossScale`, ...).
     * ``step`` — 0-d int32, the number of :func:`fp16_update` calls, skipped ones included.
-    * ``grads_finite`` — 0-d bool, whether the last update was applied.
+    * ``grads_finite`` — 0-d bool, whether the last update was applied (with
+      :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
+      :mod:`functional_fp16.accumulation`).
 
     Static configuration: ``tx``, the :class:`GradientTransformation`.
     """
@@ -285,6 +292,8 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     if impl not in ("auto", *_IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    if fp16_accumulates(state.tx):  # MultiSteps: the path of the inner optimiser's step
+        state = inner_fp16_state(state)
     if impl == "reference":
         return "reference"
     if impl in ("auto", "fused") and fused_plan(state) is not None:
@@ -360,7 +369,10 @@ def fp16_update(
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if any(g.requires_grad for g in g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
-    return _IMPLEMENTATIONS[impl](state, grads, _decision(loss, agree), bool(donate))
+    decide = _decision(loss, agree)
+    if fp16_accumulates(state.tx):  # MultiSteps: one micro-batch (functional_fp16.accumulation)
+        return fp16_accumulate_update(state, grads, decide, donate, _IMPLEMENTATIONS[impl])
+    return _IMPLEMENTATIONS[impl](state, grads, decide, bool(donate))
 
 
 def _decision(loss: torch.Tensor | None, agree: FiniteHook | None) -> FiniteHook | None:
