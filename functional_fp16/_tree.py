@@ -13,11 +13,49 @@ from typing import Any
 
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
 NAMESPACE = "functional_fp16"
 """The ``optree`` namespace under which the library's containers are registered."""
 
 PyTree = Any
+
+
+def register_node(
+    cls: type,
+    flatten: Callable[[Any], tuple[tuple[Any, ...], Any]],
+    unflatten: Callable[[Any, Sequence[Any]], Any],
+    fields: Callable[[Any], tuple[str, ...]],
+) -> None:
+    """Registers one of the library's containers with ``optree`` and ``torch.utils._pytree``.
+
+    ``flatten(obj) -> (children, metadata)`` splits it into its tensor
+    children and its static configuration; ``unflatten(metadata, children)``
+    rebuilds it; ``fields(obj)`` names the children (attribute names, used in
+    leaf paths). With both registrations, the library's own tree functions
+    (namespace :data:`NAMESPACE`) and torch's (``torch.func.vmap``,
+    ``torch.compile``, ``torch.utils._pytree``) see the same children.
+    """
+    optree.register_pytree_node(
+        cls,
+        lambda obj: (*flatten(obj), fields(obj)),
+        unflatten,
+        path_entry_type=optree.GetAttrEntry,
+        namespace=NAMESPACE,
+    )
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+        children, metadata = flatten(obj)
+        keys = [torch_pytree.GetAttrKey(name) for name in fields(obj)]
+        return list(zip(keys, children, strict=True)), metadata
+
+    torch_pytree.register_pytree_node(
+        cls,
+        lambda obj: (list(flatten(obj)[0]), flatten(obj)[1]),
+        lambda children, metadata: unflatten(metadata, list(children)),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=flatten_with_keys,
+    )
 
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -27,7 +27,7 @@ import optree
 import torch
 
 from functional_fp16 import _validate
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_map
+from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, register_node, tree_map
 
 __all__ = [
     "DynamicLossScale",
@@ -397,16 +397,11 @@ def _as_flag(grads_finite: Any, device: torch.device) -> torch.Tensor:
 
 
 for _cls in (DynamicLossScale, StaticLossScale, NoOpLossScale):
-    optree.register_pytree_node(
+    register_node(
         _cls,
-        lambda obj: (
-            tuple(getattr(obj, n) for n in obj.TENSOR_FIELDS),
-            obj.config(),
-            obj.TENSOR_FIELDS,
-        ),
+        lambda obj: (tuple(getattr(obj, n) for n in obj.TENSOR_FIELDS), obj.config()),
         lambda config, children, _cls=_cls: _cls._from_parts(config, children),
-        path_entry_type=optree.GetAttrEntry,
-        namespace=NAMESPACE,
+        lambda obj: obj.TENSOR_FIELDS,
     )
 
 

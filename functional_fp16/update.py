@@ -23,14 +23,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 
 from functional_fp16._tree import (
-    NAMESPACE,
     PyTree,
     check_like,
     describe_tensor,
+    register_node,
     tree_leaves,
     tree_map,
     tree_paths,
@@ -42,6 +41,7 @@ from functional_fp16.accumulation import (
     inner_fp16_state,
 )
 from functional_fp16.base import GradientTransformation, apply_updates
+from functional_fp16.batching import is_batched, per_member
 from functional_fp16.fast_update import foreach_update
 from functional_fp16.fused_update import fused_plan, fused_update
 from functional_fp16.loss_scale import (
@@ -118,12 +118,11 @@ class FP16State:
         )
 
 
-optree.register_pytree_node(
+register_node(
     FP16State,
-    lambda s: (tuple(getattr(s, n) for n in _FIELDS), s.tx, _FIELDS),
+    lambda s: (tuple(getattr(s, n) for n in _FIELDS), s.tx),
     lambda tx, children: FP16State(*children, tx=tx),
-    path_entry_type=optree.GetAttrEntry,
-    namespace=NAMESPACE,
+    lambda s: _FIELDS,
 )
 
 
@@ -369,10 +368,19 @@ def fp16_update(
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if any(g.requires_grad for g in g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
+    # Under torch.func.vmap (a batched state, gradients or loss): each member on its own.
+    if is_batched([state.step, loss, *g_leaves]):
+        return per_member(
+            lambda s, g, lo: _step(s, g, lo, impl, agree, donate=False), state, grads, loss
+        )
+    return _step(state, grads, loss, impl, agree, donate)
+
+
+def _step(state, grads, loss, impl: str, agree, donate: bool) -> FP16State:
     decide = _decision(loss, agree)
     if fp16_accumulates(state.tx):  # MultiSteps: one micro-batch (functional_fp16.accumulation)
         return fp16_accumulate_update(state, grads, decide, donate, _IMPLEMENTATIONS[impl])
-    return _IMPLEMENTATIONS[impl](state, grads, decide, bool(donate))
+    return _IMPLEMENTATIONS[impl](state, grads, decide, donate)
 
 
 def _decision(loss: torch.Tensor | None, agree: FiniteHook | None) -> FiniteHook | None:
