@@ -4,8 +4,11 @@ import contextlib
 import math
 from typing import NamedTuple
 
+import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from functional_fp16._tree import NAMESPACE
 
 SIZES = (1, 7, 8, 9, 64, 65)
 
@@ -72,6 +75,44 @@ def assert_within_one_operation_ulp(new, ref, old):
     scale = torch.maximum(torch.maximum(old.abs(), ref.abs()), (ref - old).abs())
     excess = (new - ref).abs() - ulp(scale)
     assert bool((excess <= 0).all()), f"{int((excess > 0).sum())} elements beyond 1 ulp"
+
+
+def assert_transform_step_preserves(tx, params, updates):
+    """One ``init`` + ``update`` of ``tx``: structure, shapes and dtypes kept, inputs untouched.
+
+    The updates come back in the tree structure, shapes and dtypes of
+    ``updates``; the new state has the old state's structure, shapes and
+    dtypes (so ``fp16_update`` can select between them and a checkpoint of one
+    loads into the other); ``params``, ``updates`` and the old state are left
+    bitwise as they were. Returns ``(new_updates, new_state)``.
+    """
+
+    def leaves(tree):
+        return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+    inputs = [x.clone() for x in leaves((params, updates))]
+    state = tx.init(params)
+    old_state = [x.clone() for x in leaves(state)]
+    new_updates, new_state = tx.update(updates, state, params)
+
+    def shapes_and_dtypes(tree):
+        return [(tuple(x.shape), x.dtype) for x in leaves(tree)]
+
+    structure = optree.tree_structure(updates, namespace=NAMESPACE)
+    got = optree.tree_structure(new_updates, namespace=NAMESPACE)
+    assert got == structure, f"updates: {got} != {structure}"
+    got, want = shapes_and_dtypes(new_updates), shapes_and_dtypes(updates)
+    assert got == want, f"updates' shapes and dtypes: {got} != {want}"
+    structure = optree.tree_structure(state, namespace=NAMESPACE)
+    got = optree.tree_structure(new_state, namespace=NAMESPACE)
+    assert got == structure, f"state: {got} != {structure}"
+    got, want = shapes_and_dtypes(new_state), shapes_and_dtypes(state)
+    assert got == want, f"state's shapes and dtypes: {got} != {want}"
+    for a, b in zip(leaves((params, updates)), inputs, strict=True):
+        assert torch.equal(a, b), "params or updates modified"
+    for a, b in zip(leaves(state), old_state, strict=True):
+        assert torch.equal(a, b), "the old state modified"
+    return new_updates, new_state
 
 
 # Reading a tensor's value on the host, by method or by ATen operator.

@@ -591,3 +591,123 @@ def test_no_bit_flip_in_the_tensor_section_loads_differently_without_an_error(tm
                     silent.append((byte, bit))
     assert checked > 15_000
     assert silent == []
+
+
+# -- bad inputs (moved from test_bad_inputs.py) --
+# Random damage to a saved file (truncation, bit flips, overwritten runs) and
+# templates that differ from the file in one leaf: a CheckpointError naming the
+# file or the leaf, or, for bytes the format never reads, the original content.
+# Run with ``-s`` to see the case counts.
+from collections import Counter  # noqa: E402
+
+import optree  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from functional_fp16._tree import NAMESPACE  # noqa: E402
+from tests import _bad_inputs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "state.ckpt"
+    state = _bad_inputs.trained()
+    ff.save_checkpoint(path, {"state": state, "epoch": 4})
+    return path.read_bytes(), state
+
+
+def test_fuzz_truncated_and_tampered_checkpoints(checkpoint_bytes, tmp_path):
+    data, state = checkpoint_bytes
+    like = {"state": _bad_inputs.trained(), "epoch": 0}
+    seen = Counter()
+    path = tmp_path / "bad.ckpt"
+
+    @_bad_inputs.FUZZ
+    @given(
+        kind=st.sampled_from(["truncate", "flip", "overwrite"]),
+        at=st.integers(0, len(data) - 1),
+        mask=st.integers(1, 255),
+        length=st.integers(1, 64),
+    )
+    def case(kind, at, mask, length):
+        bad = bytearray(data)
+        if kind == "truncate":
+            bad = bad[:at]
+        elif kind == "flip":
+            bad[at] ^= mask
+        else:
+            bad[at : at + length] = bytes([mask]) * len(bad[at : at + length])
+        if bytes(bad) == data:
+            return
+        path.write_bytes(bytes(bad))
+        try:
+            out = ff.load_checkpoint(path, like)
+        except ff.CheckpointCorruptError as err:
+            assert str(path) in str(err)
+            seen[f"{kind}: rejected"] += 1
+            return
+        # Bytes the format never reads (zip padding, timestamps) may change
+        # without harm; then the content must be exactly the original.
+        assert kind != "truncate"
+        assert out["epoch"] == 4
+        _bad_inputs.assert_bitwise_unchanged(out["state"], _bad_inputs.bit_snapshot(state))
+        seen[f"{kind}: harmless"] += 1
+
+    case()
+    total = sum(seen.values())
+    print(
+        f"\n[fuzz checkpoint files] cases={total} {dict(sorted(seen.items()))} file_bytes={len(data)}"
+    )
+    assert total >= 350 and seen["truncate: rejected"] > 0 and seen["flip: rejected"] > 0
+
+
+def test_every_template_leaf_that_does_not_match_is_named(checkpoint_bytes, tmp_path):
+    """Exhaustive: each leaf of the template, changed in shape, dtype or kind, in turn."""
+    data, _ = checkpoint_bytes
+    path = tmp_path / "good.ckpt"
+    path.write_bytes(data)
+    seen = Counter()
+    like = {"state": _bad_inputs.trained(), "epoch": 0}
+    leaves = optree.tree_leaves(like, namespace=NAMESPACE)
+    for accessor, leaf in zip(
+        optree.tree_accessors(like, namespace=NAMESPACE), leaves, strict=True
+    ):
+        kinds = (
+            ["shape", "dtype", "value type"] if isinstance(leaf, torch.Tensor) else ["value type"]
+        )
+        for kind in kinds:
+
+            def edit(x, kind=kind):
+                if kind == "shape":
+                    return torch.zeros(x.shape + (1,), dtype=x.dtype)
+                if kind == "dtype":
+                    return x.to(torch.float64 if x.dtype != torch.float64 else torch.float32)
+                return "not a tensor" if isinstance(x, torch.Tensor) else 0.5
+
+            with pytest.raises(ff.CheckpointMismatchError) as info:
+                ff.load_checkpoint(path, _edit_like(like, accessor, edit))
+            shown = "".join(_ckpt_entry(a) for a in accessor)
+            assert f"checkpoint{shown} does not match like{shown}" in str(info.value), str(
+                info.value
+            )
+            seen[kind] += 1
+    print(f"\n[template mismatches] cases={sum(seen.values())} {dict(seen)}")
+    assert seen["shape"] == seen["dtype"] == len(leaves) - 1
+
+
+def _ckpt_entry(entry) -> str:
+    if isinstance(entry, optree.GetAttrEntry):
+        return f".{entry.name}"
+    if isinstance(entry, optree.NamedTupleEntry):
+        return f".{entry.field}"
+    if isinstance(entry, optree.MappingEntry):
+        return f"[{entry.key!r}]"
+    return f"[{entry.entry}]"
+
+
+def _edit_like(tree, accessor, fn):
+    """A copy of ``tree`` (FP16States and loss scales included) with one leaf replaced."""
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    target = optree.tree_accessors(tree, namespace=NAMESPACE).index(accessor)
+    leaves[target] = fn(leaves[target])
+    return optree.tree_unflatten(spec, leaves)

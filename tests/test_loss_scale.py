@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
+from tests._bad_inputs import TINY, Hyper, fits_float32, fuzz_hyperparameters, is_int, is_real
 
 TRUE = torch.tensor(True)
 FALSE = torch.tensor(False)
@@ -333,6 +334,78 @@ def test_adjust_rejects_non_flags(flag, match):
     with pytest.raises((TypeError, ValueError), match=match):
         ls.adjust(flag)
     assert float(ls.loss_scale) == 2.0**16 and int(ls.growth_count) == 0
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (
+            lambda: ff.DynamicLossScale(init_scale=4.0, min_scale=8.0),
+            r"init_scale \(4.0\) must lie in \[min_scale, max_scale\]",
+        ),
+        (
+            lambda: ff.DynamicLossScale(min_scale=2.0, max_scale=1.0, init_scale=2.0),
+            r"min_scale \(2.0\) must be <= max_scale \(1.0\)",
+        ),
+        (
+            lambda: ff.DynamicLossScale(init_scale=1e39, max_scale=math.inf),
+            "init_scale .* overflows float32",
+        ),
+    ],
+)
+def test_combinations_of_hyperparameters(build, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        build()
+
+
+HYPER = {
+    "DynamicLossScale.init_scale": Hyper(
+        lambda v: ff.DynamicLossScale(init_scale=v),
+        lambda v: is_real(v) and 1.0 <= v <= 2.0**24,
+        "init_scale",
+    ),
+    "DynamicLossScale.growth_factor": Hyper(
+        lambda v: ff.DynamicLossScale(growth_factor=v),
+        lambda v: is_real(v) and 1.0 < v < math.inf,
+        "growth_factor",
+    ),
+    "DynamicLossScale.backoff_factor": Hyper(
+        lambda v: ff.DynamicLossScale(backoff_factor=v),
+        lambda v: is_real(v) and 0.0 < v < 1.0,
+        "backoff_factor",
+    ),
+    "DynamicLossScale.growth_interval": Hyper(
+        lambda v: ff.DynamicLossScale(growth_interval=v),
+        lambda v: is_int(v) and 1 <= v < 2**31,
+        "growth_interval",
+    ),
+    "DynamicLossScale.min_scale": Hyper(
+        lambda v: ff.DynamicLossScale(min_scale=v),
+        lambda v: is_real(v) and TINY <= v <= 2.0**16,
+        "min_scale",
+    ),
+    "DynamicLossScale.max_scale": Hyper(
+        lambda v: ff.DynamicLossScale(max_scale=v),
+        lambda v: is_real(v) and v >= 2.0**16,
+        "max_scale",
+    ),
+    "DynamicLossScale.hysteresis": Hyper(
+        lambda v: ff.DynamicLossScale(hysteresis=v),
+        lambda v: is_int(v) and 1 <= v < 2**31,
+        "hysteresis",
+    ),
+    "StaticLossScale.scale": Hyper(
+        lambda v: ff.StaticLossScale(v),
+        lambda v: is_real(v) and TINY <= v and fits_float32(v),
+        "scale",
+    ),
+}
+
+
+def test_fuzz_hyperparameters():
+    """Random values (NaN, inf, negative, wrong type) for every argument: accepted or named."""
+    seen = fuzz_hyperparameters(HYPER, "loss scales")
+    assert seen["rejected"] >= 200 and seen["accepted"] >= 40
 
 
 # --------------------------------------------------------------------------

@@ -5,14 +5,27 @@ registered in ``functional_fp16.update._IMPLEMENTATIONS`` runs the same tests.
 """
 
 import math
+from collections import Counter
 from typing import NamedTuple
 
 import optree
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import functional_fp16 as ff
 from functional_fp16 import update as update_module
+from functional_fp16._tree import NAMESPACE, format_path, tree_leaves
+from tests._bad_inputs import (
+    FUZZ,
+    Pair,
+    assert_bitwise_unchanged,
+    base_params,
+    bit_snapshot,
+    good_grads,
+    trained,
+)
 from tests.helpers import no_host_sync, random_tree, scaled_error
 
 IMPLS = sorted(update_module._IMPLEMENTATIONS)
@@ -487,3 +500,403 @@ def test_exact_cancellations_keep_the_reference_signed_zeros(impl, tx):
         ours = update(ours, grads, impl)
         for a, b in zip(_bits(ours), _bits(ref)):
             assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# Bad input (moved from test_bad_inputs.py): a specific error naming the leaf
+# or argument, and the given state bitwise unchanged. Fixed tables cover each
+# kind of mistake once; hypothesis then fuzzes random trees with random defects.
+# --------------------------------------------------------------------------
+M = torch.zeros(2, device="meta")
+
+INIT_CASES = [
+    ({}, ValueError, "params is an empty tree"),
+    ([], ValueError, "params is an empty tree"),
+    ({"a": None, "b": ()}, ValueError, "params is an empty tree"),
+    (
+        {"w": torch.ones(2), "lr": 0.1},
+        TypeError,
+        r"params\['lr'\]: expected a floating-point tensor, got float",
+    ),
+    (
+        {"w": torch.ones(2), "n": "x"},
+        TypeError,
+        r"params\['n'\]: expected a floating-point tensor, got str",
+    ),
+    (
+        {"w": torch.ones(2), "i": torch.ones(2, dtype=torch.int32)},
+        TypeError,
+        r"params\['i'\]: expected a floating-point",
+    ),
+    (
+        {"w": torch.ones(2), "m": torch.ones(2, dtype=torch.bool)},
+        TypeError,
+        r"params\['m'\]: expected a floating-point",
+    ),
+    (
+        {"w": torch.ones(2), "c": torch.ones(2, dtype=torch.complex64)},
+        TypeError,
+        r"params\['c'\]: expected a floating-point",
+    ),
+    (
+        {"w": torch.ones(2), "x": M},
+        ValueError,
+        r"params\['x'\]: on meta, but params\['w'\] is on cpu",
+    ),
+    ({"w": torch.tensor([1.0, math.nan])}, ValueError, r"params\['w'\]: contains inf or NaN"),
+    (
+        {"w": Pair(torch.ones(1), torch.tensor(-math.inf))},
+        ValueError,
+        r"params\['w'\]\.bias: contains inf or NaN",
+    ),
+    ({"s": torch.eye(2).to_sparse()}, TypeError, r"params\['s'\]: expected a dense tensor"),
+]
+
+
+@pytest.mark.parametrize("params, error, match", INIT_CASES)
+def test_fp16_init_rejects_bad_params(params, error, match):
+    with pytest.raises(error, match=match):
+        ff.fp16_init(params, ff.sgd(0.1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"tx": "sgd"}, TypeError, "tx must be a GradientTransformation"),
+        (
+            {"tx": (lambda p: p, lambda u, s, p: (u, s))},
+            TypeError,
+            "tx must be a GradientTransformation",
+        ),
+        ({"loss_scale": 128.0}, TypeError, "loss_scale must be a DynamicLossScale"),
+        ({"param_dtype": torch.int8}, TypeError, "param_dtype must be a floating torch.dtype"),
+        ({"param_dtype": "float16"}, TypeError, "param_dtype must be a floating torch.dtype"),
+    ],
+)
+def test_fp16_init_rejects_bad_arguments(kwargs, error, match):
+    args = {"tx": ff.sgd(0.1), **kwargs}
+    with pytest.raises(error, match=match):
+        ff.fp16_init(base_params(), args.pop("tx"), **args)
+
+
+def test_zero_dimensional_and_empty_leaves_are_valid():
+    params = {
+        "a": torch.tensor(1.0),
+        "b": (torch.tensor(-2.0),),
+        "none": None,
+        "empty": torch.zeros(0),
+    }
+    state = ff.fp16_init(params, ff.sgd(0.5, momentum=0.9), ff.StaticLossScale(4.0))
+    grads = {
+        "a": torch.tensor(1.0).half(),
+        "b": (torch.tensor(2.0).half(),),
+        "none": None,
+        "empty": torch.zeros(0).half(),
+    }
+    scale = float(state.loss_scale.loss_scale)
+    grads = optree.tree_map(lambda g: g * scale, grads, namespace=NAMESPACE)
+    new = ff.fp16_update(state, grads)
+    assert bool(new.grads_finite)
+    assert float(new.master["a"]) == 0.5 and float(new.master["b"][0]) == -3.0
+    assert new.master["empty"].shape == (0,)
+
+
+def _with(tree, **changes):
+    return {**tree, **changes}
+
+
+UPDATE_CASES = [
+    (
+        "missing key",
+        lambda g: {k: v for k, v in g.items() if k != "scalar"},
+        ValueError,
+        r"missing keys \['scalar'\]",
+    ),
+    (
+        "extra key",
+        lambda g: _with(g, extra=torch.zeros(1)),
+        ValueError,
+        r"unexpected keys \['extra'\]",
+    ),
+    (
+        "namedtuple as tuple",
+        lambda g: _with(g, pair=tuple(g["pair"])),
+        ValueError,
+        r"at grads\['pair'\] \(expected a Pair, got a tuple\)",
+    ),
+    (
+        "list as tuple",
+        lambda g: _with(g, stack=tuple(g["stack"])),
+        ValueError,
+        r"at grads\['stack'\] \(expected a list, got a tuple\)",
+    ),
+    (
+        "short list",
+        lambda g: _with(g, stack=g["stack"][:1]),
+        ValueError,
+        r"at grads\['stack'\] \(expected length 2, got 1\)",
+    ),
+    (
+        "shape",
+        lambda g: _with(g, pair=Pair(torch.zeros(3, 2).half(), g["pair"].bias)),
+        ValueError,
+        r"grads\['pair'\]\.kernel: shape \(3, 2\) does not match",
+    ),
+    (
+        "0-d vs 1-d",
+        lambda g: _with(g, scalar=torch.zeros(1).half()),
+        ValueError,
+        r"grads\['scalar'\]: shape \(1,\) does not match params\['scalar'\] shape \(\)",
+    ),
+    (
+        "dtype",
+        lambda g: _with(g, scalar=torch.tensor(0.0)),
+        TypeError,
+        r"grads\['scalar'\]: dtype torch.float32 does not match",
+    ),
+    (
+        "int dtype",
+        lambda g: _with(g, scalar=torch.tensor(0, dtype=torch.int16)),
+        TypeError,
+        r"grads\['scalar'\]: dtype torch.int16",
+    ),
+    (
+        "device",
+        lambda g: _with(g, scalar=torch.zeros((), dtype=torch.float16, device="meta")),
+        ValueError,
+        r"grads\['scalar'\]: device meta does not match",
+    ),
+    (
+        "None leaf",
+        lambda g: _with(g, scalar=None),
+        TypeError,
+        r"grads\['scalar'\]: expected a tensor, got NoneType",
+    ),
+    (
+        "float leaf",
+        lambda g: _with(g, scalar=0.5),
+        TypeError,
+        r"grads\['scalar'\]: expected a tensor, got float",
+    ),
+    (
+        "subtree for leaf",
+        lambda g: _with(g, scalar={"x": torch.zeros(())}),
+        TypeError,
+        r"grads\['scalar'\]: expected a tensor, got dict",
+    ),
+    (
+        "deep None",
+        lambda g: _with(g, stack=[g["stack"][0], (None,)]),
+        TypeError,
+        r"grads\['stack'\]\[1\]\[0\]: expected a tensor",
+    ),
+    ("not a tree", lambda g: "grads", ValueError, r"different tree structure"),
+    ("empty", lambda g: {}, ValueError, r"missing keys"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, mutate, error, match", UPDATE_CASES, ids=[c[0] for c in UPDATE_CASES]
+)
+def test_fp16_update_rejects_bad_grads_and_leaves_state_unchanged(name, mutate, error, match):
+    state = trained()
+    before = bit_snapshot(state)
+    with pytest.raises(error, match=match):
+        ff.fp16_update(state, mutate(good_grads(state)))
+    assert_bitwise_unchanged(state, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"loss": 1.0}, TypeError, "loss must be a tensor or None"),
+        ({"impl": "fastest"}, ValueError, "impl must be 'auto' or one of"),
+        ({"agree": 3}, TypeError, "agree must be a callable or None"),
+        ({"donate": "yes"}, TypeError, "donate must be a bool"),
+    ],
+)
+def test_fp16_update_rejects_bad_arguments(kwargs, error, match):
+    state = trained()
+    before = bit_snapshot(state)
+    with pytest.raises(error, match=match):
+        ff.fp16_update(state, good_grads(state), **kwargs)
+    assert_bitwise_unchanged(state, before)
+
+
+def test_fp16_update_rejects_a_non_state():
+    state = trained()
+    with pytest.raises(TypeError, match="state must be an FP16State, got dict"):
+        ff.fp16_update({"params": state.params}, good_grads(state))
+
+
+# Fuzzing: random trees with random defects (wrong structure, shape, dtype,
+# device, None or non-tensor leaves). Run with ``-s`` to see the case counts.
+
+shapes = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+
+
+def _is_shape(node) -> bool:
+    return (
+        isinstance(node, tuple)
+        and not isinstance(node, Pair)
+        and all(isinstance(d, int) for d in node)
+    )
+
+
+def _trees():
+    def extend(children):
+        keys = st.text("abcxyz", min_size=1, max_size=3)
+        return st.one_of(
+            st.dictionaries(keys, children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=3).map(tuple),
+            st.tuples(children, children).map(lambda kv: Pair(*kv)),
+        )
+
+    # The root must be a container: a bare shape is a single tensor, not a tree.
+    return st.recursive(shapes, extend, max_leaves=6).filter(lambda t: not _is_shape(t))
+
+
+def _materialise(spec, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def build(node):
+        if _is_shape(node):
+            return torch.randn(node, generator=gen)
+        if isinstance(node, dict):
+            return {k: build(v) for k, v in node.items()}
+        if isinstance(node, Pair):
+            return Pair(build(node.kernel), build(node.bias))
+        return type(node)(build(v) for v in node)
+
+    return build(spec)
+
+
+def replace_at(tree, entries, fn):
+    if not entries:
+        return fn(tree)
+    e, rest = entries[0], entries[1:]
+    if isinstance(tree, dict):
+        new = dict(tree)
+        new[e] = replace_at(tree[e], rest, fn)
+        return new
+    items = list(tree)
+    items[e] = replace_at(tree[e], rest, fn)
+    return type(tree)(*items) if isinstance(tree, Pair) else type(tree)(items)
+
+
+LEAF_DEFECTS = {
+    # kind: (make the bad leaf from the good one, error, message after the path)
+    "shape": (lambda g: torch.zeros(g.shape + (2,), dtype=g.dtype), ValueError, ": shape "),
+    "dtype": (lambda g: g.float(), TypeError, ": dtype torch.float32 does not match"),
+    "bf16": (lambda g: g.bfloat16(), TypeError, ": dtype torch.bfloat16 does not match"),
+    "int": (lambda g: g.to(torch.int32), TypeError, ": dtype torch.int32 does not match"),
+    "device": (
+        lambda g: torch.zeros(g.shape, dtype=g.dtype, device="meta"),
+        ValueError,
+        ": device meta",
+    ),
+    "none": (lambda g: None, TypeError, ": expected a tensor, got NoneType"),
+    "float": (lambda g: 1.5, TypeError, ": expected a tensor, got float"),
+    "subtree": (lambda g: [g], TypeError, ": expected a tensor, got list"),
+}
+NODE_DEFECTS = ("drop", "extra", "retype")
+
+
+def _node_defect(node, kind: str, last):
+    """Breaks the container ``node`` whose child ``last`` is the chosen leaf."""
+    if kind == "extra":
+        if isinstance(node, dict):
+            return {**node, "zz_extra": torch.zeros(1)}
+        return (
+            list(node) + [torch.zeros(1)]
+            if isinstance(node, list)
+            else tuple(node) + (torch.zeros(1),)
+        )
+    if kind == "drop":
+        if isinstance(node, dict):
+            return {k: v for k, v in node.items() if k != last}
+        return (
+            [v for i, v in enumerate(node) if i != last]
+            if isinstance(node, list)
+            else tuple(v for i, v in enumerate(node) if i != last)
+        )
+    # retype: the same children in another container type
+    if isinstance(node, dict):
+        return list(node.values())
+    if isinstance(node, list):
+        return tuple(node)
+    return list(node)
+
+
+def test_fuzz_fp16_update_with_broken_grads():
+    seen = Counter()
+
+    @FUZZ
+    @given(spec=_trees(), seed=st.integers(0, 2**16), data=st.data())
+    def case(spec, seed, data):
+        params = _materialise(spec, seed)
+        try:
+            state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+        except ValueError as err:  # only a tree without any element-bearing leaf
+            assert "empty tree" in str(err)
+            assert not tree_leaves(params)
+            seen["empty tree rejected"] += 1
+            return
+        state = ff.fp16_update(state, good_grads(state))
+        before = bit_snapshot(state)
+        accessors = optree.tree_accessors(state.params, namespace=NAMESPACE)
+        i = data.draw(st.integers(0, len(accessors) - 1))
+        entries = [a.entry for a in accessors[i]]
+        path = format_path(accessors[i])
+        kind = data.draw(st.sampled_from(sorted(LEAF_DEFECTS) + list(NODE_DEFECTS)))
+        grads = good_grads(state)
+        if kind in LEAF_DEFECTS:
+            make, error, after = LEAF_DEFECTS[kind]
+            bad = replace_at(grads, entries, make)
+            expected = f"grads{path}{after}"
+            if path == "<root>":
+                expected = f"grads<root>{after}"
+        else:
+            bad = replace_at(
+                grads, entries[:-1], lambda node: _node_defect(node, kind, entries[-1])
+            )
+            error = ValueError
+            parent = format_path(accessors[i][:-1]) if len(entries) > 1 else ""
+            expected = "different tree structure" + (
+                f" than params at grads{parent} (" if parent else ""
+            )
+        with pytest.raises(error) as info:
+            ff.fp16_update(state, bad)
+        assert expected in str(info.value), (kind, str(info.value))
+        assert_bitwise_unchanged(state, before)
+        seen[kind] += 1
+
+    case()
+    total = sum(seen.values())
+    print(f"\n[fuzz fp16_update] cases={total} by defect={dict(sorted(seen.items()))}")
+    assert total >= 350
+    assert all(seen[k] > 0 for k in list(LEAF_DEFECTS) + list(NODE_DEFECTS))
+
+
+def test_an_exception_inside_the_update_leaves_the_state_unchanged(impl, donate):
+    def agree(finite):
+        raise RuntimeError("peer lost")
+
+    state = trained()
+    before = bit_snapshot(state)
+    with pytest.raises(RuntimeError, match="peer lost"):
+        ff.fp16_update(state, good_grads(state), impl=impl, donate=donate, agree=agree)
+    assert_bitwise_unchanged(state, before)
+
+    inner = ff.sgd(0.1, momentum=0.9)
+
+    def failing_update(updates, opt_state, params=None):
+        raise ValueError("transform failed")
+
+    state = trained(tx=ff.GradientTransformation(inner.init, inner.update))
+    state = state.replace(tx=ff.GradientTransformation(inner.init, failing_update))
+    before = bit_snapshot(state)
+    with pytest.raises(ValueError, match="transform failed"):
+        ff.fp16_update(state, good_grads(state), impl=impl, donate=donate)
+    assert_bitwise_unchanged(state, before)
