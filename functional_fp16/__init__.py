@@ -6,7 +6,12 @@ from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functional_fp16.batching import tree_stack, tree_unstack
-from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module
+from functional_fp16.bridge import (
+    make_apply,
+    module_state_dict,
+    scaled_grad_and_value,
+    split_module,
+)
 from functional_fp16.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -28,7 +33,17 @@ from functional_fp16.loss_scale import (
 )
 from functional_fp16.masking import MaskedNode, MaskedState, masked
 from functional_fp16.migration import from_torch, to_torch
-from functional_fp16.policy import Policy, cast_to, default_loss_scale, get_policy, parse_dtype
+from functional_fp16.policy import (
+    NORM_MODULES,
+    Policy,
+    cast_to,
+    default_loss_scale,
+    default_module_policies,
+    get_policy,
+    module_policy,
+    norm_policy,
+    parse_dtype,
+)
 from functional_fp16.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -114,12 +129,17 @@ __all__ = [
     "split_module",
     "make_apply",
     "scaled_grad_and_value",
+    "module_state_dict",
     # precision policies
     "Policy",
     "get_policy",
     "parse_dtype",
     "cast_to",
     "default_loss_scale",
+    "NORM_MODULES",
+    "norm_policy",
+    "default_module_policies",
+    "module_policy",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",

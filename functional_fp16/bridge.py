@@ -1,13 +1,14 @@
 """The ``torch.func`` bridge: an ``nn.Module`` as pure functions of pytrees.
 
 Three pieces turn an imperative module into the functional form the rest of
-the library works on::
+the library works on, and a fourth goes back::
 
     params, buffers = split_module(model)          # dicts of detached copies
-    apply = make_apply(model, train=True)          # (params, buffers, *x) -> (out, buffers')
+    apply = make_apply(model, train=True, policy=policy)  # (params, buffers, *x) -> (out, buffers')
     grad_fn = scaled_grad_and_value(loss_fn, has_aux=True)
     grads, (loss, aux) = grad_fn(state.loss_scale, state.params, *batch)
     state = fp16_update(state, grads, loss=loss)
+    model.load_state_dict(module_state_dict(model, state.master, buffers))
 
 * :func:`split_module` copies a module's parameters and buffers into two flat
   dicts keyed by qualified name (``"conv1.weight"``), the keys
@@ -18,11 +19,17 @@ the library works on::
   module, so neither the caller's module nor the tensors passed in are ever
   modified: buffers that the forward pass updates in place (BatchNorm's running
   statistics in training mode) are updated on fresh copies, which come back as
-  the new buffers.
+  the new buffers. Given a :class:`~functional_fp16.Policy` it also does the
+  casting, with per-module policies (norm layers in float32 by default).
 * :func:`scaled_grad_and_value` wraps ``torch.func.grad`` so that the loss is
   multiplied by the current loss scale before differentiation and the unscaled
   loss comes back alongside the (scaled) gradients, ready for
-  :func:`~functional_fp16.fp16_update`.
+  :func:`~functional_fp16.fp16_update`. Its result has the shape of
+  ``torch.func.grad_and_value``'s: ``(grads, loss)``, or ``(grads, (loss,
+  aux))`` with ``has_aux=True``.
+* :func:`module_state_dict` is the way back: the state dict that
+  ``module.load_state_dict`` takes, with every alias of a tied parameter
+  filled in.
 """
 
 from __future__ import annotations
@@ -35,11 +42,21 @@ import torch
 from torch import nn
 
 from functional_fp16._tree import PyTree, check_like, describe_tensor
+from functional_fp16.policy import (
+    ModulePolicies,
+    Policy,
+    _check_module_policies,
+    cast_to,
+    default_module_policies,
+    get_policy,
+    module_policy,
+)
 
 __all__ = [
     "split_module",
     "make_apply",
     "scaled_grad_and_value",
+    "module_state_dict",
     "ApplyFn",
 ]
 
@@ -129,7 +146,61 @@ def _check_named(
     )
 
 
-def make_apply(module: nn.Module, *, train: bool | None = None) -> ApplyFn:
+def _resolve_policy(policy: Any) -> Policy | None:
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return get_policy(policy)
+    raise TypeError(
+        f"policy must be a Policy, a policy string or None, got {type(policy).__name__}"
+    )
+
+
+def _cast_floating(x: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None or not isinstance(x, torch.Tensor):
+        return x
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+
+def _policy_in_scope(
+    template: nn.Module, name: str, module_policies: dict[type[nn.Module], Policy]
+) -> Policy | None:
+    """The policy of the innermost module on ``name``'s path that has one, if any."""
+    path = name.split(".")[:-1]
+    for depth in range(len(path), -1, -1):
+        found = module_policy(template.get_submodule(".".join(path[:depth])), module_policies)
+        if found is not None:
+            return found
+    return None
+
+
+def _install_module_policies(
+    template: nn.Module, module_policies: dict[type[nn.Module], Policy]
+) -> None:
+    """Hooks on ``template``'s modules that have a policy: inputs in, outputs out cast."""
+    for _, sub in template.named_modules():
+        found = module_policy(sub, module_policies)
+        if found is None:
+            continue
+
+        def cast_inputs(mod, args, kwargs, dtype=found.compute_dtype):
+            return cast_to(args, dtype), cast_to(kwargs, dtype)
+
+        def cast_outputs(mod, args, output, dtype=found.output_dtype):
+            return cast_to(output, dtype)
+
+        # First in, last out: the module's own hooks run inside its policy.
+        sub.register_forward_pre_hook(cast_inputs, prepend=True, with_kwargs=True)
+        sub.register_forward_hook(cast_outputs)
+
+
+def make_apply(
+    module: nn.Module,
+    *,
+    train: bool | None = None,
+    policy: Policy | str | None = None,
+    module_policies: ModulePolicies | None = None,
+) -> ApplyFn:
     r"""A pure apply function for ``module``, built on ``torch.func.functional_call``.
 
     .. math:: (y, b') = f_{module}(\theta, b, x)
@@ -143,16 +214,47 @@ def make_apply(module: nn.Module, *, train: bool | None = None) -> ApplyFn:
     Tied parameters are re-tied, so giving the tied tensor once (as
     :func:`split_module` does) updates every use of it.
 
-    The function works with any parameter dtype (e.g. FP16 parameters with
-    FP32 inputs is the caller's choice; see :class:`~functional_fp16.Policy`),
-    composes with ``torch.func.grad`` and compiles with ``torch.compile``.
+    Without a ``policy`` nothing is cast: any parameter dtype runs (e.g. FP16
+    parameters with FP32 inputs is the caller's choice). With one, ``apply``
+    casts as jmp's policies do, all inside the differentiated function:
+
+    * floating-point parameters to ``policy.compute_dtype`` (straight from the
+      dtype they are given in, so gradients come back in that dtype);
+    * floating-point positional and keyword inputs to ``policy.compute_dtype``;
+    * floating-point outputs to ``policy.output_dtype``.
+
+    ``module_policies`` maps module types to the policy their instances run
+    under instead (looked up along the class's MRO, see
+    :func:`~functional_fp16.module_policy`): such a module's inputs are cast to
+    its policy's compute dtype on the way in (before its own forward
+    pre-hooks), its outputs to its policy's output dtype on the way out (after
+    its own forward hooks), and the parameters inside it (those of submodules
+    without a policy of their own included) to its compute dtype. Its
+    ``param_dtype`` is not used: the state fixes the storage dtype. Left as
+    ``None`` it is :func:`~functional_fp16.default_module_policies` of
+    ``policy``: with float16 or bfloat16 compute, the norm layers
+    (:data:`~functional_fp16.NORM_MODULES`) compute in float32 and hand back
+    the compute dtype, as under ``torch.autocast``; pass ``{}`` to switch
+    that off. Buffers are never cast: keep the norm layers' running
+    statistics in float32, as :func:`split_module` gives them for a float32
+    module. A model without such modules computes bitwise what the manual
+    ``apply(policy.cast_to_compute(params), buffers, policy.cast_to_compute(x))``
+    followed by ``policy.cast_to_output`` computes.
+
+    The function composes with ``torch.func.grad`` and ``vmap`` and compiles
+    with ``torch.compile``.
 
     Args:
       module: the module; it is copied without its tensor storage when
         ``make_apply`` is called, so later changes to it (including
-        ``.train()``/``.eval()``) do not affect ``apply``.
+        ``.train()``/``.eval()`` and new hooks) do not affect ``apply``.
       train: run the copy in training (``True``) or evaluation (``False``)
         mode; ``None`` keeps each submodule's mode as it is now.
+      policy: a :class:`~functional_fp16.Policy` or policy string (see
+        :func:`~functional_fp16.get_policy`) to cast with; ``None`` casts
+        nothing.
+      module_policies: a mapping from module types to policies; ``None``:
+        the defaults for ``policy`` (nothing without a policy).
 
     Returns:
       ``apply(params, buffers, *args, **kwargs) -> (outputs, new_buffers)``.
@@ -163,12 +265,25 @@ def make_apply(module: nn.Module, *, train: bool | None = None) -> ApplyFn:
     module = _check_module(module)
     if train is not None and not isinstance(train, bool):
         raise TypeError(f"train must be a bool or None, got {type(train).__name__}")
+    policy = _resolve_policy(policy)
+    if module_policies is None:
+        module_policies = {} if policy is None else default_module_policies(policy)
+    else:
+        module_policies = _check_module_policies(module_policies)
     template = _storage_free_copy(module)
     if train is not None:
         template.train(train)
     module_name = type(module).__name__
     param_refs = dict(template.named_parameters())
     buffer_refs = dict(template.named_buffers())
+    # The compute dtype of each parameter, fixed now: no module lookups per call.
+    default_dtype = None if policy is None else policy.compute_dtype
+    param_dtypes: dict[str, torch.dtype | None] = {}
+    for name in param_refs:
+        scope = _policy_in_scope(template, name, module_policies)
+        param_dtypes[name] = default_dtype if scope is None else scope.compute_dtype
+    casts_params = any(d is not None for d in param_dtypes.values())
+    _install_module_policies(template, module_policies)
 
     def apply(
         params: Mapping[str, torch.Tensor],
@@ -178,18 +293,25 @@ def make_apply(module: nn.Module, *, train: bool | None = None) -> ApplyFn:
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         _check_named("params", params, param_refs, module_name=module_name)
         _check_named("buffers", buffers, buffer_refs, module_name=module_name)
+        if casts_params:
+            params = {k: _cast_floating(v, param_dtypes[k]) for k, v in params.items()}
+        if policy is not None:
+            args = cast_to(args, policy.compute_dtype)
+            kwargs = cast_to(kwargs, policy.compute_dtype)
         # The forward pass may update buffers in place; it gets fresh copies.
         new_buffers = {name: b.clone() for name, b in buffers.items()}
         outputs = torch.func.functional_call(
             template, (dict(params), new_buffers), args, kwargs, tie_weights=True, strict=False
         )
+        if policy is not None:
+            outputs = cast_to(outputs, policy.output_dtype)
         return outputs, new_buffers
 
     return apply
 
 
 LossFn = Callable[..., Any]
-GradFn = Callable[..., tuple[PyTree, tuple[torch.Tensor, Any]]]
+GradFn = Callable[..., tuple[PyTree, Any]]
 
 
 def _split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
@@ -223,9 +345,10 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
     ``loss_fn(params, *args, **kwargs)``, scales the loss with
     ``loss_scale.scale`` (dynamic and static scales promote low-precision
     losses to float32 first, so the product cannot overflow; a
-    :class:`~functional_fp16.NoOpLossScale` leaves the loss as it is),
-    differentiates with respect to ``params`` only and returns
-    ``(grads, (loss, aux))``:
+    :class:`~functional_fp16.NoOpLossScale` leaves the loss as it is) and
+    differentiates with respect to ``params`` only. Like
+    ``torch.func.grad_and_value`` it returns ``(grads, loss)``, or
+    ``(grads, (loss, aux))`` when ``has_aux``:
 
     * ``grads`` — same tree, dtypes and devices as ``params`` (FP16 parameters
       give FP16 gradients of the *scaled* loss), which is exactly what
@@ -233,11 +356,17 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
     * ``loss`` — the *unscaled* loss as ``loss_fn`` returned it, detached; pass
       it as ``fp16_update(state, grads, loss=loss)`` so a non-finite loss skips
       the step;
-    * ``aux`` — ``loss_fn``'s auxiliary output when ``has_aux`` (e.g. logits and
-      new buffers; like ``torch.func.grad``'s, a pytree of tensors), else ``None``.
+    * ``aux`` — ``loss_fn``'s auxiliary output (e.g. logits and new buffers;
+      like ``torch.func.grad``'s, a pytree of tensors).
 
+    Every output is a tensor or a pytree of tensors, so
+    ``torch.func.vmap(grad_fn, in_dims=(None, 0, ...))`` needs no ``out_dims``.
     Nothing is read back to the host, so the function runs without
     synchronising and compiles with ``torch.compile(fullgraph=True)``.
+
+    Changed in this release, without a deprecation period (the library is
+    pre-1.0): without ``has_aux`` the result used to be ``(grads, (loss,
+    None))``; unpack ``grads, loss = grad_fn(...)`` now.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a 0-d floating
@@ -245,29 +374,76 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
-      ``grad_fn(loss_scale, params, *args, **kwargs) -> (grads, (loss, aux))``.
+      ``grad_fn(loss_scale, params, *args, **kwargs)``, returning
+      ``(grads, loss)``, or ``(grads, (loss, aux))`` when ``has_aux``.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {type(has_aux).__name__}")
 
-    def grad_fn(
-        loss_scale: Any, params: PyTree, *args: Any, **kwargs: Any
-    ) -> tuple[PyTree, tuple[torch.Tensor, Any]]:
+    def grad_fn(loss_scale: Any, params: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
         if not callable(getattr(loss_scale, "scale", None)):
             raise TypeError(
                 "grad_fn's first argument must be a loss scale (e.g. state.loss_scale), "
                 f"got {type(loss_scale).__name__}"
             )
 
-        def scaled_loss(p: PyTree) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        def scaled_loss(p: PyTree) -> tuple[torch.Tensor, Any]:
             loss, aux = _split_loss(loss_fn(p, *args, **kwargs), has_aux)
             # torch.func passes only tensors through as auxiliary outputs.
-            return loss_scale.scale(loss), ((loss.detach(), aux) if has_aux else (loss.detach(),))
+            return loss_scale.scale(loss), ((loss.detach(), aux) if has_aux else loss.detach())
 
-        grads, extra = torch.func.grad(scaled_loss, has_aux=True)(params)
-        loss, aux = extra if has_aux else (extra[0], None)
-        return grads, (loss, aux)
+        return torch.func.grad(scaled_loss, has_aux=True)(params)
 
     return grad_fn
+
+
+def module_state_dict(
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """The state dict ``module.load_state_dict`` takes, from :func:`split_module`-style dicts.
+
+    The inverse of :func:`split_module`: ``params`` (and ``buffers``) hold one
+    entry per tied group, under its first name; ``module.state_dict()`` names
+    every alias (``embed.weight`` and ``head.weight`` when ``head.weight is
+    embed.weight``), so each alias gets its group's tensor. Loading it copies
+    into the module's own tensors, which keeps them tied (and casts, so the
+    FP32 master or the FP16 working copy both load into an FP32 module)::
+
+        model.load_state_dict(module_state_dict(model, state.master, buffers))
+
+    Args:
+      module: the module ``params`` and ``buffers`` were split from (or one
+        of the same structure).
+      params: its parameters keyed by qualified name, e.g. ``state.master``
+        or ``state.params``; checked for exactly the module's names and shapes.
+      buffers: its buffers likewise; ``None`` takes the module's own.
+
+    Returns:
+      A new ``dict`` with exactly ``module.state_dict()``'s keys, in its
+      order; non-persistent buffers are left out, as ``state_dict`` leaves
+      them, and extra state (``get_extra_state``) is the module's own.
+    """
+    module = _check_module(module)
+    module_name = type(module).__name__
+    param_refs = dict(module.named_parameters())
+    _check_named("params", params, param_refs, module_name=module_name)
+    firsts: dict[int, tuple[str, Mapping[str, torch.Tensor] | None]] = {}
+    for name, p in param_refs.items():
+        firsts[id(p)] = (name, params)
+    if buffers is not None:
+        buffer_refs = dict(module.named_buffers())
+        _check_named("buffers", buffers, buffer_refs, module_name=module_name)
+        for name, b in buffer_refs.items():
+            firsts[id(b)] = (name, buffers)
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        name, source = firsts.get(id(value), (key, None))
+        if source is not None:
+            out[key] = source[name]
+        else:  # the module's own buffer or extra state
+            out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    return out

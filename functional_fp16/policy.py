@@ -15,19 +15,33 @@ gradients flow back through a cast into the parameters' own dtype, so FP16
 parameters computed in FP32 still receive FP16 gradients, which is why such a
 policy still needs loss scaling (:func:`default_loss_scale`).
 
-Policies are written as strings too (:func:`get_policy`)::
+Policies are written as strings too (:func:`get_policy`); a key left out
+follows jmp's rule (params default to float32, compute to params, output to
+compute)::
 
     get_policy("params=float16,compute=float16,output=float32")
     get_policy("p=f16,c=bf16,o=f32")
+    get_policy("p=f16")              # params, compute and output all float16
+    get_policy("c=bf16")             # params float32, compute and output bfloat16
     get_policy("float32")            # one dtype for all three
+
+Per-module policies (jmp's and Haiku's ``set_policy(module_class, policy)``)
+are a declared mapping from module types to policies, given to
+:func:`~functional_fp16.make_apply`. By default
+(:func:`default_module_policies`) the normalisation layers in
+:data:`NORM_MODULES` compute in float32 when the compute dtype is float16 or
+bfloat16, as ``torch.autocast`` does, and hand their outputs back in the
+compute dtype; their buffers (running statistics) stay float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from functional_fp16 import _deprecation as deprecation
 from functional_fp16._tree import PyTree, tree_map
@@ -39,6 +53,11 @@ __all__ = [
     "parse_dtype",
     "cast_to",
     "default_loss_scale",
+    "NORM_MODULES",
+    "ModulePolicies",
+    "norm_policy",
+    "default_module_policies",
+    "module_policy",
 ]
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -203,7 +222,10 @@ def get_policy(spec: str) -> Policy:
     * comma-separated ``key=dtype`` pairs with keys ``params``/``param``/``p``,
       ``compute``/``c`` and ``output``/``o``, e.g.
       ``"params=float16,compute=float16,output=float32"`` or ``"p=f16,c=bf16,o=f32"``.
-      A key left out defaults to ``float32``, as in jmp.
+      Keys left out are filled as jmp fills them: ``params`` defaults to
+      ``float32``, ``compute`` to the params dtype and ``output`` to the
+      compute dtype, so ``"p=f16"`` is all float16 and ``"c=f16"`` is float32
+      params with float16 compute and output.
 
     Dtype names are those of :func:`parse_dtype`. ``str(policy)`` gives back a
     string this function parses to the same policy.
@@ -249,11 +271,9 @@ def get_policy(spec: str) -> Policy:
             fields[field] = parse_dtype(value)
         except ValueError as err:
             raise ValueError(f"invalid policy {spec!r}: {key}: {err}") from None
-    return Policy(
-        fields.get("param_dtype", torch.float32),
-        fields.get("compute_dtype", torch.float32),
-        fields.get("output_dtype", torch.float32),
-    )
+    param = fields.get("param_dtype", torch.float32)
+    compute = fields.get("compute_dtype", param)
+    return Policy(param, compute, fields.get("output_dtype", compute))
 
 
 def default_loss_scale(policy: Policy) -> LossScale:
@@ -273,3 +293,109 @@ def default_loss_scale(policy: Policy) -> LossScale:
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
     return loss_scale_for(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+# -- per-module policies -------------------------------------------------------------
+
+NORM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+)
+"""The module types :func:`default_module_policies` computes in float32.
+
+``torch.autocast`` runs ``layer_norm``, ``group_norm`` and the norms in
+float32; batch and instance norm keep float32 weights and running statistics
+under autocast and accumulate in float32. Subclasses are covered too (the
+lookup follows the method resolution order, see :func:`module_policy`).
+"""
+
+ModulePolicies = Mapping[type[nn.Module], Policy]
+"""A mapping from module types to the :class:`Policy` their instances run under."""
+
+_REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def norm_policy(policy: Policy) -> Policy:
+    r"""The policy a normalisation layer runs under inside a model computed with ``policy``.
+
+    .. math::
+        c_{norm} = \begin{cases} \text{float32} & c \in \{\text{float16}, \text{bfloat16}\} \\
+        c & \text{otherwise} \end{cases}, \qquad o_{norm} = c
+
+    The layer's inputs and parameters are cast to :math:`c_{norm}` and its
+    outputs back to the model's compute dtype :math:`c`, so the next layer
+    sees the dtype it expects. ``param_dtype`` is kept (it names the storage
+    dtype, which the state fixes, not the layer).
+
+    Args:
+      policy: the model's policy.
+
+    Returns:
+      The policy for its norm layers, e.g. ``params=float16,compute=float32,
+      output=bfloat16`` for ``p=f16,c=bf16,o=f32``.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+    compute = torch.float32 if policy.compute_dtype in _REDUCED_DTYPES else policy.compute_dtype
+    return Policy(policy.param_dtype, compute, policy.compute_dtype)
+
+
+def default_module_policies(policy: Policy) -> dict[type[nn.Module], Policy]:
+    """The per-module policies :func:`~functional_fp16.make_apply` uses unless told otherwise.
+
+    Every type in :data:`NORM_MODULES` runs under :func:`norm_policy` when
+    the compute dtype is float16 or bfloat16; with a float32 or float64
+    compute dtype there is nothing to override and the mapping is empty.
+
+    Args:
+      policy: the model's policy.
+
+    Returns:
+      A new ``dict`` from module types to policies (edit it freely, e.g. add
+      ``nn.Softmax`` or remove ``nn.LayerNorm``).
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+    if policy.compute_dtype not in _REDUCED_DTYPES:
+        return {}
+    return dict.fromkeys(NORM_MODULES, norm_policy(policy))
+
+
+def module_policy(module: nn.Module, module_policies: ModulePolicies) -> Policy | None:
+    """The policy ``module`` runs under: that of the nearest of its classes in the mapping.
+
+    Classes are looked up along ``type(module).__mro__``, so an entry for a
+    base class (``_NormBase``) covers its subclasses (``BatchNorm2d``) and an
+    entry for a subclass overrides its base's.
+
+    Args:
+      module: a module instance.
+      module_policies: a mapping from module types to policies.
+
+    Returns:
+      The policy, or ``None`` when no class of ``module`` is in the mapping.
+    """
+    for cls in type(module).__mro__:
+        if cls in module_policies:
+            return module_policies[cls]
+    return None
+
+
+def _check_module_policies(module_policies: Any) -> dict[type[nn.Module], Policy]:
+    """``module_policies`` as a dict, after checking its keys and values."""
+    if not isinstance(module_policies, Mapping):
+        raise TypeError(
+            "module_policies must be a mapping from nn.Module types to Policy, "
+            f"got {type(module_policies).__name__}"
+        )
+    for cls, policy in module_policies.items():
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"module_policies: key {cls!r} is not an nn.Module subclass")
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"module_policies[{cls.__name__}] must be a Policy, got {type(policy).__name__}"
+            )
+    return dict(module_policies)

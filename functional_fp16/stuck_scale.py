@@ -11,7 +11,7 @@ The detector is a pure pair over an explicit state, like an optimiser::
 
     tracker = stuck_scale_init(state)                      # before the first update
     for step, batch in enumerate(data):
-        grads, (loss, _) = grad_fn(state.loss_scale, state.params, batch)
+        grads, loss = grad_fn(state.loss_scale, state.params, batch)
         state = fp16_update(state, grads, loss=loss)
         tracker = stuck_scale_observe(tracker, state, loss)   # 0-d tensor ops, no sync
         if step % 100 == 0:

@@ -69,7 +69,7 @@ def train(policy_spec, loss_scale, *, loss_factor=1.0):
     skipped = 0
     for i in range(STEPS):
         sl = slice(i * BATCH, (i + 1) * BATCH)
-        grads, (loss, _) = grad_fn(state.loss_scale, state.params, x[sl], y[sl])
+        grads, loss = grad_fn(state.loss_scale, state.params, x[sl], y[sl])
         assert all(g.dtype == policy.param_dtype for g in grads.values())
         state = fp16_update(state, grads, loss=loss)
         skipped += int(not state.grads_finite)

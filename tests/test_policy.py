@@ -1,17 +1,22 @@
-"""Tests for precision policies: parsing, casting and the default loss scale."""
+"""Tests for precision policies: parsing (with jmp's cases), casting, the default loss scale and per-module policies."""
 
 import itertools
 
 import pytest
 import torch
+from torch import nn
 
 from functional_fp16 import (
+    NORM_MODULES,
     DynamicLossScale,
     NoOpLossScale,
     Policy,
     cast_to,
     default_loss_scale,
+    default_module_policies,
     get_policy,
+    module_policy,
+    norm_policy,
     parse_dtype,
 )
 
@@ -36,8 +41,11 @@ def mixed_tree():
         ("p=f16,c=bf16,o=f32", (F16, BF16, F32)),
         ("P = half , C = BF16 , O = full", (F16, BF16, F32)),
         ("param=fp32,compute=float64,output=double", (F32, F64, F64)),
-        ("c=f16", (F32, F16, F32)),  # keys left out default to float32
-        ("o=bf16,p=f16", (F16, F32, BF16)),  # order does not matter
+        ("c=f16", (F32, F16, F16)),  # params default to f32, output follows compute
+        ("p=f16", (F16, F16, F16)),  # compute follows params, output follows compute
+        ("p=f16,c=bf16", (F16, BF16, BF16)),
+        ("o=bf16,p=f16", (F16, F16, BF16)),  # order does not matter
+        ("p=bf16,o=f32", (BF16, BF16, F32)),
         ("bfloat16", (BF16, BF16, BF16)),
         ("torch.float16", (F16, F16, F16)),
     ],
@@ -45,6 +53,56 @@ def mixed_tree():
 def test_get_policy_parses_long_and_short_forms(spec, expected):
     policy = get_policy(spec)
     assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+# -- ported from jmp's policy_test.py: the same cases, in torch dtypes ------------------
+
+JMP_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32"}
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES))
+def test_get_policy_one_name_sets_all_three(dtype):
+    policy = get_policy(JMP_NAMES[dtype])
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (dtype,) * 3
+
+
+def test_get_policy_almost_a_dtype_name_is_an_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype name 'compute_float16'"):
+        get_policy("compute_float16")
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES))
+def test_get_policy_compute_alone_gives_full_params_and_output_follows_compute(dtype):
+    policy = get_policy(f"c={JMP_NAMES[dtype]}")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES))
+def test_get_policy_compute_with_full_output(dtype):
+    policy = get_policy(f"c={JMP_NAMES[dtype]},o=full")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, dtype, F32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["cast_to_param", "cast_to_compute", "cast_to_output"])
+def test_single_dtype_policy_casts_to_its_dtype(dtype, method):
+    out = getattr(Policy(dtype, dtype, dtype), method)({"a": torch.ones(())})
+    assert out["a"].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_output_dtype_sets_only_the_output(dtype):
+    policy = Policy(F32, F32, F32).with_output_dtype(dtype)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, F32, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_str_names_each_dtype_in_full(dtype):
+    for piece in str(Policy(dtype, dtype, dtype)).split(","):
+        assert piece.split("=")[1] == str(dtype).removeprefix("torch.")
+
+
+# -- string form ------------------------------------------------------------------------
 
 
 def test_str_round_trips_every_policy():
@@ -169,3 +227,69 @@ def test_default_loss_scale_scales_only_float16_policies(spec, kind):
 def test_default_loss_scale_rejects_non_policies():
     with pytest.raises(TypeError, match="policy must be a Policy"):
         default_loss_scale("p=f16")
+
+
+# -- per-module policies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("p=f16,c=bf16,o=f32", (F16, F32, BF16)),  # FP32 inside, the compute dtype out
+        ("p=f16,c=f16,o=f32", (F16, F32, F16)),
+        ("p=bf16,c=bf16,o=bf16", (BF16, F32, BF16)),
+        ("p=f16,c=f32,o=f32", (F16, F32, F32)),  # already FP32: nothing changes
+        ("float64", (F64, F64, F64)),  # never lowered
+    ],
+)
+def test_norm_policy_computes_reduced_precision_in_float32(spec, expected):
+    policy = norm_policy(get_policy(spec))
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+def test_default_module_policies_cover_the_norms_only_for_reduced_compute():
+    policy = get_policy("p=f16,c=bf16,o=f32")
+    defaults = default_module_policies(policy)
+    assert set(defaults) == set(NORM_MODULES)
+    assert set(defaults.values()) == {norm_policy(policy)}
+    assert default_module_policies(get_policy("p=f16,c=f32,o=f32")) == {}
+    assert default_module_policies(get_policy("float32")) == {}
+    defaults[nn.Linear] = policy  # a fresh dict each call
+    assert nn.Linear not in default_module_policies(policy)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.BatchNorm1d(3),
+        nn.BatchNorm2d(3),
+        nn.SyncBatchNorm(3),
+        nn.InstanceNorm2d(3),
+        nn.GroupNorm(1, 3),
+        nn.LayerNorm(3),
+        nn.RMSNorm(3),
+        nn.LocalResponseNorm(2),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_every_torch_norm_layer_is_covered_by_the_defaults(module):
+    policy = get_policy("p=f16,c=f16,o=f32")
+    assert module_policy(module, default_module_policies(policy)) == norm_policy(policy)
+
+
+def test_module_policy_follows_the_mro_and_the_nearest_class_wins():
+    class MyNorm(nn.BatchNorm2d):
+        pass
+
+    base, own = get_policy("float32"), get_policy("p=f16,c=f16,o=f16")
+    assert module_policy(MyNorm(3), {nn.BatchNorm2d: base}) == base
+    assert module_policy(MyNorm(3), {nn.BatchNorm2d: base, MyNorm: own}) == own
+    assert module_policy(nn.BatchNorm2d(3), {MyNorm: own}) is None
+    assert module_policy(nn.Linear(2, 2), default_module_policies(own)) is None
+
+
+def test_module_policy_helpers_reject_non_policies():
+    with pytest.raises(TypeError, match="policy must be a Policy"):
+        norm_policy("p=f16")
+    with pytest.raises(TypeError, match="policy must be a Policy"):
+        default_module_policies(None)

@@ -39,7 +39,7 @@ A training step on ``N`` ranks, each fed ``B / N`` examples::
     state = broadcast_state(fp16_init(params, sgd(0.1, momentum=0.9)))
     grad_fn = scaled_grad_and_value(loss_fn)             # loss_fn(params, x, y)
     for x, y in shard:                                   # B / N per rank
-        grads, (loss, _) = grad_fn(state.loss_scale, state.params, x, y)  # scaled FP16
+        grads, loss = grad_fn(state.loss_scale, state.params, x, y)  # scaled FP16
         grads = tree_all_reduce_mean(grads)              # mean over ranks
         state = fp16_update(state, grads, loss=loss, agree=agree_finite)
 The package's modules, one job each: :mod:`.process_group` (set-up under
