@@ -85,7 +85,7 @@ from functional_fp16._tree import (
     tree_select,
     tree_unflatten,
 )
-from functional_fp16.base import ChainSpec, GradientTransformation
+from functional_fp16.base import ChainSpec, GradientTransformation, saturating_increment
 from functional_fp16.fast_update import grads_finite
 from functional_fp16.loss_scale import NoOpLossScale
 
@@ -169,7 +169,7 @@ def _closes(state: MultiStepsState, k: torch.Tensor) -> torch.Tensor:
 def _counters(state: MultiStepsState, emit: torch.Tensor, applied: torch.Tensor):
     """``(mini_step, gradient_step)`` after this call."""
     mini_step = torch.where(emit, torch.zeros_like(state.mini_step), state.mini_step + 1)
-    bumped = torch.clamp(state.gradient_step + 1, max=_INT32_MAX).to(torch.int32)
+    bumped = saturating_increment(state.gradient_step)
     return mini_step, torch.where(applied, bumped, state.gradient_step)
 
 

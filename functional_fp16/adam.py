@@ -24,13 +24,11 @@ import torch
 
 from functional_fp16 import _validate
 from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
-from functional_fp16.base import GradientTransformation, chain
+from functional_fp16.base import GradientTransformation, chain, saturating_increment
 from functional_fp16.schedules import Schedule
 from functional_fp16.sgd import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["ScaleByAdamState", "AdamSpec", "scale_by_adam", "adam", "adamw"]
-
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class ScaleByAdamState(NamedTuple):
@@ -129,7 +127,7 @@ def scale_by_adam(
         g_leaves, spec = tree_flatten(updates)
         mu = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
         nu = check_same_structure(updates, state.nu, name="nu", reference_name="updates")
-        count = torch.clamp(state.count + 1, max=_INT32_MAX).to(torch.int32)
+        count = saturating_increment(state.count)
         if not g_leaves:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
         g32 = [g.to(torch.float32) for g in g_leaves]

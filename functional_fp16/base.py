@@ -26,6 +26,7 @@ __all__ = [
     "identity",
     "chain",
     "apply_updates",
+    "saturating_increment",
 ]
 
 InitFn = Callable[[PyTree], Any]
@@ -126,3 +127,12 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     u_leaves = check_same_structure(params, updates, name="updates", reference_name="params")
     out = [torch.add(p, u).to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
     return tree_unflatten(spec, out)
+
+
+def saturating_increment(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1`` for a 0-d int32 counter, staying at the int32 maximum instead of wrapping.
+
+    (``clamp(count + 1, max=...)`` would not do: the sum wraps to -2**31 first.)
+    """
+    top = torch.iinfo(torch.int32).max
+    return torch.where(count < top, count + 1, count).to(torch.int32)

@@ -7,12 +7,10 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
-from functional_fp16.base import GradientTransformation
+from functional_fp16.base import GradientTransformation, saturating_increment
 from functional_fp16.loss_scale import all_finite
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
-
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -64,13 +62,13 @@ def apply_if_finite(
 
     def update(updates: PyTree, state: ApplyIfFiniteState, params: PyTree | None = None):
         finite = all_finite(updates).to(state.notfinite_count.device)
-        bumped = torch.clamp(state.notfinite_count + 1, max=_INT32_MAX).to(torch.int32)
+        bumped = saturating_increment(state.notfinite_count)
         notfinite_count = torch.where(finite, torch.zeros_like(bumped), bumped)
         apply = finite | (notfinite_count > max_consecutive_errors)
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         leaves, spec = tree_flatten(new_updates)
         out = tree_unflatten(spec, [torch.where(apply, u, torch.zeros_like(u)) for u in leaves])
-        total = torch.clamp(state.total_notfinite + 1, max=_INT32_MAX).to(torch.int32)
+        total = saturating_increment(state.total_notfinite)
         return out, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,

@@ -45,6 +45,7 @@ import torch
 
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.allocator import tune_malloc  # re-exported: its old home
+from functional_fp16.base import saturating_increment
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -55,8 +56,6 @@ from functional_fp16.sgd import ScaleByScheduleState, TraceState
 from functional_fp16.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
 
 __all__ = ["foreach_update", "grads_finite", "tune_malloc"]  # tune_malloc: see allocator.py
-
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +243,7 @@ def _lr_factor(cfg: SGDPlan, opt_state, like: torch.Tensor):
         return _scalar(cfg.sign * cfg.learning_rate, like), state_at(opt_state, cfg.lr_path)
     count = state_at(opt_state, cfg.lr_path).count
     lr = cfg.learning_rate(count).to(torch.float32) * cfg.sign
-    new_count = torch.clamp(count + 1, max=_INT32_MAX).to(torch.int32)
+    new_count = saturating_increment(count)
     return lr, ScaleByScheduleState(count=new_count)
 
 

@@ -26,6 +26,7 @@ import torch
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.adam import ScaleByAdamState, bias_corrections
 from functional_fp16.adam_plan import AdamPlan
+from functional_fp16.base import saturating_increment
 from functional_fp16.clipping import clip_factors
 from functional_fp16.fast_update import _lr_factor
 from functional_fp16.fused_update import (
@@ -40,8 +41,6 @@ from functional_fp16.kernel_args import AdamScalars, AdamTensors
 from functional_fp16.sgd_plan import replace_at, state_at
 
 __all__ = ["fused_adam_update"]
-
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 def fused_adam_update(state, grads, decide, donate: bool, fp: FusedPlan):
@@ -58,7 +57,7 @@ def fused_adam_update(state, grads, decide, donate: bool, fp: FusedPlan):
     adam: ScaleByAdamState = state_at(state.opt_state, plan.adam_path)
     mu, moment_spec = tree_flatten(adam.mu)
     nu = tree_flatten(adam.nu)[0]
-    count = torch.clamp(adam.count + 1, max=_INT32_MAX).to(torch.int32)
+    count = saturating_increment(adam.count)
     inv_c1, sqrt_c2 = bias_corrections(count, plan.b1, plan.b2)
     if donate:
         m_out, mu_out, nu_out = masters, mu, nu

@@ -29,7 +29,7 @@ from functional_fp16._tree import (
     tree_map,
     tree_unflatten,
 )
-from functional_fp16.base import EmptyState, GradientTransformation, chain
+from functional_fp16.base import EmptyState, GradientTransformation, chain, saturating_increment
 from functional_fp16.masking import Mask, masked
 from functional_fp16.schedules import Schedule
 
@@ -139,12 +139,17 @@ def trace(
         started = state.initialized
         # On the first step the buffer (all zeros) is multiplied by 0 and the
         # gradient taken whole: b_1 = 0 * 0 + g = g, bitwise.
+        # The float32 factors are 0-d tensors: each product is rounded to the
+        # leaf's dtype (a no-op unless the leaf is itself 0-d and low-precision,
+        # which type promotion would otherwise turn into float32).
         keep = torch.where(started, _scalar(decay, like), _scalar(0.0, like))
         if dampening == 0.0:
-            new_b = [torch.add(b * keep, g) for b, g in zip(b_leaves, g_leaves)]
+            new_b = [torch.add((b * keep).to(b.dtype), g) for b, g in zip(b_leaves, g_leaves)]
         else:
             take = torch.where(started, _scalar(1.0 - dampening, like), _scalar(1.0, like))
-            new_b = [b * keep + g * take for b, g in zip(b_leaves, g_leaves)]
+            new_b = [
+                (b * keep).to(b.dtype) + (g * take).to(g.dtype) for b, g in zip(b_leaves, g_leaves)
+            ]
         if nesterov:
             out = [torch.add(g, b, alpha=decay) for g, b in zip(g_leaves, new_b)]
         else:
@@ -184,7 +189,7 @@ def scale_by_learning_rate(
             del params
             lr = schedule(state.count).to(torch.float32) * sign
             new = tree_map(lambda u: u * lr.to(u.dtype), updates)
-            count = torch.clamp(state.count + 1, max=torch.iinfo(torch.int32).max)
+            count = saturating_increment(state.count)
             return new, ScaleByScheduleState(count=count.to(torch.int32))
 
         return GradientTransformation(init, update, LearningRateSpec(schedule, sign))

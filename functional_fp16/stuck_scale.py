@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from functional_fp16 import _validate
+from functional_fp16.base import saturating_increment
 from functional_fp16.loss_scale import DynamicLossScale
 from functional_fp16.update import FP16State
 
@@ -47,8 +48,6 @@ __all__ = [
     "stuck_scale_check",
     "new_window",
 ]
-
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class StuckScaleError(RuntimeError):
@@ -174,7 +173,7 @@ def stuck_scale_observe(
         loss_value = loss.float().mean()
     stuck = (~applied & at_floor) | loss_bad
     one = torch.ones_like(prev.run)
-    run = torch.where(stuck, torch.clamp(prev.run + one, max=_INT32_MAX), torch.zeros_like(one))
+    run = torch.where(stuck, saturating_increment(prev.run), torch.zeros_like(one))
     run_bad = torch.where(stuck, prev.run_nonfinite_loss + loss_bad.to(torch.int32), 0 * one)
     new_worst = stuck & (run >= prev.worst)
     return StuckScaleState(

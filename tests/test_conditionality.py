@@ -97,11 +97,6 @@ def test_zero_max_consecutive_errors_applies_every_update(init_params, per_step_
     assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="conditionality.py computes `count + 1` in int32 before the clamp, so the counters "
-    "wrap to -2**31 instead of saturating (the clamp never bites)",
-)
 def test_counters_saturate_at_the_int32_maximum(init_params, per_step_updates):
     top = torch.iinfo(torch.int32).max
     tx = ff.apply_if_finite(ff.identity(), max_consecutive_errors=5)

@@ -186,11 +186,6 @@ def test_schedule_counts_applied_updates_only():
     assert float(updates["w"]) == -0.25
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sgd.py computes `count + 1` in int32 before the clamp, so the count wraps to "
-    "-2**31 instead of saturating (the clamp never bites)",
-)
 def test_schedule_step_count_saturates_at_the_int32_maximum():
     top = torch.iinfo(torch.int32).max
     tx = ff.scale_by_learning_rate(ff.constant_schedule(0.5))
@@ -246,15 +241,7 @@ def test_transforms_preserve_structure_shape_dtype_and_inputs(name):
 def _dtype_cases():
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         for name in sorted(TRANSFORMS):
-            marks = []
-            if name in MOMENTUM and dtype in (torch.float16, torch.bfloat16):
-                marks = pytest.mark.xfail(
-                    strict=True,
-                    raises=AssertionError,
-                    reason="trace multiplies by a 0-d float32 factor: a 0-d FP16/BF16 leaf "
-                    "(both operands 0-d) is promoted to float32 in the buffer and the output",
-                )
-            yield pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype)[6:]}")
+            yield pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
 
 
 @pytest.mark.parametrize("name, dtype", list(_dtype_cases()))
