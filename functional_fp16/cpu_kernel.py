@@ -191,6 +191,26 @@ def grad_stats(
     return peak, sq
 
 
+def _step_args(c: _Arrays, t: KernelTensors | AdamTensors, s: KernelScalars | AdamScalars):
+    """The arguments every update entry point starts with, in the C order.
+
+    The leaf count, one pointer array per field of ``t`` (gradients, state
+    inputs, outputs), the sizes and dtype codes, then 1/scale, the clip
+    divisor and factor (NULL: none) and the signed learning rate.
+    """
+    return [
+        len(t.grads),
+        *[c.ptrs(x) for x in t],
+        c.i64([g.numel() for g in t.grads]),
+        c.i32([DTYPE_CODES[g.dtype] for g in t.grads]),
+        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
+        _addr(s.inv),
+        _addr(s.clip[0]) if s.clip is not None else None,
+        _addr(s.clip[1]) if s.clip is not None else None,
+        s.lr.data_ptr(),
+    ]
+
+
 def sgd_update(
     tensors: KernelTensors, scalars: KernelScalars, peak_out: torch.Tensor | None = None
 ) -> None:
@@ -205,15 +225,7 @@ def sgd_update(
     t, s = tensors, scalars
     c = _Arrays()
     _lib.ff_sgd_update(
-        len(t.grads),
-        *[c.ptrs(x) for x in t],  # grads, master, trace, params and the three outputs
-        c.i64([g.numel() for g in t.grads]),
-        c.i32([DTYPE_CODES[g.dtype] for g in t.grads]),
-        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
-        _addr(s.inv),
-        _addr(s.clip[0]) if s.clip is not None else None,
-        _addr(s.clip[1]) if s.clip is not None else None,
-        s.lr.data_ptr(),
+        *_step_args(c, t, s),
         _addr(s.apply),
         _addr(s.started),
         s.weight_decay,
@@ -252,15 +264,7 @@ def adam_update(tensors: AdamTensors, scalars: AdamScalars) -> None:
     t, s = tensors, scalars
     c = _Arrays()
     _lib.ff_adam_update(
-        len(t.grads),
-        *[c.ptrs(x) for x in t],  # grads, master, mu, nu, params and the four outputs
-        c.i64([g.numel() for g in t.grads]),
-        c.i32([DTYPE_CODES[g.dtype] for g in t.grads]),
-        c.i32([DTYPE_CODES[p.dtype] for p in t.params_out]),
-        _addr(s.inv),
-        _addr(s.clip[0]) if s.clip is not None else None,
-        _addr(s.clip[1]) if s.clip is not None else None,
-        s.lr.data_ptr(),
+        *_step_args(c, t, s),
         s.apply.data_ptr(),
         s.inv_c1.data_ptr(),
         s.sqrt_c2.data_ptr(),

@@ -56,6 +56,32 @@ def unavailable_reason() -> str | None:
 if triton is not None:
 
     @triton.jit
+    def _step_inputs(
+        g_ptr,
+        m_ptr,
+        n,
+        inv_ptr,
+        cdiv_ptr,
+        cmul_ptr,
+        apply_ptr,
+        HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """This program's offsets and mask, the apply flag, the master and the unscaled,
+        clipped gradient u = (fl32(g) * inv / c_div) * c_mul."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        apply = tl.load(apply_ptr) != 0
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_INV:
+            u = u * tl.load(inv_ptr)
+        if CLIP:
+            u = tl.div_rn(u, tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+        return offs, mask, apply, m, u
+
+    @triton.jit
     def _sgd_step(
         g_ptr,
         m_ptr,
@@ -82,15 +108,9 @@ if triton is not None:
         P_IS_MASTER: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        apply = tl.load(apply_ptr) != 0
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_INV:
-            u = u * tl.load(inv_ptr)
-        if CLIP:
-            u = tl.div_rn(u, tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+        offs, mask, apply, m, u = _step_inputs(
+            g_ptr, m_ptr, n, inv_ptr, cdiv_ptr, cmul_ptr, apply_ptr, HAS_INV, CLIP, BLOCK
+        )
         if DECAY:
             u = tl.fma(m, wd, u)
         v = u
@@ -145,15 +165,9 @@ if triton is not None:
         P_IS_MASTER: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        apply = tl.load(apply_ptr) != 0
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_INV:
-            u = u * tl.load(inv_ptr)
-        if CLIP:
-            u = tl.div_rn(u, tl.load(cdiv_ptr)) * tl.load(cmul_ptr)
+        offs, mask, apply, m, u = _step_inputs(
+            g_ptr, m_ptr, n, inv_ptr, cdiv_ptr, cmul_ptr, apply_ptr, HAS_INV, CLIP, BLOCK
+        )
         if L2:
             u = tl.fma(m, l2, u)
         a = tl.load(a_ptr + offs, mask=mask, other=0.0)

@@ -36,6 +36,7 @@ from functional_fp16.fused_update import (
     advance_schedule,
     decide_step,
     fresh_outputs,
+    next_state,
 )
 from functional_fp16.kernel_args import AdamScalars, AdamTensors
 from functional_fp16.sgd_plan import replace_at, state_at
@@ -87,13 +88,4 @@ def fused_adam_update(state, grads, decide, donate: bool, fp: FusedPlan):
     )
     opt_state = replace_at(state.opt_state, plan.adam_path, new_adam)
     opt_state = advance_schedule(plan, opt_state, finite, new_lr_state)
-    new = state.replace(
-        params=tree_unflatten(p_spec, p_out),
-        master=tree_unflatten(m_spec, m_out),
-        opt_state=opt_state,
-        loss_scale=state.loss_scale.adjust(finite),
-        step=state.step + 1,
-        grads_finite=finite,
-    )
-    new._kernel_plan = fp  # same layout as the input: no need to check it again
-    return new
+    return next_state(state, fp, finite, (p_spec, p_out), (m_spec, m_out), opt_state)

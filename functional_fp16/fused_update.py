@@ -217,6 +217,23 @@ def advance_schedule(plan, opt_state, finite: torch.Tensor, new_lr_state):
     return replace_at(opt_state, plan.lr_path, new_count)
 
 
+def next_state(state, fp: FusedPlan, finite, params, master, opt_state):
+    """The state after a fused step: ``params`` and ``master`` as ``(spec, leaves)``.
+
+    The new state carries the plan, since its layout is the input's.
+    """
+    new = state.replace(
+        params=tree_unflatten(*params),
+        master=tree_unflatten(*master),
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        step=state.step + 1,
+        grads_finite=finite,
+    )
+    new._kernel_plan = fp
+    return new
+
+
 def fused_update(state, grads, decide, donate: bool):
     """``impl="fused"``; see the module docstring. Same signature as every implementation."""
     if torch.compiler.is_compiling():
@@ -289,13 +306,4 @@ def fused_update(state, grads, decide, donate: bool):
         )
         opt_state = replace_at(opt_state, plan.trace_path, new_trace)
     opt_state = advance_schedule(plan, opt_state, finite, new_lr_state)
-    new = state.replace(
-        params=tree_unflatten(p_spec, p_out),
-        master=tree_unflatten(m_spec, m_out),
-        opt_state=opt_state,
-        loss_scale=state.loss_scale.adjust(finite),
-        step=state.step + 1,
-        grads_finite=finite,
-    )
-    new._kernel_plan = fp  # same layout as the input: no need to check it again
-    return new
+    return next_state(state, fp, finite, (p_spec, p_out), (m_spec, m_out), opt_state)
