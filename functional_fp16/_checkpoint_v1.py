@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functional_fp16 import checkpoint
+from functional_fp16 import _checkpoint_format as fmt
 
 __all__ = ["convert"]
 
@@ -66,16 +66,16 @@ def convert(payload: dict[str, Any], name: str) -> dict[str, Any]:
     Raises:
       CheckpointCorruptError: an entry is missing or malformed, or the checksum differs.
     """
-    corrupt = checkpoint.CheckpointCorruptError
+    corrupt = fmt.CheckpointCorruptError
     missing = [k for k in ("tree", "tensors", "tensor_info", "checksum") if k not in payload]
     if missing:
         raise corrupt(f"{name}: checkpoint lacks the entries {missing}")
     tensors, info = payload["tensors"], payload["tensor_info"]
     if not isinstance(tensors, list) or not isinstance(info, list) or len(tensors) != len(info):
         raise corrupt(f"{name}: the tensor table is malformed")
-    header = (checkpoint.FORMAT, 1, payload["tree"], info)
+    header = (fmt.FORMAT, 1, payload["tree"], info)
     try:
-        expected = checkpoint._checksum(header, tensors)
+        expected = fmt._checksum(header, tensors)
     except Exception as err:
         raise corrupt(f"{name}: cannot checksum the contents: {err}") from None
     if expected != payload["checksum"]:
@@ -89,6 +89,6 @@ def convert(payload: dict[str, Any], name: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise corrupt(f"{name}: malformed version-1 structure: {err!r}") from None
     converted = {"structure": structure, "leaves": leaves, "tensors": tensors}
-    checkpoint._check_leaves(leaves, tensors, name)
-    checkpoint._check_node(structure, len(leaves), name)
+    fmt._check_leaves(leaves, tensors, name)
+    fmt._check_node(structure, len(leaves), name)
     return converted
