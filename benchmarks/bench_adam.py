@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_update import Row, make_inputs, trees  # noqa: E402
+from bench_update import GradScalerSGD, Row, make_inputs, trees  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 
@@ -71,32 +71,13 @@ class FP16AdamW(Row):
         return [self.state.master[k] for k in self.keys]
 
 
-class GradScalerAdamW(Row):
+class GradScalerAdamW(GradScalerSGD):
+    """``GradScaler`` + ``torch.optim.AdamW`` on FP32 parameters and gradients."""
+
     bytes_per_param = 36
 
-    def __init__(self, p0, grads, *, fused, name):
-        self.name = name
-        self.params = [torch.nn.Parameter(v.clone()) for v in p0.values()]
-        self.grads32 = [[g.float() for g in gs.values()] for gs in grads]
-        kw = {"fused": True} if fused else {"foreach": True}
-        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, **kw)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**6)
-        self.scaler.scale(torch.ones(()))  # the scaler creates its state lazily here
-
-    def prepare(self, i):
-        # Stands in for backward(): fresh scaled FP32 gradients in .grad.
-        for p, g in zip(self.params, self.grads32[i]):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-
-    def step(self, i):
-        self.scaler.step(self.opt)
-        self.scaler.update()
-
-    def master(self):
-        return [p.detach() for p in self.params]
+    def optimizer(self, params, **kw):
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WD, **kw)
 
 
 def rows():

@@ -233,9 +233,13 @@ class GradScalerSGD(Row):
         self.params = [torch.nn.Parameter(v.clone()) for v in p0.values()]
         self.grads32 = [[g.float() for g in gs.values()] for gs in grads]
         kw = {"fused": True} if fused else {"foreach": True}
-        self.opt = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM, **kw)
+        self.opt = self.optimizer(self.params, **kw)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10**6)
         self.scaler.scale(torch.ones(()))  # the scaler creates its state lazily here
+
+    def optimizer(self, params, **kw):
+        """The torch optimizer this row steps (a subclass may use another)."""
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, **kw)
 
     def prepare(self, i):
         # Stands in for backward(): fresh scaled FP32 gradients in .grad.

@@ -23,9 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE, tree_leaves
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from functional_fp16._tree import NAMESPACE
 
 FUZZ = settings(
     max_examples=400,
@@ -33,23 +31,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     database=None,
 )
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.to(torch.uint8) if t.dtype == torch.bool else t.view(_INT_VIEW[t.element_size()])
-
-
-def bit_snapshot(tree) -> list[torch.Tensor]:
-    """The bit patterns of every leaf of ``tree`` (NaN payloads and -0.0 included)."""
-    return [_bits(x).clone() for x in tree_leaves(tree)]
-
-
-def assert_bitwise_unchanged(tree, before: list[torch.Tensor]) -> None:
-    after = tree_leaves(tree)
-    assert len(after) == len(before)
-    for x, b in zip(after, before, strict=True):
-        assert torch.equal(_bits(x), b)
 
 
 class Pair(NamedTuple):

@@ -27,3 +27,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# optax's fixtures for transform tests: two parameter tensors and one step's updates.
+@pytest.fixture
+def init_params():
+    return (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+
+
+@pytest.fixture
+def per_step_updates():
+    return (torch.tensor([500.0, 5.0]), torch.tensor([300.0, 3.0]))

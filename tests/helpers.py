@@ -189,3 +189,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
     return t.view(_INT_VIEWS[t.element_size()])
+
+
+def bit_snapshot(tree) -> list[torch.Tensor]:
+    """The bit patterns of every leaf of ``tree`` (NaN payloads and -0.0 included)."""
+    return [bits(x).clone() for x in optree.tree_leaves(tree, namespace=NAMESPACE)]
+
+
+def assert_bitwise_unchanged(tree, before: list[torch.Tensor]) -> None:
+    """Every leaf of ``tree`` still has the bit pattern :func:`bit_snapshot` recorded."""
+    after = optree.tree_leaves(tree, namespace=NAMESPACE)
+    assert len(after) == len(before)
+    for x, b in zip(after, before, strict=True):
+        assert torch.equal(bits(x), b)

@@ -14,16 +14,7 @@ import functional_fp16 as ff
 from functional_fp16 import checkpoint
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
 from functional_fp16.checkpoint import FORMAT, VERSION
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit pattern of ``t`` (so NaN == NaN and -0.0 != 0.0)."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    return t.view(_INT_VIEW[t.element_size()])
+from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits
 
 
 def assert_trees_bitwise_equal(a, b) -> None:
@@ -650,7 +641,7 @@ def test_fuzz_truncated_and_tampered_checkpoints(checkpoint_bytes, tmp_path):
         # without harm; then the content must be exactly the original.
         assert kind != "truncate"
         assert out["epoch"] == 4
-        _bad_inputs.assert_bitwise_unchanged(out["state"], _bad_inputs.bit_snapshot(state))
+        assert_bitwise_unchanged(out["state"], bit_snapshot(state))
         seen[f"{kind}: harmless"] += 1
 
     case()

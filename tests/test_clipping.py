@@ -16,16 +16,6 @@ from tests.helpers import assert_transform_step_preserves, random_tree
 STEPS = 50
 
 
-@pytest.fixture
-def init_params():
-    return (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
-
-
-@pytest.fixture
-def per_step_updates():
-    return (torch.tensor([500.0, 5.0]), torch.tensor([300.0, 3.0]))
-
-
 def clip(max_norm, updates):
     return ff.clip_by_global_norm(max_norm).update(updates, ff.EmptyState())[0]
 

@@ -17,7 +17,13 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_map
-from tests.helpers import bits, scaled_error
+from tests.helpers import (
+    assert_bitwise_unchanged,
+    assert_transform_step_preserves,
+    bit_snapshot,
+    bits,
+    scaled_error,
+)
 
 STEPS = 20
 LR = 0.05
@@ -25,36 +31,6 @@ HEAD_LR = 0.5
 WD = 1e-2
 SCALE = 1024.0
 IMPLS = ["reference", "foreach", "auto"]
-
-
-# Local copies of checks that tests/helpers.py and tests/_bad_inputs.py are gaining
-# in work not yet committed (switch to those once they land).
-def snapshot(tree) -> list[torch.Tensor]:
-    """The bit patterns of every leaf (so NaN payloads and -0.0 count)."""
-    return [bits(x).clone() for x in tree_leaves(tree)]
-
-
-def assert_bitwise_unchanged(tree, before: list[torch.Tensor]) -> None:
-    after = tree_leaves(tree)
-    assert len(after) == len(before)
-    for x, b in zip(after, before, strict=True):
-        assert torch.equal(bits(x), b)
-
-
-def assert_step_preserves(tx, params, updates):
-    """One init + update: updates and state keep structure, shapes and dtypes; inputs untouched."""
-    ns = ff.NAMESPACE
-    inputs = snapshot((params, updates))
-    state = tx.init(params)
-    old_state = snapshot(state)
-    out, new_state = tx.update(updates, state, params)
-    for new, old in ((out, updates), (new_state, state)):
-        assert optree.tree_structure(new, namespace=ns) == optree.tree_structure(old, namespace=ns)
-        got = [(x.shape, x.dtype) for x in tree_leaves(new)]
-        assert got == [(x.shape, x.dtype) for x in tree_leaves(old)]
-    assert_bitwise_unchanged((params, updates), inputs)
-    assert_bitwise_unchanged(state, old_state)
-    return out, new_state
 
 
 # optax's fixture (tests of optax.transforms._combining), as tensors.
@@ -211,8 +187,8 @@ def test_structure_shape_and_dtype_are_preserved():
     tx = ff.multi_transform(
         {"sgd": ff.sgd(LR, momentum=0.9), "adam": ff.adam(1e-3), "zero": ff.set_to_zero()}, labels
     )
-    assert_step_preserves(tx, params, updates)
-    out, _ = assert_step_preserves(ff.set_to_zero(), params, updates)
+    assert_transform_step_preserves(tx, params, updates)
+    out, _ = assert_transform_step_preserves(ff.set_to_zero(), params, updates)
     assert all(torch.equal(bits(o), bits(torch.full_like(o, -0.0))) for o in tree_leaves(out))
 
 
@@ -347,7 +323,7 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(impl):
     state = run_ours(network_tx(), params, grads[:3], impl)
     bad = tree_map(torch.clone, grads[3])
     bad["embed"]["weight"][2, 2] = math.nan  # even in a frozen leaf: the step is skipped
-    before = snapshot((state.params, state.master, state.opt_state))
+    before = bit_snapshot((state.params, state.master, state.opt_state))
     after = ff.fp16_update(state, bad, impl=impl)
     assert not bool(after.grads_finite)
     assert_bitwise_unchanged((after.params, after.master, after.opt_state), before)
@@ -399,7 +375,7 @@ def test_bad_arguments_are_named_and_the_callers_state_is_left_untouched():
     )
     state = tx.init(params)
     _, state = tx.update(tree_map(torch.ones_like, params), state, params)
-    before = snapshot(state)
+    before = bit_snapshot(state)
     with pytest.raises(ValueError, match=r"param_labels\(updates\)\['head'\]: label 'nobody'"):
         tx.update(tree_map(torch.ones_like, params), state, params)
     assert_bitwise_unchanged(state, before)

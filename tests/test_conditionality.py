@@ -17,16 +17,6 @@ from tests.helpers import assert_transform_step_preserves, random_tree
 LR = 0.1
 
 
-@pytest.fixture
-def init_params():
-    return (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
-
-
-@pytest.fixture
-def per_step_updates():
-    return (torch.tensor([500.0, 5.0]), torch.tensor([300.0, 3.0]))
-
-
 def poisoned(updates, value=math.nan):
     first, *rest = updates
     return (torch.cat([first[:1], torch.tensor([value])]), *rest)

@@ -29,18 +29,12 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_paths
+from tests.helpers import bits
 
 WRITER = Path(__file__).with_name("_checkpoint_writer.py")
 KILLS = 40
 KILL_BUDGET_S = 45.0  # stop early (but after at least MIN_KILLS) on a slow machine
 MIN_KILLS = 20
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.to(torch.uint8) if t.dtype == torch.bool else t.view(_INT_VIEW[t.element_size()])
 
 
 def assert_bitwise(a, b) -> None:

@@ -24,17 +24,11 @@ import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
 from functional_fp16.loss_scale import unscale_factor
 from functional_fp16.update import _IMPLEMENTATIONS
+from tests.helpers import bits
 
 EPISODES = 24
 STEPS = 125  # per episode: 3000 steps per implementation and donation mode
 IMPLS = sorted(_IMPLEMENTATIONS)
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.to(torch.uint8) if t.dtype == torch.bool else t.view(_INT_VIEW[t.element_size()])
 
 
 def assert_bitwise(a, b, what: str) -> None:

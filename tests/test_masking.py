@@ -31,7 +31,13 @@ import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.sgd import DecaySpec
 from functional_fp16.sgd_plan import sgd_plan
-from tests.helpers import bits, scaled_error
+from tests.helpers import (
+    assert_bitwise_unchanged,
+    assert_transform_step_preserves,
+    bit_snapshot,
+    bits,
+    scaled_error,
+)
 
 STEPS = 20
 LR = 0.05
@@ -39,36 +45,6 @@ WD = 1e-2
 SCALE = 1024.0
 EPS32 = 2.0**-23
 IMPLS = ["reference", "foreach", "auto"]
-
-
-# Local copies of checks that tests/helpers.py and tests/_bad_inputs.py are gaining
-# in work not yet committed (switch to those once they land).
-def snapshot(tree) -> list[torch.Tensor]:
-    """The bit patterns of every leaf (so NaN payloads and -0.0 count)."""
-    return [bits(x).clone() for x in tree_leaves(tree)]
-
-
-def assert_bitwise_unchanged(tree, before: list[torch.Tensor]) -> None:
-    after = tree_leaves(tree)
-    assert len(after) == len(before)
-    for x, b in zip(after, before, strict=True):
-        assert torch.equal(bits(x), b)
-
-
-def assert_step_preserves(tx, params, updates):
-    """One init + update: updates and state keep structure, shapes and dtypes; inputs untouched."""
-    ns = ff.NAMESPACE
-    inputs = snapshot((params, updates))
-    state = tx.init(params)
-    old_state = snapshot(state)
-    out, new_state = tx.update(updates, state, params)
-    for new, old in ((out, updates), (new_state, state)):
-        assert optree.tree_structure(new, namespace=ns) == optree.tree_structure(old, namespace=ns)
-        got = [(x.shape, x.dtype) for x in tree_leaves(new)]
-        assert got == [(x.shape, x.dtype) for x in tree_leaves(old)]
-    assert_bitwise_unchanged((params, updates), inputs)
-    assert_bitwise_unchanged(state, old_state)
-    return out, new_state
 
 
 # optax's fixtures (tests of optax.transforms._masking), as tensors.
@@ -321,9 +297,9 @@ def test_structure_shape_and_dtype_are_preserved():
     updates = tree_map(lambda p: torch.randn(p.shape).to(p.dtype), params)
     mask = {"w": True, "b": False, "h": (True, False)}
     tx = ff.masked(ff.chain(ff.add_decayed_weights(WD), ff.sgd(LR, momentum=0.9)), mask)
-    out, state = assert_step_preserves(tx, params, updates)
+    out, state = assert_transform_step_preserves(tx, params, updates)
     assert out["b"] is updates["b"] and out["h"][1] is updates["h"][1]
-    assert_step_preserves(ff.add_decayed_weights(WD, mask=is_matrix), params, updates)
+    assert_transform_step_preserves(ff.add_decayed_weights(WD, mask=is_matrix), params, updates)
 
 
 # -- add_decayed_weights(mask=...) and the fused path --------------------------------------------
@@ -448,7 +424,7 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(impl):
     state = run_ours(tx, params, grads[:3], impl)
     bad = tree_map(torch.clone, grads[3])
     bad["l2"]["bias"][1] = math.inf
-    before = snapshot((state.params, state.master, state.opt_state))
+    before = bit_snapshot((state.params, state.master, state.opt_state))
     after = ff.fp16_update(state, bad, impl=impl)
     assert not bool(after.grads_finite)
     assert_bitwise_unchanged((after.params, after.master, after.opt_state), before)
@@ -500,7 +476,7 @@ def test_bad_arguments_are_named_and_the_callers_state_is_left_untouched():
     tx = ff.masked(ff.sgd(1.0, momentum=0.9), lambda p: tree_map(lambda x: True, p))
     state = tx.init(params)
     _, state = tx.update(per_step_updates(params), state, params)
-    before = snapshot(state)
+    before = bit_snapshot(state)
     wrong = {**per_step_updates(params), "extra": torch.ones(())}
     fixed = ff.masked(ff.sgd(1.0, momentum=0.9), MASK)
     with pytest.raises(

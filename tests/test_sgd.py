@@ -20,16 +20,6 @@ STEPS = 12
 LR = 0.05
 
 
-@pytest.fixture
-def init_params():
-    return (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
-
-
-@pytest.fixture
-def per_step_updates():
-    return (torch.tensor([500.0, 5.0]), torch.tensor([300.0, 3.0]))
-
-
 def leaves(tree):
     return optree.tree_leaves(tree, namespace=ff.NAMESPACE)
 

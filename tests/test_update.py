@@ -17,16 +17,14 @@ from hypothesis import strategies as st
 import functional_fp16 as ff
 from functional_fp16 import update as update_module
 from functional_fp16._tree import NAMESPACE, format_path, tree_leaves
-from tests._bad_inputs import (
-    FUZZ,
-    Pair,
+from tests._bad_inputs import FUZZ, Pair, base_params, good_grads, trained
+from tests.helpers import (
     assert_bitwise_unchanged,
-    base_params,
     bit_snapshot,
-    good_grads,
-    trained,
+    no_host_sync,
+    random_tree,
+    scaled_error,
 )
-from tests.helpers import no_host_sync, random_tree, scaled_error
 
 IMPLS = sorted(update_module._IMPLEMENTATIONS)
 NS = ff.NAMESPACE
