@@ -65,6 +65,7 @@ from functional_fp16._checkpoint_format import (
 )
 from functional_fp16._tree import NAMESPACE, PyTree, child_steps, describe_tensor
 from functional_fp16.atomic_file import PathLike, atomic_torch_save, remove_stale_temporaries
+from functional_fp16.update import FP16State
 
 __all__ = [
     "save_checkpoint",
@@ -165,6 +166,12 @@ class _Writer:
     def node(self, tree: Any, path: str) -> dict[str, Any]:
         if optree.tree_is_leaf(tree, namespace=NAMESPACE):
             return self.leaf(tree, path)
+        if isinstance(tree, FP16State) and tree.shard is not None:
+            raise TypeError(
+                f"tree{path} is shard {tree.shard.rank} of {tree.shard.world_size} of a sharded "
+                "state: save it with functional_fp16.distributed.save_checkpoint_rank0, called "
+                "on every rank, which gathers the full state and writes one file"
+            )
         children, meta, entries, steps = _one_level(tree)
         if isinstance(tree, dict):
             for key in entries:

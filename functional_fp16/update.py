@@ -75,12 +75,17 @@ class FP16State:
       :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
       :mod:`functional_fp16.accumulation`).
 
-    Static configuration: ``tx``, the :class:`GradientTransformation`.
+    Static configuration: ``tx``, the :class:`GradientTransformation`, and
+    ``shard``: ``None``, or for a state made by
+    :func:`functional_fp16.distributed.shard_state`, the
+    :class:`~functional_fp16.distributed.ShardLayout` saying which slice of the
+    flattened FP32 tensors this rank's ``master`` and ``opt_state`` hold (as
+    1-D pieces, one per parameter leaf, in the parameters' tree structure).
     """
 
     # ``_kernel_plan``: the fused kernel's verdict on this object's layout,
     # cached by the update that produced it (never by replace or unflatten).
-    __slots__ = _FIELDS + ("tx", "_kernel_plan")
+    __slots__ = _FIELDS + ("tx", "shard", "_kernel_plan")
 
     def __init__(
         self,
@@ -91,6 +96,7 @@ class FP16State:
         step: torch.Tensor,
         grads_finite: torch.Tensor,
         tx: GradientTransformation,
+        shard: Any = None,
     ) -> None:
         self.params = params
         self.master = master
@@ -99,11 +105,12 @@ class FP16State:
         self.step = step
         self.grads_finite = grads_finite
         self.tx = tx
+        self.shard = shard
         self._kernel_plan = None
 
     def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""
-        fields = {name: getattr(self, name) for name in _FIELDS + ("tx",)}
+        fields = {name: getattr(self, name) for name in _FIELDS + ("tx", "shard")}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"FP16State has no field(s) {sorted(unknown)}")
@@ -112,16 +119,20 @@ class FP16State:
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in tree_leaves(self.params))
+        shard = (
+            "" if self.shard is None else f", shard {self.shard.rank} of {self.shard.world_size}"
+        )
         return (
             f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
-            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params)"
+            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params"
+            f"{shard})"
         )
 
 
 register_node(
     FP16State,
-    lambda s: (tuple(getattr(s, n) for n in _FIELDS), s.tx),
-    lambda tx, children: FP16State(*children, tx=tx),
+    lambda s: (tuple(getattr(s, n) for n in _FIELDS), (s.tx, s.shard)),
+    lambda meta, children: FP16State(*children, tx=meta[0], shard=meta[1]),
     lambda s: _FIELDS,
 )
 
@@ -227,6 +238,13 @@ def fp16_init(
     )
 
 
+_SHARDED_MESSAGE = (
+    "state holds shard {} of {} of the FP32 master and optimiser state "
+    "(from functional_fp16.distributed.shard_state): update it with "
+    "functional_fp16.distributed.sharded_update on every rank, or gather it "
+    "with unshard_state first"
+)
+
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
 UpdateImpl = Callable[[FP16State, PyTree, FiniteHook | None, bool], FP16State]
 """``impl(state, grads, decide, donate)``: ``decide`` (or ``None``) maps the local
@@ -289,6 +307,8 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
     """
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if state.shard is not None:
+        raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
     if impl not in ("auto", *_IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
     if fp16_accumulates(state.tx):  # MultiSteps: the path of the inner optimiser's step
@@ -353,6 +373,8 @@ def fp16_update(
     """
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if state.shard is not None:
+        raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
     if impl == "auto":
         impl = "fused"  # which falls back to "foreach" where it does not apply
     if impl not in _IMPLEMENTATIONS:

@@ -70,6 +70,9 @@ from functional_fp16.distributed.process_group import (
     shutdown,
 )
 from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
+from functional_fp16.distributed.shard_layout import ShardLayout
+from functional_fp16.distributed.sharded_step import sharded_update
+from functional_fp16.distributed.sharding import is_sharded, shard_state, unshard_state
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -89,4 +92,9 @@ __all__ = [
     "broadcast_state",
     "save_checkpoint_rank0",
     "load_checkpoint_broadcast",
+    "ShardLayout",
+    "shard_state",
+    "unshard_state",
+    "is_sharded",
+    "sharded_update",
 ]

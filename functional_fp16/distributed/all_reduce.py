@@ -34,6 +34,11 @@ def _float_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], Any, lis
     return leaves, spec, paths
 
 
+def default_predivide(comm_dtype: torch.dtype, world: int) -> float:
+    """The pre-divide factor for ``comm_dtype``: the world size for FP16/BF16, else 1."""
+    return float(world) if comm_dtype in _LOW_PRECISION else 1.0
+
+
 def _check_bucket_bytes(bucket_bytes: int) -> int:
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -106,7 +111,7 @@ def tree_all_reduce_mean(
     pending = []
     for indices in _buckets(leaves, dtypes, bucket_bytes):
         dtype = dtypes[indices[0]]
-        pre = predivide_factor or (float(world) if dtype in _LOW_PRECISION else 1.0)
+        pre = predivide_factor or default_predivide(dtype, world)
         flat = _pack(leaves, indices, dtype, pre)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         pending.append((work, flat, indices, world / pre))

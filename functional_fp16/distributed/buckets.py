@@ -43,9 +43,12 @@ def _pack(
     whose share ``x / pre`` fits from overflowing on the wire. ``torch.cat``
     always allocates, so the inputs are never written to.
     """
-    if pre == 1.0:
-        return torch.cat([leaves[i].reshape(-1).to(dtype) for i in indices])
-    return torch.cat([(leaves[i].reshape(-1) / pre).to(dtype) for i in indices])
+    return torch.cat([scaled_cast(leaves[i].reshape(-1), dtype, pre) for i in indices])
+
+
+def scaled_cast(x: torch.Tensor, dtype: torch.dtype, pre: float) -> torch.Tensor:
+    """``fl_dtype(x / pre)``: divided in ``x``'s own dtype, then cast (no division for ``pre == 1``)."""
+    return x.to(dtype) if pre == 1.0 else (x / pre).to(dtype)
 
 
 def _unpack(

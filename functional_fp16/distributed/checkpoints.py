@@ -10,6 +10,7 @@ from functional_fp16._tree import PyTree
 from functional_fp16.checkpoint import load_checkpoint, save_checkpoint
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import broadcast_state
+from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like, unshard_state
 
 __all__ = ["save_checkpoint_rank0", "load_checkpoint_broadcast"]
 
@@ -32,8 +33,14 @@ def save_checkpoint_rank0(
     Every rank must call it; all return once the file is complete (so any rank
     may read it afterwards), or all raise if writing failed. Since every rank
     holds the same state, the one copy is the checkpoint of the whole run.
+
+    Sharded states in ``tree`` (from :func:`shard_state`) are first gathered
+    with :func:`unshard_state`, so the file always holds the full state and
+    does not depend on the world size: :func:`load_checkpoint_broadcast`
+    shards it again for whatever group loads it.
     """
     _require_group("save_checkpoint_rank0")
+    tree = map_sharded(lambda s: unshard_state(s, group=group), tree)
     error = None
     if dist.get_rank() == src:
         try:
@@ -55,10 +62,15 @@ def load_checkpoint_broadcast(
     When every machine sees the file, ``load_checkpoint(path, like)`` on each
     rank does the same without communication.
 
+    Sharded states in ``like`` are loaded whole (on every rank, for the
+    moment of the load) and sharded for ``group``, whatever world size wrote
+    the file.
+
     Args:
       path: the checkpoint, as written by :func:`save_checkpoint_rank0`.
       like: a tree of the same structure, shapes and dtypes on every rank,
-        e.g. a freshly initialised :class:`~functional_fp16.FP16State`.
+        e.g. a freshly initialised :class:`~functional_fp16.FP16State`, full
+        or sharded.
       src: the rank that reads the file.
       group: the process group (default: the default group).
 
@@ -66,11 +78,13 @@ def load_checkpoint_broadcast(
       The checkpointed tree, bitwise the same on every rank.
     """
     _require_group("load_checkpoint_broadcast")
-    tree, error = like, None
+    full = map_sharded(full_like, like)
+    tree, error = full, None
     if dist.get_rank() == src:
         try:
-            tree = load_checkpoint(path, like=like)
+            tree = load_checkpoint(path, like=full)
         except Exception as err:  # reported to every rank below
             error = err
     _agree_on_error(error, src, group, f"reading checkpoint {os.fspath(path)!r}")
-    return broadcast_state(tree, src=src, group=group, name="checkpoint")
+    tree = broadcast_state(tree, src=src, group=group, name="checkpoint")
+    return shard_like(tree, like, group)

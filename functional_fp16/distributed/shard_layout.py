@@ -1,0 +1,93 @@
+"""Which elements of every parameter a rank owns when the FP32 state is sharded (ZeRO-1).
+
+The parameters' leaves are grouped by dtype, in order of first appearance.
+The leaves of a group, each flattened (row-major) and concatenated in tree
+order, form one vector of :math:`P_g` elements. With :math:`N` ranks it is
+cut into :math:`N` contiguous slices of
+
+.. math:: S_g = \\lceil P_g / N \\rceil
+
+elements; rank :math:`r` owns the elements :math:`[r S_g, \\min((r+1) S_g, P_g))`
+of it. When :math:`N` does not divide :math:`P_g` the last slices are short
+(or empty); the collectives pad them to :math:`S_g` with zeros, the state
+itself holds only what the rank owns. A leaf's *piece* on a rank is the part
+of the leaf inside that rank's slice, possibly empty.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ShardLayout", "layout_for"]
+
+
+class ShardLayout(NamedTuple):
+    """One rank's share of a parameter tree (static, host-side; see the module docstring)."""
+
+    world_size: int  # N, the number of ranks sharing the state
+    rank: int  # which slice this state holds, 0 .. N - 1
+    sizes: tuple[int, ...]  # numel of every leaf, in flattening order
+    groups: tuple[tuple[int, ...], ...]  # the leaf indices of each dtype group, in order
+    offsets: tuple[int, ...]  # where every leaf starts in its group's vector
+    group_index: tuple[int, ...]  # the dtype group of every leaf
+
+    def group_numel(self, g: int) -> int:
+        """:math:`P_g`, the number of elements of group ``g``."""
+        last = self.groups[g][-1]
+        return self.offsets[last] + self.sizes[last]
+
+    def slice_numel(self, g: int) -> int:
+        """:math:`S_g = \\lceil P_g / N \\rceil`, the padded length of every rank's slice of group ``g``."""
+        return -(-self.group_numel(g) // self.world_size)
+
+    def bounds(self, g: int, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)`` of the elements of group ``g`` that ``rank`` (default: this one) owns."""
+        r = self.rank if rank is None else rank
+        s, p = self.slice_numel(g), self.group_numel(g)
+        return min(r * s, p), min((r + 1) * s, p)
+
+    def piece(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """``(lo, hi)``: the flat elements ``lo .. hi - 1`` of leaf ``i`` that ``rank`` owns (``lo == hi``: none)."""
+        start, stop = self.bounds(self.group_index[i], rank)
+        o, n = self.offsets[i], self.sizes[i]
+        lo = min(max(start - o, 0), n)
+        return lo, max(lo, min(stop - o, n))
+
+    def segments(self, g: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(leaf, lo, hi)`` for the leaf parts that cover elements ``start .. stop - 1`` of group ``g``.
+
+        Elements at or beyond :math:`P_g` (padding) belong to no leaf and are left out.
+        """
+        out = []
+        for i in self.groups[g]:
+            o, n = self.offsets[i], self.sizes[i]
+            lo, hi = max(start - o, 0), min(stop - o, n)
+            if lo < hi:
+                out.append((i, lo, hi))
+        return out
+
+
+def layout_for(leaves: list[torch.Tensor], world_size: int, rank: int) -> ShardLayout:
+    """The :class:`ShardLayout` of ``leaves`` (the parameters, flattened) for ``rank`` of ``world_size``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    sizes = tuple(leaf.numel() for leaf in leaves)
+    offsets, group_index = [0] * len(leaves), [0] * len(leaves)
+    for g, members in enumerate(by_dtype.values()):
+        total = 0
+        for i in members:
+            offsets[i], group_index[i] = total, g
+            total += sizes[i]
+    return ShardLayout(
+        world_size=world_size,
+        rank=rank,
+        sizes=sizes,
+        groups=tuple(tuple(m) for m in by_dtype.values()),
+        offsets=tuple(offsets),
+        group_index=tuple(group_index),
+    )

@@ -1,0 +1,209 @@
+"""``sharded_update``: reduce-scatter the gradients, step this rank's slice, all-gather the params."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from functional_fp16._tree import PyTree, check_like, tree_flatten, tree_unflatten
+from functional_fp16.batching import is_batched
+from functional_fp16.distributed.all_reduce import (
+    DEFAULT_BUCKET_BYTES,
+    _check_bucket_bytes,
+    _check_comm_dtype,
+    _check_predivide,
+    agree_finite,
+    default_predivide,
+)
+from functional_fp16.distributed.buckets import scaled_cast
+from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.shard_layout import ShardLayout
+from functional_fp16.distributed.sharding import _check_shardable, check_layout
+from functional_fp16.update import FP16State, fp16_update
+
+__all__ = ["sharded_update"]
+
+
+def sharded_update(
+    state: FP16State,
+    grads: PyTree,
+    *,
+    group: ProcessGroup = None,
+    comm_dtype: torch.dtype | None = None,
+    loss: torch.Tensor | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    predivide_factor: float | None = None,
+    impl: str = "auto",
+) -> FP16State:
+    r"""One data-parallel mixed-precision step on a sharded state (ZeRO-1).
+
+    Every rank passes its own gradients of the scaled loss (shaped like the
+    full ``state.params``). With :math:`N` ranks, pre-divide factor :math:`f`
+    and this rank's slice :math:`[a, b)` of each dtype group's flattened
+    parameters:
+
+    .. math::
+        \bar g_{[a,b)} &= \operatorname{fl}_c\Big(\sum_r \operatorname{fl}_c(g_{r,[a,b)} / f)\Big) / (N / f)
+            \quad\text{(reduce-scatter)} \\
+        f_\text{all} &= \neg \max_r \neg f_r \quad\text{(the finite flag, all-reduced with MAX)} \\
+        \text{state}_{[a,b)}' &= \text{fp16\_update}(\text{state}_{[a,b)}, \bar g_{[a,b)}) \\
+        p' &= \text{all-gather}_r(p'_{[a_r, b_r)})
+
+    The average is the one :func:`tree_all_reduce_mean` forms (same cast,
+    pre-divide and post-divide), the step is
+    :func:`~functional_fp16.fp16_update` on the pieces (any implementation;
+    the fused kernel where it applies), and the decision is agreed across
+    ranks, so a non-finite gradient on any rank skips the step on every rank.
+    Each rank writes only its slice of the FP32 state; the new FP16 working
+    copy is whole and bitwise the same on every rank. Collectives are
+    bucketed (at most ``bucket_bytes`` per call, all launched before any is
+    waited on), nothing is read back to the host, and no input is modified.
+
+    Args:
+      state: this rank's shard, from :func:`shard_state` over ``group``.
+      grads: this rank's gradients of the scaled loss, shaped like ``state.params``.
+      group: the process group (default: the default group).
+      comm_dtype: the dtype sent in the reduce-scatter; default each group's
+        gradient dtype (FP16 for FP16 parameters).
+      loss: optionally this rank's loss; a non-finite one skips the step (on
+        every rank).
+      bucket_bytes: the most bytes one collective moves.
+      predivide_factor: :math:`f`; default as :func:`tree_all_reduce_mean`
+        (:math:`N` for FP16/BF16 communication, else 1).
+      impl: the implementation of the step on the pieces (see
+        :func:`~functional_fp16.fp16_update`).
+
+    Returns:
+      The next sharded state.
+    """
+    _require_group("sharded_update")
+    layout = check_layout(state, group, "sharded_update")
+    _check_shardable(state.tx)
+    bucket_bytes = _check_bucket_bytes(bucket_bytes)
+    comm_dtype = _check_comm_dtype(comm_dtype)
+    predivide_factor = _check_predivide(predivide_factor)
+    g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
+    if is_batched([state.step, loss, *g_leaves]):
+        raise TypeError("sharded_update cannot run under torch.func.vmap")
+    p_leaves, p_spec = tree_flatten(state.params)
+    g_flat = [g.detach().reshape(-1) for g in g_leaves]
+    slices = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
+    pieces = [layout.piece(i) for i in range(len(p_leaves))]
+    starts = [layout.bounds(g)[0] for g in range(len(layout.groups))]
+
+    def mine(i: int) -> torch.Tensor:
+        g, (lo, hi) = layout.group_index[i], pieces[i]
+        at = layout.offsets[i] + lo - starts[g]
+        return slices[g][at : at + hi - lo]
+
+    inner = FP16State(
+        params=tree_unflatten(
+            p_spec, [p.reshape(-1)[lo:hi] for p, (lo, hi) in zip(p_leaves, pieces)]
+        ),
+        master=state.master,
+        opt_state=state.opt_state,
+        loss_scale=state.loss_scale,
+        step=state.step,
+        grads_finite=state.grads_finite,
+        tx=state.tx,
+    )
+    inner._kernel_plan = state._kernel_plan
+    stepped = fp16_update(
+        inner,
+        tree_unflatten(p_spec, [mine(i) for i in range(len(p_leaves))]),
+        impl=impl,
+        loss=loss,
+        agree=functools.partial(agree_finite, group=group),
+    )
+    params = _all_gather(tree_flatten(stepped.params)[0], layout, group, p_leaves, bucket_bytes)
+    new = stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
+    new._kernel_plan = stepped._kernel_plan
+    return new
+
+
+def _rounds(length: int, itemsize: int, world: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` within a slice, so that a round's collective moves at most ``bucket_bytes``."""
+    chunk = max(1, bucket_bytes // (itemsize * world))
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def _reduce_scatter(
+    g_flat: list[torch.Tensor],
+    layout: ShardLayout,
+    group: ProcessGroup,
+    comm_dtype: torch.dtype | None,
+    bucket_bytes: int,
+    predivide_factor: float | None,
+) -> list[torch.Tensor]:
+    """This rank's slice of the mean gradient of every dtype group (padded to :math:`S_g`)."""
+    world = layout.world_size
+    pending: list[Any] = []
+    outs = []
+    for g, members in enumerate(layout.groups):
+        dtype = g_flat[members[0]].dtype
+        wire = comm_dtype or dtype
+        pre = predivide_factor or default_predivide(wire, world)
+        size, total = layout.slice_numel(g), layout.group_numel(g)
+        device = g_flat[members[0]].device
+        out = torch.empty(size, dtype=wire, device=device)
+        itemsize = out.element_size()
+        for start, stop in _rounds(size, itemsize, world, bucket_bytes):
+            parts = []
+            for r in range(world):
+                a, b = r * size + start, r * size + stop
+                for i, lo, hi in layout.segments(g, a, b):
+                    parts.append(scaled_cast(g_flat[i][lo:hi], wire, pre))
+                pad = b - max(min(b, total), a)
+                if pad:
+                    parts.append(torch.zeros(pad, dtype=wire, device=device))
+            send = torch.cat(parts)
+            work = dist.reduce_scatter_tensor(
+                out[start:stop], send, op=dist.ReduceOp.SUM, group=group, async_op=True
+            )
+            pending.append(work)
+        outs.append((out, world / pre, dtype))
+    for work in pending:
+        work.wait()
+    slices = []
+    for out, post, dtype in outs:
+        if post != 1.0:
+            out.div_(post)
+        slices.append(out.to(dtype))
+    return slices
+
+
+def _all_gather(
+    pieces: list[torch.Tensor],
+    layout: ShardLayout,
+    group: ProcessGroup,
+    like: list[torch.Tensor],
+    bucket_bytes: int,
+) -> list[torch.Tensor]:
+    """The whole leaves, every rank contributing its ``pieces`` (one per leaf)."""
+    world = layout.world_size
+    pending: list[Any] = []
+    fulls = []
+    for g, members in enumerate(layout.groups):
+        size = layout.slice_numel(g)
+        dtype, device = pieces[members[0]].dtype, pieces[members[0]].device
+        send = torch.zeros(size, dtype=dtype, device=device)
+        start, stop = layout.bounds(g)
+        torch.cat([pieces[i] for i in members], out=send[: stop - start])
+        full = torch.empty(world * size, dtype=dtype, device=device)
+        for a, b in _rounds(size, send.element_size(), world, bucket_bytes):
+            outs = [full[r * size + a : r * size + b] for r in range(world)]
+            pending.append(dist.all_gather(outs, send[a:b], group=group, async_op=True))
+        fulls.append(full)
+    for work in pending:
+        work.wait()
+    out = []
+    for i, x in enumerate(like):
+        full, o = fulls[layout.group_index[i]], layout.offsets[i]
+        leaf = full[o : o + layout.sizes[i]].view(x.shape)
+        if not x.is_contiguous():  # keep the parameter's memory format (channels-last)
+            leaf = torch.empty_like(x).copy_(leaf)
+        out.append(leaf)
+    return out

@@ -1,0 +1,317 @@
+"""Sharded FP32 state (ZeRO-1): each rank keeps only its slice of the master and optimiser state.
+
+In FP16 training the FP32 master and the optimiser's FP32 buffers are most of
+the state (8 of every 10 bytes per parameter with SGD-momentum, 12 of 14 with
+Adam), and data parallelism replicates them on every rank. Sharding keeps
+the full FP16 working copy (``params``) on every rank, for the forward and
+backward passes, and divides the rest: rank :math:`r` of :math:`N` holds,
+for every parameter leaf, the 1-D *piece* of it that falls in its contiguous
+slice of the flattened parameters (:mod:`.shard_layout`). Since the update is
+elementwise, each rank can step its pieces alone
+(:func:`~functional_fp16.distributed.sharded_update`).
+
+``shard_state`` needs no communication (every rank already holds the full,
+identical state); ``unshard_state`` gathers. The optimiser-state leaves that
+belong to a parameter are found from ``tx.init`` itself, run once on
+shape-only (``meta``) tensors: a leaf that ``init`` derives from parameter
+``i`` is sharded like it, every other leaf (counters, flags) is kept whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from functional_fp16._tree import (
+    NAMESPACE,
+    PyTree,
+    describe_tensor,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
+from functional_fp16.clipping import ClipSpec
+from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.replicas import check_same_tree
+from functional_fp16.distributed.shard_layout import ShardLayout, layout_for
+from functional_fp16.sgd_plan import chain_parts
+from functional_fp16.update import FP16State
+
+__all__ = ["shard_state", "unshard_state", "is_sharded", "map_sharded", "full_like", "shard_like"]
+
+_TAG = 1 << 40  # probe leaf i has shape (_TAG + i,): no real tensor is that long
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether ``state`` is an :class:`~functional_fp16.FP16State` holding one rank's shard."""
+    return isinstance(state, FP16State) and state.shard is not None
+
+
+def _check_shardable(tx) -> None:
+    parts = chain_parts(getattr(tx, "spec", None)) or []
+    if any(isinstance(spec, ClipSpec) for spec, _ in parts):
+        raise ValueError(
+            "state.tx contains clip_by_global_norm, whose norm would be taken over this "
+            "rank's shard only: sharded states support elementwise optimisers (sgd, adam, "
+            "adamw, weight decay, masks, schedules); clip in a replicated run instead"
+        )
+
+
+def owners(state: FP16State) -> list[int | None]:
+    """For every leaf of ``state.opt_state``: the parameter leaf it belongs to, or ``None``.
+
+    ``state.tx.init`` runs on ``meta`` tensors of distinct lengths, one per
+    parameter; a leaf of the result that keeps parameter ``i``'s length belongs
+    to it. The real state's structure must match the probe's.
+    """
+    p_leaves, p_spec = tree_flatten(state.params)
+    tags = [
+        torch.empty((_TAG + i,), dtype=torch.float32, device="meta") for i in range(len(p_leaves))
+    ]
+    try:
+        probe = state.tx.init(tree_unflatten(p_spec, tags))
+    except Exception as err:
+        raise TypeError(
+            f"state.tx.init does not run on shape-only (meta) tensors ({type(err).__name__}: "
+            f"{err}), so the optimiser state cannot be split by parameter"
+        ) from None
+    want, got = tree_flatten(probe)[1], tree_flatten(state.opt_state)[1]
+    if want != got:
+        raise ValueError(
+            "state.opt_state does not have the structure state.tx.init gives: "
+            f"expected {want}, got {got}"
+        )
+    out: list[int | None] = []
+    for leaf in tree_flatten(probe)[0]:
+        long = isinstance(leaf, torch.Tensor) and leaf.ndim == 1 and leaf.shape[0] >= _TAG
+        out.append(leaf.shape[0] - _TAG if long else None)
+    return out
+
+
+def _check_full(state: FP16State, owner: list[int | None]) -> None:
+    """Every per-parameter tensor of an unsharded state has its parameter's shape."""
+    p_leaves = tree_flatten(state.params)[0]
+    m_leaves = tree_flatten(state.master)[0]
+    for path, p, m in zip(tree_paths(state.params), p_leaves, m_leaves, strict=True):
+        if not isinstance(m, torch.Tensor) or m.shape != p.shape:
+            raise ValueError(
+                f"state.master{path}: expected the shape {tuple(p.shape)} of params{path}, "
+                f"got {describe_tensor(m)}"
+            )
+    o_leaves = tree_flatten(state.opt_state)[0]
+    for path, leaf, i in zip(tree_paths(state.opt_state), o_leaves, owner, strict=True):
+        if i is not None and (
+            not isinstance(leaf, torch.Tensor) or leaf.shape != p_leaves[i].shape
+        ):
+            raise ValueError(
+                f"state.opt_state{path}: expected the shape {tuple(p_leaves[i].shape)} of its "
+                f"parameter, got {describe_tensor(leaf)}"
+            )
+
+
+def _piece(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A copy of the flat elements ``lo .. hi - 1`` of ``x``, owning its own (small) storage."""
+    return x.reshape(-1)[lo:hi].clone()
+
+
+def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
+    r"""This rank's shard of a full (replicated) state: ``params`` whole, FP32 state sliced.
+
+    With :math:`N` ranks and this rank's slice :math:`[a, b)` of the flattened
+    parameters of a dtype group (:mod:`~functional_fp16.distributed.shard_layout`):
+
+    .. math::
+        \text{master}'_i = \operatorname{vec}(\text{master}_i)[a - o_i : b - o_i]
+        \quad\text{(clamped to the leaf; possibly empty)}
+
+    and the same for every optimiser-state leaf that belongs to parameter
+    :math:`i`; ``params``, the loss scale and the counters stay whole. Each
+    piece is a fresh 1-D tensor, so once the full state is dropped only
+    :math:`1/N` of its FP32 bytes remain. No communication beyond a check
+    that every rank holds the same structure (the values must already be
+    the same on every rank, e.g. after :func:`broadcast_state`).
+
+    Args:
+      state: a full :class:`~functional_fp16.FP16State` (not already sharded).
+      group: the process group to shard over (default: the default group).
+
+    Returns:
+      A sharded state (``state.shard`` is its
+      :class:`~functional_fp16.distributed.ShardLayout`); update it with
+      :func:`sharded_update`, gather it with :func:`unshard_state`.
+
+    Raises:
+      ValueError: for a state that is already sharded, an optimiser that
+        clips by global norm, or an optimiser state whose per-parameter
+        tensors are not shaped like their parameters.
+    """
+    _require_group("shard_state")
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if state.shard is not None:
+        raise ValueError(
+            f"state is already sharded (shard {state.shard.rank} of {state.shard.world_size})"
+        )
+    _check_shardable(state.tx)
+    check_same_tree(state, group, name="state")
+    owner = owners(state)
+    _check_full(state, owner)
+    p_leaves, p_spec = tree_flatten(state.params)
+    layout = layout_for(p_leaves, dist.get_world_size(group), dist.get_rank(group))
+    pieces = [layout.piece(i) for i in range(len(p_leaves))]
+    master = [_piece(m, *pieces[i]) for i, m in enumerate(tree_flatten(state.master)[0])]
+    o_leaves, o_spec = tree_flatten(state.opt_state)
+    opt = [leaf if i is None else _piece(leaf, *pieces[i]) for leaf, i in zip(o_leaves, owner)]
+    return state.replace(
+        master=tree_unflatten(p_spec, master),
+        opt_state=tree_unflatten(o_spec, opt),
+        shard=layout,
+    )
+
+
+def check_layout(state: FP16State, group: ProcessGroup, what: str) -> ShardLayout:
+    """The state's layout, after checking that it was sharded over a group like ``group``."""
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    layout = state.shard
+    if layout is None:
+        raise ValueError(f"{what} needs a sharded state: call shard_state(state) first")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (layout.world_size, layout.rank) != (world, rank):
+        raise ValueError(
+            f"state holds shard {layout.rank} of {layout.world_size}, but this process is rank "
+            f"{rank} of {world} in the group: shard it for this group (unshard_state on the old "
+            "group, or load the full checkpoint, then shard_state)"
+        )
+    return layout
+
+
+def unshard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
+    r"""The full state, on every rank, gathered from the shards of ``group``.
+
+    The inverse of :func:`shard_state`: every piece is all-gathered and the
+    pieces of each leaf are concatenated in rank order and reshaped (in the
+    parameter's memory format). One ``all_gather`` per dtype; the result is
+    bitwise the same on every rank, and can be saved, inspected, updated with
+    :func:`~functional_fp16.fp16_update`, or sharded again for another world
+    size.
+
+    Args:
+      state: a sharded state, sharded over ``group``.
+      group: the process group (default: the default group).
+
+    Returns:
+      An unsharded :class:`~functional_fp16.FP16State` (``shard`` is ``None``).
+    """
+    _require_group("unshard_state")
+    layout = check_layout(state, group, "unshard_state")
+    owner = owners(state)
+    p_leaves, p_spec = tree_flatten(state.params)
+    m_leaves = tree_flatten(state.master)[0]
+    o_leaves, o_spec = tree_flatten(state.opt_state)
+    # Every sharded tensor: (its pieces here, the parameter it belongs to).
+    sharded = list(enumerate(m_leaves)) + [
+        (i, o_leaves[j]) for j, i in enumerate(owner) if i is not None
+    ]
+    for i, t in sharded:
+        lo, hi = layout.piece(i)
+        if not isinstance(t, torch.Tensor) or t.shape != (hi - lo,):
+            raise ValueError(
+                f"a piece of params{tree_paths(state.params)[i]} has {describe_tensor(t)}, but "
+                f"shard {layout.rank} of {layout.world_size} owns {hi - lo} of its elements"
+            )
+    full = _gather_pieces(sharded, layout, p_leaves, group)
+    master = full[: len(m_leaves)]
+    rest = iter(full[len(m_leaves) :])
+    opt = [leaf if i is None else next(rest) for leaf, i in zip(o_leaves, owner)]
+    return state.replace(
+        master=tree_unflatten(p_spec, master),
+        opt_state=tree_unflatten(o_spec, opt),
+        shard=None,
+    )
+
+
+def _gather_pieces(
+    sharded: list[tuple[int, torch.Tensor]],
+    layout: ShardLayout,
+    params: list[torch.Tensor],
+    group: ProcessGroup,
+) -> list[torch.Tensor]:
+    """The full tensors of ``sharded`` (``(parameter index, piece)``), one all-gather per dtype."""
+    world = layout.world_size
+    lengths = [
+        [hi - lo for lo, hi in (layout.piece(i, r) for i, _ in sharded)] for r in range(world)
+    ]
+    out: list[Any] = [None] * len(sharded)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for j, (_, t) in enumerate(sharded):
+        by_dtype.setdefault(t.dtype, []).append(j)
+    for dtype, js in by_dtype.items():
+        totals = [sum(lengths[r][j] for j in js) for r in range(world)]
+        width = max(totals)
+        device = sharded[js[0]][1].device
+        mine = torch.zeros(width, dtype=dtype, device=device)
+        if js:
+            torch.cat([sharded[j][1] for j in js], out=mine[: totals[layout.rank]])
+        gathered = torch.empty(world * width, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        rows = gathered.view(world, width)
+        starts = [0] * world
+        for j in js:
+            parts = []
+            for r in range(world):
+                parts.append(rows[r, starts[r] : starts[r] + lengths[r][j]])
+                starts[r] += lengths[r][j]
+            like = params[sharded[j][0]]
+            flat = torch.cat(parts)
+            if like.is_contiguous():
+                out[j] = flat.view(like.shape)
+            else:  # keep the parameter's memory format (channels-last)
+                out[j] = torch.empty_like(like, dtype=dtype).copy_(flat.view(like.shape))
+    return out
+
+
+def map_sharded(fn, tree: PyTree) -> PyTree:
+    """``tree`` with every sharded :class:`~functional_fp16.FP16State` in it replaced by ``fn(state)``.
+
+    Nodes are visited in flattening order, the same on every rank, so ``fn``
+    may run collectives.
+    """
+    return optree.tree_map(
+        lambda x: fn(x) if is_sharded(x) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, FP16State),
+        namespace=NAMESPACE,
+    )
+
+
+def full_like(state: FP16State) -> FP16State:
+    """An unsharded state shaped like the full form of the sharded ``state`` (values unspecified).
+
+    The template to load a full checkpoint into: ``params`` as they are,
+    ``master`` and the optimiser state freshly allocated at full size.
+    """
+    master = optree.tree_map(
+        lambda p: torch.empty_like(p, dtype=torch.float32), state.params, namespace=NAMESPACE
+    )
+    return state.replace(master=master, opt_state=state.tx.init(master), shard=None)
+
+
+def shard_like(tree: PyTree, like: PyTree, group: ProcessGroup) -> PyTree:
+    """``tree`` with :func:`shard_state` applied to the states that are sharded in ``like``."""
+
+    def states(t: PyTree) -> tuple[list[Any], Any]:
+        return optree.tree_flatten(
+            t, is_leaf=lambda x: isinstance(x, FP16State), namespace=NAMESPACE
+        )
+
+    nodes, spec = states(tree)
+    wanted = states(like)[0]
+    out = [
+        shard_state(n, group=group) if is_sharded(w) else n
+        for n, w in zip(nodes, wanted, strict=True)
+    ]
+    return optree.tree_unflatten(spec, out)
