@@ -139,6 +139,13 @@ def add_precision_flags(m: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="data-parallel over the processes started by torchrun (gloo on CPU, NCCL on CUDA)",
     )
+    m.add_argument(
+        "--shard-master",
+        action="store_true",
+        help="with --distributed: each rank keeps only its 1/WORLD_SIZE slice of the FP32 master "
+        "weights and momentum (ZeRO-1; functional_fp16.distributed.shard_state and "
+        "sharded_update); checkpoints still hold the full state",
+    )
 
 
 def add_output_flags(o: argparse._ArgumentGroup) -> None:
@@ -178,6 +185,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--lr must be finite and >= 0, got {args.lr}")
     if not (math.isfinite(args.momentum) and args.momentum >= 0):
         p.error(f"--momentum must be finite and >= 0, got {args.momentum}")
+    if args.shard_master and not args.distributed:
+        p.error("--shard-master needs --distributed (it shards the state across the ranks)")
     if args.distributed and args.compile:
         p.error("--compile is not supported together with --distributed")
     if args.policy is not None:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -230,12 +231,15 @@ def preprocess(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def make_train_step(
-    model: nn.Module, policy: Policy, distributed: bool = False
+    model: nn.Module, policy: Policy, distributed: bool = False, shard_master: bool = False
 ) -> Callable[..., Any]:
     """``train_step(state, buffers, images, labels) -> (state, buffers, StepMetrics)``, pure.
 
     With ``distributed`` the gradients (and the reported loss) are averaged over
     the ranks and the overflow decision is agreed, so every rank takes the same step.
+    With ``shard_master`` too, ``state`` is this rank's shard (``ffd.shard_state``):
+    the gradients are reduce-scattered, each rank steps its slice of the FP32
+    state, and the new FP16 parameters are all-gathered (``ffd.sharded_update``).
     """
     apply = make_apply(model, train=True)
 
@@ -252,12 +256,15 @@ def make_train_step(
         grads, (loss, new_buffers) = grad_fn(
             state.loss_scale, state.params, buffers, images, labels
         )
-        agree = None
-        if distributed:
+        if shard_master:  # reduce-scatter, step this rank's slice, all-gather the params
+            loss = ff.tree_all_reduce_mean(loss.detach().float())
+            new_state = ffd.sharded_update(state, grads, loss=loss)
+        elif distributed:
             grads = ff.tree_all_reduce_mean(grads)  # scaled FP16 gradients, mean over ranks
             loss = ff.tree_all_reduce_mean(loss.detach().float())
-            agree = ff.agree_finite
-        new_state = ff.fp16_update(state, grads, loss=loss, agree=agree)
+            new_state = ff.fp16_update(state, grads, loss=loss, agree=ff.agree_finite)
+        else:
+            new_state = ff.fp16_update(state, grads, loss=loss)
         metrics = StepMetrics(
             loss=loss, loss_scale=state.loss_scale.loss_scale, skipped=~new_state.grads_finite
         )
@@ -277,6 +284,12 @@ def make_eval_step(model: nn.Module, policy: Policy) -> Callable[..., torch.Tens
         return (logits.argmax(dim=1) == labels).sum()
 
     return eval_step
+
+
+def fp32_bytes(state: ff.FP16State) -> int:
+    """Bytes of this rank's master copy and optimiser state."""
+    leaves = optree.tree_leaves((state.master, state.opt_state), namespace=ff.NAMESPACE)
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -347,7 +360,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             flush=True,
         )
 
-    train_step = make_train_step(model, policy, distributed=info is not None)
+    train_step = make_train_step(
+        model, policy, distributed=info is not None, shard_master=args.shard_master
+    )
     eval_step = make_eval_step(model, policy)
     if args.compile:
         if device.type == "cuda":
@@ -378,6 +393,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             flush=True,
         )
 
+    if args.shard_master:  # after a resume, which reads the full state from the checkpoint
+        full_bytes = fp32_bytes(state)
+        state = ffd.shard_state(state)
+        print(
+            f"sharded FP32 state (ZeRO-1): master and optimiser state {fp32_bytes(state) / 2**20:.2f} "
+            f"MiB on this rank, {full_bytes / 2**20:.2f} MiB unsharded",
+            flush=True,
+        )
     on_device = to_device_data(data, device)
     result = fit(args, on_device, state, buffers, train_step, eval_step, device, policy, start)
     accuracies = result["accuracies"]
@@ -391,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "precision": args.precision,
         "compile": args.compile,
         "world_size": ffd.get_world_size(),
+        "shard_master": args.shard_master,
         "per_rank_batch": args.batch_size // ffd.get_world_size(),
         "epochs": args.epochs,
         "steps": result["global_step"],

@@ -228,7 +228,9 @@ def end_epoch(fx: Fixed, loop: Loop, epoch: int, epoch_rows: list[dict]) -> Loop
         loop.rows,
     )
     out_dir = Path(args.out_dir)
-    if ffd.get_world_size() > 1:  # rank 0 writes; every rank returns once the file is complete
+    if (
+        ffd.is_initialized()
+    ):  # rank 0 writes (the full state); every rank returns once it is complete
         ffd.save_checkpoint_rank0(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
     else:
         ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
