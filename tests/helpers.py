@@ -33,13 +33,13 @@ def random_tree(seed: int = 0, dtype: torch.dtype = torch.float32, scale: float 
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in units in the last place between two float32 tensors."""
-    assert a.dtype == b.dtype == torch.float32
-    ia = a.contiguous().view(torch.int32).long()
-    ib = b.contiguous().view(torch.int32).long()
+    """Largest distance in units in the last place between two tensors of one float dtype."""
+    assert a.dtype == b.dtype and a.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    half_range = 2 ** (8 * a.element_size() - 1)
+    ia, ib = bits(a).long(), bits(b).long()
     # Map the sign-magnitude bit patterns onto a monotonic integer line.
-    ia = torch.where(ia < 0, -(2**31) - ia, ia)
-    ib = torch.where(ib < 0, -(2**31) - ib, ib)
+    ia = torch.where(ia < 0, -half_range - ia, ia)
+    ib = torch.where(ib < 0, -half_range - ib, ib)
     return int((ia - ib).abs().max()) if a.numel() else 0
 
 

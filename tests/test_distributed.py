@@ -13,12 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ import torch.distributed as dist
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
+from tests._launch import Launch, launch_workers, results
 
 pytestmark = pytest.mark.distributed
 
@@ -47,93 +46,11 @@ W = _load_workers()
 # -- the launch -----------------------------------------------------------------
 
 
-class Launch(NamedTuple):
-    out: Path
-    logs: str
-    timed_out: bool
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_workers(out: Path) -> Launch:
-    """Runs the two workers once, on a fresh free port; kills them at the deadline."""
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        log = open(out / f"worker{rank}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER_FILE), str(out)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    timed_out = False
-    try:
-        # Until both exit; a worker that failed leaves the other waiting in a
-        # collective, so that one is stopped at once.
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    text = "\n".join(
-        f"--- worker {r} ---\n" + (out / f"worker{r}.log").read_text() for r in range(WORLD)
-    )
-    return Launch(out, text, timed_out)
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Launch:
-    # Another program may take the free port between our probe and rank 0's
-    # bind; such a launch is retried on a new port, twice at most.
-    for _ in range(3):
-        run = _start_workers(tmp_path_factory.mktemp("distributed"))
-        if "address already in use" not in run.logs.lower():
-            break
-    return run
-
-
-def results(launch: Launch, scenario: str) -> list[Any]:
-    """The results of ``scenario`` from both ranks, or a failure showing why not."""
-    if launch.timed_out:
-        pytest.fail(f"the workers did not finish within {LAUNCH_TIMEOUT_S} s\n{launch.logs}")
-    out = []
-    for rank in range(WORLD):
-        err = launch.out / f"{scenario}_rank{rank}.err"
-        if err.exists():
-            pytest.fail(f"scenario {scenario!r} failed on rank {rank}:\n{err.read_text()}")
-        path = launch.out / f"{scenario}_rank{rank}.pt"
-        if not path.exists():
-            pytest.fail(f"scenario {scenario!r} left no result on rank {rank}\n{launch.logs}")
-        out.append(torch.load(path))
-    return out
+    return launch_workers(
+        WORKER_FILE, tmp_path_factory.mktemp("distributed"), WORLD, LAUNCH_TIMEOUT_S
+    )
 
 
 # -- comparisons ---------------------------------------------------------------

@@ -26,6 +26,9 @@ from functional_fp16.update import FP16State, fp16_update
 
 __all__ = ["sharded_update"]
 
+# The flat collectives' names since torch 2.13 (the old ones warn); older releases have only those.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def sharded_update(
     state: FP16State,
@@ -160,7 +163,7 @@ def _reduce_scatter(
                 if pad:
                     parts.append(torch.zeros(pad, dtype=wire, device=device))
             send = torch.cat(parts)
-            work = dist.reduce_scatter_tensor(
+            work = _reduce_scatter_flat(
                 out[start:stop], send, op=dist.ReduceOp.SUM, group=group, async_op=True
             )
             pending.append(work)

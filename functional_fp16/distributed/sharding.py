@@ -42,6 +42,8 @@ from functional_fp16.update import FP16State
 
 __all__ = ["shard_state", "unshard_state", "is_sharded", "map_sharded", "full_like", "shard_like"]
 
+# The flat all-gather's name since torch 2.13 (the old one warns); older releases have only that.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _TAG = 1 << 40  # probe leaf i has shape (_TAG + i,): no real tensor is that long
 
 
@@ -257,7 +259,7 @@ def _gather_pieces(
         if js:
             torch.cat([sharded[j][1] for j in js], out=mine[: totals[layout.rank]])
         gathered = torch.empty(world * width, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        _all_gather_flat(gathered, mine, group=group)
         rows = gathered.view(world, width)
         starts = [0] * world
         for j in js:

@@ -1,0 +1,114 @@
+"""Starting worker processes the way torchrun would, for the multi-process tests.
+
+Each worker runs ``python WORKER OUT_DIR`` with the ``torchrun`` variables set
+(127.0.0.1, a free port), runs its scenarios in one process group and writes
+``OUT_DIR/<scenario>_rank<r>.pt`` (results) or ``.err`` (a traceback). A launch
+is bounded: after ``timeout_s`` the workers are killed and the tests that read
+it fail with the workers' logs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+
+class Launch(NamedTuple):
+    out: Path
+    logs: str
+    timed_out: bool
+    world: int
+    timeout_s: float
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(worker: Path, out: Path, world: int, timeout_s: float, env: dict[str, str]) -> Launch:
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        rank_env = {
+            **os.environ,
+            **env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        log = open(out / f"worker{rank}.log", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), str(out)],
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    try:
+        # Until all exit; a worker that failed leaves the others waiting in a
+        # collective, so those are stopped at once.
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    text = "\n".join(
+        f"--- worker {r} ---\n" + (out / f"worker{r}.log").read_text() for r in range(world)
+    )
+    return Launch(out, text, timed_out, world, timeout_s)
+
+
+def launch_workers(
+    worker: Path, out: Path, world: int, timeout_s: float, env: dict[str, str] | None = None
+) -> Launch:
+    """Runs ``world`` workers once; retried (twice at most) if another program took the port."""
+    for attempt in range(3):
+        run_dir = out / f"attempt{attempt}"
+        run_dir.mkdir(parents=True)
+        run = _start(worker, run_dir, world, timeout_s, env or {})
+        if "address already in use" not in run.logs.lower():
+            break
+    return run
+
+
+def results(launch: Launch, scenario: str) -> list[Any]:
+    """The results of ``scenario`` from every rank, or a failure showing why not."""
+    if launch.timed_out:
+        pytest.fail(f"the workers did not finish within {launch.timeout_s} s\n{launch.logs}")
+    out = []
+    for rank in range(launch.world):
+        err = launch.out / f"{scenario}_rank{rank}.err"
+        if err.exists():
+            pytest.fail(f"scenario {scenario!r} failed on rank {rank}:\n{err.read_text()}")
+        path = launch.out / f"{scenario}_rank{rank}.pt"
+        if not path.exists():
+            pytest.fail(f"scenario {scenario!r} left no result on rank {rank}\n{launch.logs}")
+        out.append(torch.load(path))
+    return out

@@ -1,0 +1,294 @@
+"""Worker side of ``tests/test_sharding.py``: one process per rank, started by the test.
+
+Run as ``python tests/_shard_workers.py OUT_DIR`` with the ``torchrun``
+variables set, for 2 or 3 ranks. Every scenario runs in turn in one process
+group and writes ``OUT_DIR/<scenario>_rank<r>.pt`` or ``.err``. With
+``FF_SHARD_CKPT_DIR`` set, the checkpoint scenario writes
+``sharded_n<N>.ckpt`` there, and with ``FF_SHARD_RESUME`` it also resumes from
+that file (written by a run of another world size) and continues.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from typing import Any
+
+import optree
+import torch
+
+import functional_fp16 as ff
+from functional_fp16 import distributed as ffd
+
+# Odd sizes, and leaves smaller than 3 ranks: 35 + 5 + 15 + 2 + 1 = 58 elements,
+# which neither 2 nor 3 ranks divide into whole leaves (3 does not divide 58).
+SHAPES = {"w1": (7, 5), "b1": (5,), "w2": (5, 3), "b2": (2,), "c": (1,)}
+STEPS = 8
+INJECT_STEP = 3  # the last rank's gradients get an inf here
+RESUME_AFTER = 3  # steps before the checkpoint
+CONTINUE_STEPS = 3  # steps after resuming
+DECAY_MASK = {"w1": True, "b1": False, "w2": True, "b2": False, "c": False}
+
+
+def make_params(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) * 0.5 for k, shape in SHAPES.items()}
+
+
+def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    p = {k: v.float() for k, v in p.items()}
+    h = torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    return (h**2).mean() + (p["b2"] ** 2).sum() * p["c"].sum()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Rows of inputs for ``step``, different on every rank."""
+    return torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def grads_of(state: ff.FP16State, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return torch.func.grad(lambda p: state.loss_scale.scale(loss_fn(p, x)))(state.params)
+
+
+def make_tx(name: str) -> ff.GradientTransformation:
+    if name == "sgd":
+        return ff.sgd(0.05, momentum=0.9)
+    if name == "sgd_nesterov_decay":
+        return ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    if name == "adamw_masked":
+        return ff.adamw(1e-2, weight_decay=0.1, mask=DECAY_MASK)
+    if name == "multisteps":
+        return ff.MultiSteps(ff.sgd(0.05, momentum=0.9), 2)
+    raise ValueError(name)
+
+
+def make_state(tx_name: str, seed: int) -> ff.FP16State:
+    scale = ff.DynamicLossScale(init_scale=2.0**10, growth_interval=2)
+    return ff.fp16_init(make_params(seed), make_tx(tx_name), scale)
+
+
+def full_snapshot(state: ff.FP16State) -> dict[str, Any]:
+    """Every tensor of an unsharded state, cloned: params, master, optimiser state, counters."""
+    leaves = optree.tree_leaves(state.opt_state, namespace=ff.NAMESPACE)
+    return {
+        "params": {k: v.clone() for k, v in state.params.items()},
+        "master": {k: v.clone() for k, v in state.master.items()},
+        "opt_state": [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves],
+        "loss_scale": state.loss_scale.loss_scale.clone(),
+        "step": state.step.clone(),
+        "grads_finite": state.grads_finite.clone(),
+    }
+
+
+def with_inf(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    w1 = grads["w1"].clone()
+    w1[1, 2] = float("inf")
+    return {**grads, "w1": w1}
+
+
+# -- scenarios ---------------------------------------------------------------
+
+# (optimiser, implementation, bucket bytes): 16 bytes cuts every collective
+# into rounds of a few elements.
+RUNS = [
+    ("sgd", "auto", ffd.DEFAULT_BUCKET_BYTES),
+    ("sgd", "reference", ffd.DEFAULT_BUCKET_BYTES),
+    ("sgd", "auto", 16),
+    ("sgd_nesterov_decay", "auto", ffd.DEFAULT_BUCKET_BYTES),
+    ("adamw_masked", "auto", ffd.DEFAULT_BUCKET_BYTES),
+    ("multisteps", "auto", ffd.DEFAULT_BUCKET_BYTES),
+]
+
+
+def scenario_equivalence(rank: int, out: str) -> dict[Any, Any]:
+    """The sharded run next to the replicated one, each fed the same per-rank batches."""
+    world = ffd.get_world_size()
+    result = {}
+    for tx_name, impl, bucket in RUNS:
+        rep = ffd.broadcast_state(make_state(tx_name, seed=rank))  # rank 0's values everywhere
+        sharded = ffd.shard_state(rep)
+        history = []
+        for step in range(STEPS):
+            x = batch(step, rank)
+            g_rep, g_sh = grads_of(rep, x), grads_of(sharded, x)
+            if step == INJECT_STEP and rank == world - 1:
+                g_rep, g_sh = with_inf(g_rep), with_inf(g_sh)
+            rep = ff.fp16_update(
+                rep, ffd.tree_all_reduce_mean(g_rep), agree=ffd.agree_finite, impl=impl
+            )
+            sharded = ffd.sharded_update(sharded, g_sh, impl=impl, bucket_bytes=bucket)
+            history.append((full_snapshot(rep), full_snapshot(ffd.unshard_state(sharded))))
+        result[(tx_name, impl, bucket)] = history
+    return result
+
+
+def scenario_exact_sums(rank: int, out: str) -> dict[str, Any]:
+    """Gradients whose mean is exact in any summation order: FP16 integers, FP32 on the wire."""
+    result = {}
+    for tx_name in ("sgd", "adamw_masked"):
+        rep = ffd.broadcast_state(make_state(tx_name, seed=0))
+        sharded = ffd.shard_state(rep)
+        history = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            grads = {
+                k: torch.randint(-64, 65, v.shape, generator=g).to(torch.float16)
+                for k, v in rep.params.items()
+            }
+            mean = ffd.tree_all_reduce_mean(grads, comm_dtype=torch.float32)
+            rep = ff.fp16_update(rep, mean, agree=ffd.agree_finite)
+            sharded = ffd.sharded_update(sharded, grads, comm_dtype=torch.float32)
+            history.append((full_snapshot(rep), full_snapshot(ffd.unshard_state(sharded))))
+        result[tx_name] = history
+    return result
+
+
+def _bits(tree: Any) -> list[torch.Tensor]:
+    leaves = optree.tree_leaves(tree, namespace=ff.NAMESPACE)
+    return [
+        x.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+        for x in leaves
+        if isinstance(x, torch.Tensor)
+    ]
+
+
+def scenario_purity(rank: int, out: str) -> dict[str, Any]:
+    """sharded_update writes to none of its inputs (state and gradients, bit for bit)."""
+    sharded = ffd.shard_state(ffd.broadcast_state(make_state("adamw_masked", seed=0)))
+    sharded = ffd.sharded_update(sharded, grads_of(sharded, batch(0, rank)))  # moments non-zero
+    grads = grads_of(sharded, batch(1, rank))
+    before = (_bits(sharded), _bits(grads))
+    ffd.sharded_update(sharded, grads)
+    return {"before": before, "after": (_bits(sharded), _bits(grads))}
+
+
+def _nbytes(tree: Any) -> int:
+    leaves = optree.tree_leaves(tree, namespace=ff.NAMESPACE)
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+
+
+def scenario_memory(rank: int, out: str) -> dict[str, Any]:
+    """Bytes of the master and optimiser state, full and on this rank."""
+    result = {}
+    for tx_name in ("sgd", "adamw_masked"):
+        full = make_state(tx_name, seed=0)
+        sharded = ffd.shard_state(full)
+        result[tx_name] = {
+            "full_master": _nbytes(full.master),
+            "full_opt": _nbytes(full.opt_state),
+            "master": _nbytes(sharded.master),
+            "opt": _nbytes(sharded.opt_state),
+            "params": _nbytes(sharded.params),
+            "full_params": _nbytes(full.params),
+            "layout": dict(sharded.shard._asdict()),
+        }
+    return result
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def scenario_errors(rank: int, out: str) -> dict[str, Any]:
+    """Misuse raises on every rank, before any collective, naming what is wrong."""
+    full = ffd.broadcast_state(make_state("sgd", seed=0))
+    sharded = ffd.shard_state(full)
+    grads = grads_of(sharded, batch(0, rank))
+    world = ffd.get_world_size()
+    wrong_rank = sharded.replace(shard=sharded.shard._replace(rank=(rank + 1) % world))
+    bad_grads = {**grads, "w2": grads["w2"][:, :2]}
+    # One element too many, on every rank (an empty piece cannot be shortened).
+    long_piece = torch.cat([sharded.master["b1"], torch.zeros(1)])
+    long_piece = sharded.replace(master={**sharded.master, "b1": long_piece})
+    clipped = ff.fp16_init(make_params(0), ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1)))
+    before = _bits(sharded)
+    errors = {
+        "shard_twice": _error(lambda: ffd.shard_state(sharded)),
+        "fp16_update_sharded": _error(lambda: ff.fp16_update(sharded, grads)),
+        "update_path_sharded": _error(lambda: ff.update_path(sharded)),
+        "sharded_update_full": _error(lambda: ffd.sharded_update(full, grads)),
+        "unshard_full": _error(lambda: ffd.unshard_state(full)),
+        "wrong_rank": _error(lambda: ffd.sharded_update(wrong_rank, grads)),
+        "bad_grads": _error(lambda: ffd.sharded_update(sharded, bad_grads)),
+        "long_piece": _error(lambda: ffd.unshard_state(long_piece)),
+        "clip": _error(lambda: ffd.shard_state(clipped)),
+        "plain_save": _error(lambda: ff.save_checkpoint(os.path.join(out, "x.ckpt"), sharded)),
+    }
+    # The process group still works afterwards (no rank was left in a collective).
+    ffd.sharded_update(sharded, grads)
+    return {
+        "errors": errors,
+        "unchanged": [torch.equal(a, b) for a, b in zip(before, _bits(sharded))],
+    }
+
+
+def _same_grads_step(state: ff.FP16State, step: int) -> ff.FP16State:
+    """A sharded step where every rank has the whole batch's gradients, averaged in FP32:
+    the mean is exactly those gradients, whatever the world size."""
+    grads = grads_of(state, batch(step, 0))
+    return ffd.sharded_update(state, grads, comm_dtype=torch.float32)
+
+
+def scenario_checkpoint(rank: int, out: str) -> dict[str, Any]:
+    """Writes a sharded run's checkpoint; with FF_SHARD_RESUME, resumes another world size's."""
+    ckpt_dir = os.environ["FF_SHARD_CKPT_DIR"]
+    world = ffd.get_world_size()
+    state = ffd.shard_state(ffd.broadcast_state(make_state("adamw_masked", seed=0)))
+    for step in range(RESUME_AFTER):
+        state = _same_grads_step(state, step)
+    path = os.path.join(ckpt_dir, f"sharded_n{world}.ckpt")
+    ffd.save_checkpoint_rank0(path, {"state": state, "epoch": RESUME_AFTER})
+    result: dict[str, Any] = {"written": full_snapshot(ffd.unshard_state(state))}
+    resume = os.environ.get("FF_SHARD_RESUME")
+    if resume:
+        like = {"state": ffd.shard_state(make_state("adamw_masked", seed=1)), "epoch": 0}
+        loaded = ffd.load_checkpoint_broadcast(resume, like)
+        state = loaded["state"]
+        result["resumed_layout"] = dict(state.shard._asdict())
+        result["resumed_epoch"] = loaded["epoch"]
+        result["resumed"] = full_snapshot(ffd.unshard_state(state))
+        history = []
+        for step in range(RESUME_AFTER, RESUME_AFTER + CONTINUE_STEPS):
+            state = _same_grads_step(state, step)
+            history.append(full_snapshot(ffd.unshard_state(state)))
+        result["continued"] = history
+    return result
+
+
+SCENARIOS = {
+    "equivalence": scenario_equivalence,
+    "exact_sums": scenario_exact_sums,
+    "purity": scenario_purity,
+    "memory": scenario_memory,
+    "errors": scenario_errors,
+    "checkpoint": scenario_checkpoint,
+}
+
+
+def main(out: str) -> int:
+    torch.set_num_threads(1)
+    rank = ffd.init_from_env(timeout=datetime.timedelta(seconds=60)).rank
+    failed = 0
+    try:
+        for name, fn in SCENARIOS.items():
+            try:
+                result = fn(rank, out)
+            except Exception:
+                failed += 1
+                with open(os.path.join(out, f"{name}_rank{rank}.err"), "w") as f:
+                    f.write(traceback.format_exc())
+                continue
+            torch.save(result, os.path.join(out, f"{name}_rank{rank}.pt"))
+    finally:
+        ffd.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,308 @@
+"""Tests for the sharded FP32 state (ZeRO-1): ``shard_state``, ``unshard_state``, ``sharded_update``.
+
+Two module-scoped launches run ``tests/_shard_workers.py`` on 2 and then 3
+gloo processes (127.0.0.1); the 3-process run resumes from the checkpoint the
+2-process run wrote. This process then resumes the 3-process run's checkpoint
+alone, sharded over a one-process group. The model has 58 parameters in leaves
+of 35, 5, 15, 2 and 1 elements, so neither world size divides it evenly and
+some leaves are smaller than the number of ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import functional_fp16 as ff
+from functional_fp16 import distributed as ffd
+from functional_fp16.distributed.sharding import owners
+from tests._launch import launch_workers, results
+from tests.helpers import bits, ulp_distance
+
+pytestmark = pytest.mark.distributed
+
+WORKER_FILE = Path(__file__).with_name("_shard_workers.py")
+LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing assertion
+WORLDS = (2, 3)
+
+
+def _load_workers():
+    spec = importlib.util.spec_from_file_location("_functional_fp16_shard_workers", WORKER_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+W = _load_workers()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("shard_checkpoints")
+    env = {"FF_SHARD_CKPT_DIR": str(ckpt)}
+    two = launch_workers(WORKER_FILE, tmp_path_factory.mktemp("n2"), 2, LAUNCH_TIMEOUT_S, env)
+    env_resume = {**env, "FF_SHARD_RESUME": str(ckpt / "sharded_n2.ckpt")}
+    three = launch_workers(
+        WORKER_FILE, tmp_path_factory.mktemp("n3"), 3, LAUNCH_TIMEOUT_S, env_resume
+    )
+    return {2: two, 3: three, "ckpt": ckpt}
+
+
+# -- comparisons ---------------------------------------------------------------
+
+# The numerical contract between two implementations of one step sequence:
+# decisions, loss scale and counters bitwise; FP16 params within 1 ulp; the
+# FP32 master and optimiser state within a few FP32 ulps.
+PARAM_ULPS = 1
+MASTER_ULPS = 4
+
+
+def assert_bitwise(a, b, where: str) -> None:
+    assert torch.equal(bits(a), bits(b)), f"{where}: bit patterns differ"
+
+
+def assert_same_state(snap: dict, ref: dict, where: str, *, exact: bool) -> None:
+    """``snap`` against ``ref`` (two full-state snapshots): bitwise, or within the contract."""
+    for field in ("loss_scale", "step", "grads_finite"):
+        assert_bitwise(snap[field], ref[field], f"{where} {field}")
+    for field, ulps in (("params", PARAM_ULPS), ("master", MASTER_ULPS)):
+        for k, want in ref[field].items():
+            got = snap[field][k]
+            if exact:
+                assert_bitwise(got, want, f"{where} {field}[{k!r}]")
+            else:
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert ulp_distance(got, want) <= ulps, f"{where} {field}[{k!r}]"
+    assert len(snap["opt_state"]) == len(ref["opt_state"])
+    for j, (got, want) in enumerate(zip(snap["opt_state"], ref["opt_state"], strict=True)):
+        if exact or not want.is_floating_point():
+            assert_bitwise(got, want, f"{where} opt_state leaf {j}")
+        else:
+            assert got.shape == want.shape and ulp_distance(got, want) <= MASTER_ULPS, (
+                f"{where} opt_state leaf {j}"
+            )
+
+
+def assert_ranks_agree(snaps: list[dict], where: str) -> None:
+    for r, snap in enumerate(snaps[1:], start=1):
+        assert_same_state(snap, snaps[0], f"{where}, rank {r} vs rank 0", exact=True)
+
+
+# -- equivalence with the replicated run ------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("run", W.RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}B")
+def test_sharded_run_matches_the_replicated_run(runs, world, run):
+    per_rank = [r[run] for r in results(runs[world], "equivalence")]
+    applied = []
+    for step in range(W.STEPS):
+        rep = [h[step][0] for h in per_rank]
+        sharded = [h[step][1] for h in per_rank]
+        assert_ranks_agree(sharded, f"step {step} sharded")
+        assert_same_state(sharded[0], rep[0], f"step {step}", exact=False)
+        applied.append(bool(sharded[0]["grads_finite"]))
+    # An inf on the last rank only skipped the step on every rank ...
+    assert applied[W.INJECT_STEP] is False
+    assert applied.count(False) == 1
+    # ... as a no-op on every tensor of the (gathered) state, bit for bit.
+    for r, history in enumerate(per_rank):
+        before, after = history[W.INJECT_STEP - 1][1], history[W.INJECT_STEP][1]
+        for field in ("params", "master"):
+            for k in before[field]:
+                assert_bitwise(after[field][k], before[field][k], f"rank {r} skipped {field}")
+        if run[0] == "multisteps":
+            continue  # a closing window empties its accumulator (tests/test_accumulation.py)
+        for a, b in zip(after["opt_state"], before["opt_state"], strict=True):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                assert_bitwise(a, b, f"rank {r} skipped opt_state")
+    # The run went somewhere: the master moved and the loss scale changed.
+    first, last = per_rank[0][0][1], per_rank[0][-1][1]
+    assert not torch.equal(first["master"]["w1"], last["master"]["w1"])
+    scales = {float(h[1]["loss_scale"]) for h in per_rank[0]}
+    assert len(scales) > 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("tx_name", ["sgd", "adamw_masked"])
+def test_exact_means_give_bitwise_the_replicated_run(runs, world, tx_name):
+    # Integer FP16 gradients averaged in FP32 have the same mean in any
+    # summation order; then the two runs differ only in where the elementwise
+    # step runs (whole leaves or pieces of them), which must not change a bit.
+    per_rank = [r[tx_name] for r in results(runs[world], "exact_sums")]
+    for step in range(W.STEPS):
+        for r, history in enumerate(per_rank):
+            rep, sharded = history[step]
+            assert_same_state(sharded, rep, f"step {step} rank {r}", exact=True)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_update_writes_to_none_of_its_inputs(runs, world):
+    for r, res in enumerate(results(runs[world], "purity")):
+        (state0, grads0), (state1, grads1) = res["before"], res["after"]
+        assert len(state0) == len(state1) and len(grads0) == len(grads1)
+        for a, b in zip(state0 + grads0, state1 + grads1, strict=True):
+            assert torch.equal(a, b), f"rank {r}: an input changed"
+
+
+# -- memory --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("tx_name,copies", [("sgd", 1), ("adamw_masked", 2)])
+def test_each_rank_holds_its_share_of_the_fp32_state(runs, world, tx_name, copies):
+    per_rank = [r[tx_name] for r in results(runs[world], "memory")]
+    n = sum(x.numel() for x in W.make_params(0).values())
+    share = -(-n // world)  # elements per rank, the last rank's padded
+    full = per_rank[0]
+    # The master: exactly the full state's bytes between the ranks, no padding stored.
+    assert sum(r["master"] for r in per_rank) == full["full_master"] == 4 * n
+    for r in per_rank:
+        assert r["master"] <= 4 * share
+        # The per-parameter optimiser tensors are sharded the same way; only
+        # 0-d counters and flags stay whole on every rank (a few bytes).
+        per_param_full = 4 * n * copies
+        whole = full["full_opt"] - per_param_full
+        assert 0 <= whole <= 16
+        assert r["opt"] - whole <= 4 * share * copies
+        assert r["params"] == full["full_params"]  # the FP16 working copy stays whole
+    per_param = [r["opt"] - (full["full_opt"] - 4 * n * copies) for r in per_rank]
+    assert sum(per_param) == 4 * n * copies
+    layout = per_rank[0]["layout"]
+    # optree flattens a dict in sorted key order: b1, b2, c, w1, w2.
+    assert layout["world_size"] == world and layout["sizes"] == (5, 2, 1, 35, 15)
+
+
+# -- misuse ----------------------------------------------------------------------
+
+EXPECTED_ERRORS = {
+    "shard_twice": ("ValueError", "already sharded"),
+    "fp16_update_sharded": ("ValueError", "sharded_update"),
+    "update_path_sharded": ("ValueError", "sharded_update"),
+    "sharded_update_full": ("ValueError", "shard_state(state) first"),
+    "unshard_full": ("ValueError", "shard_state(state) first"),
+    "wrong_rank": ("ValueError", "this process is rank"),
+    "bad_grads": ("ValueError", "grads['w2']"),
+    "long_piece": ("ValueError", "params['b1']"),
+    "clip": ("ValueError", "clip_by_global_norm"),
+    "plain_save": ("TypeError", "save_checkpoint_rank0"),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_misuse_raises_on_every_rank_without_a_hang(runs, world):
+    for r, res in enumerate(results(runs[world], "errors")):
+        errors = res["errors"]
+        assert set(errors) == set(EXPECTED_ERRORS)
+        for case, (kind, text) in EXPECTED_ERRORS.items():
+            message = errors[case]
+            assert message is not None, f"rank {r}: {case} did not raise"
+            assert message.startswith(kind + ":") and text in message, (r, case, message)
+        assert all(res["unchanged"]), f"rank {r}: a failed call changed the state"
+
+
+# -- checkpoints across world sizes -------------------------------------------------
+
+
+def _load_full(path: Path) -> dict:
+    like = {"state": W.make_state("adamw_masked", seed=1), "epoch": 0}
+    return ff.load_checkpoint(path, like=like)
+
+
+def test_a_sharded_checkpoint_holds_the_full_state(runs):
+    for world in WORLDS:
+        written = results(runs[world], "checkpoint")[0]["written"]
+        loaded = _load_full(runs["ckpt"] / f"sharded_n{world}.ckpt")
+        assert loaded["epoch"] == W.RESUME_AFTER
+        assert loaded["state"].shard is None
+        assert_same_state(W.full_snapshot(loaded["state"]), written, f"n={world} file", exact=True)
+
+
+def _continue_alone(state: ff.FP16State) -> list[dict]:
+    """The reference continuation: one process, the whole batch, plain fp16_update."""
+    history = []
+    for step in range(W.RESUME_AFTER, W.RESUME_AFTER + W.CONTINUE_STEPS):
+        state = ff.fp16_update(state, W.grads_of(state, W.batch(step, 0)))
+        history.append(W.full_snapshot(state))
+    return history
+
+
+def test_a_two_rank_checkpoint_resumes_on_three_ranks(runs):
+    per_rank = results(runs[3], "checkpoint")
+    saved = _load_full(runs["ckpt"] / "sharded_n2.ckpt")
+    reference = _continue_alone(saved["state"])
+    for r, res in enumerate(per_rank):
+        assert res["resumed_layout"]["world_size"] == 3 and res["resumed_layout"]["rank"] == r
+        assert res["resumed_epoch"] == W.RESUME_AFTER
+        assert_same_state(res["resumed"], W.full_snapshot(saved["state"]), "resumed", exact=True)
+        # Every rank had the whole batch's gradients and averaged them in FP32,
+        # so the mean is exact and the continuation is the one-process run's.
+        for step, (got, want) in enumerate(zip(res["continued"], reference, strict=True)):
+            assert_same_state(got, want, f"rank {r} continued step {step}", exact=True)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_three_rank_checkpoint_resumes_on_one_rank(runs, one_process_group):
+    path = runs["ckpt"] / "sharded_n3.ckpt"
+    reference = _continue_alone(_load_full(path)["state"])
+    like = {"state": ffd.shard_state(W.make_state("adamw_masked", seed=1)), "epoch": 0}
+    loaded = ffd.load_checkpoint_broadcast(path, like)
+    state = loaded["state"]
+    assert state.shard.world_size == 1 and loaded["epoch"] == W.RESUME_AFTER
+    for step, want in zip(range(W.RESUME_AFTER, W.RESUME_AFTER + W.CONTINUE_STEPS), reference):
+        state = W._same_grads_step(state, step)
+        assert_same_state(W.full_snapshot(ffd.unshard_state(state)), want, f"{step}", exact=True)
+
+
+# -- one process: the optimiser-state probe, and calls without a group -----------------
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ff.sgd(0.1),
+        ff.sgd(0.1, momentum=0.9),
+        ff.adamw(1e-3, mask=W.DECAY_MASK),
+        ff.MultiSteps(ff.adam(1e-3), 2),
+        ff.multi_transform(
+            {"a": ff.sgd(0.1, momentum=0.9), "b": ff.adam(1e-3)},
+            {"w1": "a", "b1": "b", "w2": "a", "b2": "b", "c": "a"},
+        ),
+    ],
+    ids=["sgd", "momentum", "adamw-mask", "multisteps-adam", "multi-transform"],
+)
+def test_the_probe_finds_the_parameter_of_every_optimiser_leaf(tx):
+    # Every parameter has its own shape, so here a leaf's shape names its parameter.
+    state = ff.fp16_init(W.make_params(0), tx)
+    shapes = [p.shape for p in optree.tree_leaves(state.params, namespace=ff.NAMESPACE)]
+    assert len(set(shapes)) == len(shapes)
+    leaves = optree.tree_leaves(state.opt_state, namespace=ff.NAMESPACE)
+    expected = [
+        shapes.index(x.shape) if isinstance(x, torch.Tensor) and x.ndim else None for x in leaves
+    ]
+    assert owners(state) == expected
+
+
+def test_sharding_needs_a_process_group():
+    assert not dist.is_initialized()
+    state = W.make_state("sgd", seed=0)
+    for fn in (
+        lambda: ffd.shard_state(state),
+        lambda: ffd.unshard_state(state),
+        lambda: ffd.sharded_update(state, state.params),
+    ):
+        with pytest.raises(RuntimeError, match="init_from_env"):
+            fn()
