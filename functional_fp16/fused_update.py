@@ -49,7 +49,7 @@ from functional_fp16 import cpu_kernel, cuda_kernel
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.adam_plan import AdamPlan, adam_plan, adam_state_fits
 from functional_fp16.buffer_pool import BufferPool
-from functional_fp16.clipping import clip_factors, global_norm
+from functional_fp16.clipping import clip_factors, global_norm, norm_of_sum_of_squares
 from functional_fp16.fast_update import _lr_factor, foreach_update, grads_finite
 from functional_fp16.kernel_args import KernelScalars, KernelTensors
 from functional_fp16.loss_scale import (
@@ -181,7 +181,7 @@ def decide_step(kernel, g, inv, decide, clipping: bool):
     if kernel is cpu_kernel:
         peak, sum_sq = cpu_kernel.grad_stats(g, inv, sum_squares=clipping)
         # The norm as global_norm computes it: float64 sum and root, rounded once.
-        return _decision(peak, inv, decide), sum_sq.sqrt().float() if clipping else None
+        return _decision(peak, inv, decide), norm_of_sum_of_squares(sum_sq) if clipping else None
     finite = grads_finite(g, inv)
     finite = decide(finite) if decide is not None else finite
     if not clipping:

@@ -405,3 +405,36 @@ def test_example_two_ranks_train_like_one_process(tmp_path):
     assert int(state["step"]) == 3
     for k, want in ref_state["master"].items():
         assert scaled_error(state["master"][k], want, torch.float16) <= 1.0, k
+
+    # --shard-master: each rank steps its half of the FP32 state. With two
+    # ranks every reduction sums two values, which does not depend on the
+    # order, so the run is bitwise the replicated one; its checkpoint holds
+    # the full state.
+    sharded = _run_example(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+         str(EXAMPLE), *EXAMPLE_ARGS, "--distributed", "--shard-master"],
+        tmp_path / "sharded",
+    )  # fmt: skip
+    assert "sharded FP32 state (ZeRO-1)" in sharded.stdout
+    sharded_summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
+    assert sharded_summary["shard_master"] is True and summary["shard_master"] is False
+    assert sharded_summary["test_accuracy_per_epoch"] == summary["test_accuracy_per_epoch"]
+    sharded_rows = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
+    assert sharded_rows == rows
+    sharded_state = ff.load_checkpoint(tmp_path / "sharded" / ckpt)["state"]
+    for field in ("params", "master"):
+        for k, want in state[field].items():
+            assert bitwise_equal(sharded_state[field][k], want), (field, k)
+    assert bitwise_equal(
+        sharded_state["loss_scale"]["loss_scale"], state["loss_scale"]["loss_scale"]
+    )
+
+
+def test_shard_master_needs_distributed(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *EXAMPLE_ARGS, "--shard-master", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
+    assert proc.returncode == 2 and "--shard-master needs --distributed" in proc.stderr

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from functional_fp16._tree import PyTree, check_like, tree_flatten, tree_unflatten
 from functional_fp16.batching import is_batched
+from functional_fp16.clipping import sums_of_squares_reduced
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
     _check_bucket_bytes,
@@ -21,7 +22,7 @@ from functional_fp16.distributed.all_reduce import (
 from functional_fp16.distributed.buckets import scaled_cast
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout
-from functional_fp16.distributed.sharding import _check_shardable, check_layout
+from functional_fp16.distributed.sharding import check_layout
 from functional_fp16.update import FP16State, fp16_update
 
 __all__ = ["sharded_update"]
@@ -60,6 +61,9 @@ def sharded_update(
     :func:`~functional_fp16.fp16_update` on the pieces (any implementation;
     the fused kernel where it applies), and the decision is agreed across
     ranks, so a non-finite gradient on any rank skips the step on every rank.
+    The optimiser must be elementwise, except for global norms: within this
+    call, ``clip_by_global_norm`` adds up the shards' float64 sums of squares
+    across the ranks (one more all-reduce), so it clips by the whole tree's norm.
     Each rank writes only its slice of the FP32 state; the new FP16 working
     copy is whole and bitwise the same on every rank. Collectives are
     bucketed (at most ``bucket_bytes`` per call, all launched before any is
@@ -84,7 +88,6 @@ def sharded_update(
     """
     _require_group("sharded_update")
     layout = check_layout(state, group, "sharded_update")
-    _check_shardable(state.tx)
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
     comm_dtype = _check_comm_dtype(comm_dtype)
     predivide_factor = _check_predivide(predivide_factor)
@@ -114,17 +117,26 @@ def sharded_update(
         tx=state.tx,
     )
     inner._kernel_plan = state._kernel_plan
-    stepped = fp16_update(
-        inner,
-        tree_unflatten(p_spec, [mine(i) for i in range(len(p_leaves))]),
-        impl=impl,
-        loss=loss,
-        agree=functools.partial(agree_finite, group=group),
-    )
+    # Global norms (clip_by_global_norm) add up the shards' sums of squares.
+    with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
+        stepped = fp16_update(
+            inner,
+            tree_unflatten(p_spec, [mine(i) for i in range(len(p_leaves))]),
+            impl=impl,
+            loss=loss,
+            agree=functools.partial(agree_finite, group=group),
+        )
     params = _all_gather(tree_flatten(stepped.params)[0], layout, group, p_leaves, bucket_bytes)
     new = stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
     new._kernel_plan = stepped._kernel_plan
     return new
+
+
+def _sum_over_ranks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """The sum of ``x`` over the ranks (a new tensor; ``x`` is not written to)."""
+    total = x.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
 
 
 def _rounds(length: int, itemsize: int, world: int, bucket_bytes: int) -> list[tuple[int, int]]:

@@ -33,11 +33,9 @@ from functional_fp16._tree import (
     tree_paths,
     tree_unflatten,
 )
-from functional_fp16.clipping import ClipSpec
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout, layout_for
-from functional_fp16.sgd_plan import chain_parts
 from functional_fp16.update import FP16State
 
 __all__ = ["shard_state", "unshard_state", "is_sharded", "map_sharded", "full_like", "shard_like"]
@@ -50,16 +48,6 @@ _TAG = 1 << 40  # probe leaf i has shape (_TAG + i,): no real tensor is that lon
 def is_sharded(state: Any) -> bool:
     """Whether ``state`` is an :class:`~functional_fp16.FP16State` holding one rank's shard."""
     return isinstance(state, FP16State) and state.shard is not None
-
-
-def _check_shardable(tx) -> None:
-    parts = chain_parts(getattr(tx, "spec", None)) or []
-    if any(isinstance(spec, ClipSpec) for spec, _ in parts):
-        raise ValueError(
-            "state.tx contains clip_by_global_norm, whose norm would be taken over this "
-            "rank's shard only: sharded states support elementwise optimisers (sgd, adam, "
-            "adamw, weight decay, masks, schedules); clip in a replicated run instead"
-        )
 
 
 def owners(state: FP16State) -> list[int | None]:
@@ -146,9 +134,8 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
       :func:`sharded_update`, gather it with :func:`unshard_state`.
 
     Raises:
-      ValueError: for a state that is already sharded, an optimiser that
-        clips by global norm, or an optimiser state whose per-parameter
-        tensors are not shaped like their parameters.
+      ValueError: for a state that is already sharded, or an optimiser state
+        whose per-parameter tensors are not shaped like their parameters.
     """
     _require_group("shard_state")
     if not isinstance(state, FP16State):
@@ -157,7 +144,6 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
         raise ValueError(
             f"state is already sharded (shard {state.shard.rank} of {state.shard.world_size})"
         )
-    _check_shardable(state.tx)
     check_same_tree(state, group, name="state")
     owner = owners(state)
     _check_full(state, owner)
