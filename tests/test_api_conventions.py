@@ -28,7 +28,14 @@ KW = inspect.Parameter.KEYWORD_ONLY
 def test_flags_and_process_groups_are_keyword_only():
     assert _kinds(ff.sgd)["nesterov"] == KW and _kinds(ff.sgd)["weight_decay"] == KW
     assert _kinds(ff.trace)["nesterov"] == KW and _kinds(ff.trace)["dampening"] == KW
-    for fn in (ffd.broadcast_state, ffd.tree_all_reduce_mean, ffd.agree_finite):
+    for fn in (
+        ffd.broadcast_state,
+        ffd.tree_all_reduce_mean,
+        ffd.agree_finite,
+        ffd.shard_state,
+        ffd.unshard_state,
+        ffd.sharded_update,
+    ):
         assert _kinds(fn)["group"] == KW, fn.__name__
     assert _kinds(ffd.broadcast_state)["src"] == KW
     assert list(_kinds(ff.cast_to))[:2] == ["tree", "dtype"]

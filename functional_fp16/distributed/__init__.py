@@ -42,10 +42,24 @@ A training step on ``N`` ranks, each fed ``B / N`` examples::
         grads, loss = grad_fn(state.loss_scale, state.params, x, y)  # scaled FP16
         grads = tree_all_reduce_mean(grads)              # mean over ranks
         state = fp16_update(state, grads, loss=loss, agree=agree_finite)
+
+To divide the FP32 master and optimiser state between the ranks instead of
+replicating it (ZeRO-1), shard the state and step it with
+:func:`sharded_update`, which reduce-scatters the gradients, steps this
+rank's slice and all-gathers the FP16 parameters::
+
+    state = shard_state(broadcast_state(fp16_init(params, adamw(1e-3))))
+    for x, y in shard:
+        grads, loss = grad_fn(state.loss_scale, state.params, x, y)
+        state = sharded_update(state, grads, loss=loss)
+
 The package's modules, one job each: :mod:`.process_group` (set-up under
 torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
-flag), :mod:`.replicas` (identical trees on every rank) and
-:mod:`.checkpoints` (rank-0 writes, broadcast resumes).
+flag), :mod:`.replicas` (identical trees on every rank),
+:mod:`.checkpoints` (rank-0 writes, broadcast resumes), and for the sharded
+state :mod:`.shard_layout` (who owns which elements), :mod:`.sharding`
+(:func:`shard_state`, :func:`unshard_state`) and :mod:`.sharded_step`
+(:func:`sharded_update`).
 """
 
 from functional_fp16.distributed.all_reduce import (

@@ -38,7 +38,7 @@ from functional_fp16.distributed.replicas import check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout, layout_for
 from functional_fp16.update import FP16State
 
-__all__ = ["shard_state", "unshard_state", "is_sharded", "map_sharded", "full_like", "shard_like"]
+__all__ = ["shard_state", "unshard_state", "is_sharded"]
 
 # The flat all-gather's name since torch 2.13 (the old one warns); older releases have only that.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
