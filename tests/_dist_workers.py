@@ -10,10 +10,9 @@ single-process reference live here too, so both sides use the same code.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-import traceback
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -369,26 +368,13 @@ SCENARIOS = {
 _INFO: ffd.DistInfo
 
 
-def main(out: str) -> int:
+def _keep_info(info: ffd.DistInfo) -> None:
     global _INFO
-    torch.set_num_threads(1)
-    _INFO = ffd.init_from_env(timeout=datetime.timedelta(seconds=60))
-    rank = _INFO.rank
-    failed = 0
-    try:
-        for name, fn in SCENARIOS.items():
-            try:
-                result = fn(rank, out)
-            except Exception:
-                failed += 1
-                with open(os.path.join(out, f"{name}_rank{rank}.err"), "w") as f:
-                    f.write(traceback.format_exc())
-                continue
-            torch.save(result, os.path.join(out, f"{name}_rank{rank}.pt"))
-    finally:
-        ffd.shutdown()
-    return 1 if failed else 0
+    _INFO = info
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests._launch import run_scenarios
+
+    sys.exit(run_scenarios(SCENARIOS, sys.argv[1], _keep_info))

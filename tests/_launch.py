@@ -1,4 +1,4 @@
-"""Starting worker processes the way torchrun would, for the multi-process tests.
+"""Starting worker processes the way torchrun would, for the multi-process tests, and their main.
 
 Each worker runs ``python WORKER OUT_DIR`` with the ``torchrun`` variables set
 (127.0.0.1, a free port), runs its scenarios in one process group and writes
@@ -9,12 +9,17 @@ it fail with the workers' logs.
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import pytest
@@ -112,3 +117,42 @@ def results(launch: Launch, scenario: str) -> list[Any]:
             pytest.fail(f"scenario {scenario!r} left no result on rank {rank}\n{launch.logs}")
         out.append(torch.load(path))
     return out
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    """Imports a worker file as a module, so that tests use its model and reference code."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_scenarios(
+    scenarios: dict[str, Callable[[int, str], Any]],
+    out: str,
+    on_init: Callable[[Any], None] | None = None,
+) -> int:
+    """A worker's main: joins the process group, runs every scenario, saves each result or traceback.
+
+    A failing scenario does not stop the others. Returns the exit status (1 if any failed).
+    """
+    from functional_fp16 import distributed as ffd
+
+    torch.set_num_threads(1)
+    info = ffd.init_from_env(timeout=datetime.timedelta(seconds=60))
+    if on_init is not None:
+        on_init(info)
+    failed = 0
+    try:
+        for name, fn in scenarios.items():
+            try:
+                result = fn(info.rank, out)
+            except Exception:
+                failed += 1
+                with open(os.path.join(out, f"{name}_rank{info.rank}.err"), "w") as f:
+                    f.write(traceback.format_exc())
+                continue
+            torch.save(result, os.path.join(out, f"{name}_rank{info.rank}.pt"))
+    finally:
+        ffd.shutdown()
+    return 1 if failed else 0

@@ -10,10 +10,9 @@ that file (written by a run of another world size) and continues.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-import traceback
+from pathlib import Path
 from typing import Any
 
 import optree
@@ -276,24 +275,8 @@ SCENARIOS = {
 }
 
 
-def main(out: str) -> int:
-    torch.set_num_threads(1)
-    rank = ffd.init_from_env(timeout=datetime.timedelta(seconds=60)).rank
-    failed = 0
-    try:
-        for name, fn in SCENARIOS.items():
-            try:
-                result = fn(rank, out)
-            except Exception:
-                failed += 1
-                with open(os.path.join(out, f"{name}_rank{rank}.err"), "w") as f:
-                    f.write(traceback.format_exc())
-                continue
-            torch.save(result, os.path.join(out, f"{name}_rank{rank}.pt"))
-    finally:
-        ffd.shutdown()
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests._launch import run_scenarios
+
+    sys.exit(run_scenarios(SCENARIOS, sys.argv[1]))

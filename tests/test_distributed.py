@@ -10,7 +10,6 @@ Errors that need no process group are checked in this process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from tests._launch import Launch, launch_workers, results
+from tests._launch import Launch, launch_workers, load_module, results
 
 pytestmark = pytest.mark.distributed
 
@@ -33,14 +32,7 @@ WORLD = 2
 LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing assertion
 
 
-def _load_workers():
-    spec = importlib.util.spec_from_file_location("_functional_fp16_dist_workers", WORKER_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-W = _load_workers()
+W = load_module(WORKER_FILE, "_functional_fp16_dist_workers")
 
 
 # -- the launch -----------------------------------------------------------------

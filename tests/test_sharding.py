@@ -10,7 +10,6 @@ some leaves are smaller than the number of ranks.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import optree
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed.sharding import owners
-from tests._launch import launch_workers, results
+from tests._launch import launch_workers, load_module, results
 from tests.helpers import bits, ulp_distance
 
 pytestmark = pytest.mark.distributed
@@ -31,14 +30,7 @@ LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing
 WORLDS = (2, 3)
 
 
-def _load_workers():
-    spec = importlib.util.spec_from_file_location("_functional_fp16_shard_workers", WORKER_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-W = _load_workers()
+W = load_module(WORKER_FILE, "_functional_fp16_shard_workers")
 
 
 @pytest.fixture(scope="module")
