@@ -37,18 +37,33 @@ def _buckets(
 def _pack(
     leaves: list[torch.Tensor], indices: list[int], dtype: torch.dtype, pre: float
 ) -> torch.Tensor:
-    """One flat ``dtype`` buffer of ``fl(x / pre)``: divided in the leaf's dtype, then cast.
+    """One new flat ``dtype`` buffer of ``fl(x / pre)`` (see :func:`fill`); the inputs are only read."""
+    flat = torch.empty(
+        sum(leaves[i].numel() for i in indices), dtype=dtype, device=leaves[indices[0]].device
+    )
+    fill(flat, 0, [leaves[i].reshape(-1) for i in indices], pre)
+    return flat
 
-    Dividing before the cast keeps FP32 leaves that exceed the FP16 range but
-    whose share ``x / pre`` fits from overflowing on the wire. ``torch.cat``
-    always allocates, so the inputs are never written to.
+
+def fill(buf: torch.Tensor, at: int, parts: list[torch.Tensor], pre: float) -> int:
+    """Writes ``fl_buf(x / pre)`` of each flat ``x`` in ``parts`` into ``buf`` from ``at`` on.
+
+    Divided in ``x``'s own dtype, then cast (no division for ``pre == 1``):
+    dividing before the cast keeps FP32 values that exceed the FP16 range but
+    whose share ``x / pre`` fits from overflowing on the wire. Same-dtype
+    parts are written straight into ``buf``, with no temporary. Returns the
+    position after the last part.
     """
-    return torch.cat([scaled_cast(leaves[i].reshape(-1), dtype, pre) for i in indices])
-
-
-def scaled_cast(x: torch.Tensor, dtype: torch.dtype, pre: float) -> torch.Tensor:
-    """``fl_dtype(x / pre)``: divided in ``x``'s own dtype, then cast (no division for ``pre == 1``)."""
-    return x.to(dtype) if pre == 1.0 else (x / pre).to(dtype)
+    for x in parts:
+        dst = buf[at : at + x.numel()]
+        if pre == 1.0:
+            dst.copy_(x)
+        elif x.dtype == buf.dtype:
+            torch.div(x, pre, out=dst)
+        else:
+            dst.copy_(x / pre)
+        at += x.numel()
+    return at
 
 
 def _unpack(

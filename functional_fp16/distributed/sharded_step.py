@@ -19,7 +19,7 @@ from functional_fp16.distributed.all_reduce import (
     agree_finite,
     default_predivide,
 )
-from functional_fp16.distributed.buckets import scaled_cast
+from functional_fp16.distributed.buckets import fill
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout
 from functional_fp16.distributed.sharding import check_layout
@@ -96,14 +96,8 @@ def sharded_update(
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
     g_flat = [g.detach().reshape(-1) for g in g_leaves]
-    slices = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
+    g_pieces = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
-    starts = [layout.bounds(g)[0] for g in range(len(layout.groups))]
-
-    def mine(i: int) -> torch.Tensor:
-        g, (lo, hi) = layout.group_index[i], pieces[i]
-        at = layout.offsets[i] + lo - starts[g]
-        return slices[g][at : at + hi - lo]
 
     inner = FP16State(
         params=tree_unflatten(
@@ -121,7 +115,7 @@ def sharded_update(
     with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
         stepped = fp16_update(
             inner,
-            tree_unflatten(p_spec, [mine(i) for i in range(len(p_leaves))]),
+            tree_unflatten(p_spec, g_pieces),
             impl=impl,
             loss=loss,
             agree=functools.partial(agree_finite, group=group),
@@ -153,8 +147,19 @@ def _reduce_scatter(
     bucket_bytes: int,
     predivide_factor: float | None,
 ) -> list[torch.Tensor]:
-    """This rank's slice of the mean gradient of every dtype group (padded to :math:`S_g`)."""
-    world = layout.world_size
+    """This rank's piece of the mean gradient of every leaf (views into one slice per dtype group).
+
+    Each round packs its part of every rank's slice into one buffer (divided by
+    the pre-divide factor on the way) and reduce-scatters it. gloo's
+    reduce-scatter is an all-reduce of the whole buffer followed by a copy of
+    one chunk, so on gloo the buffer is all-reduced in place and the chunk
+    read from it: the same sums, two copies fewer. With one rank there is
+    nothing to exchange.
+    """
+    world, rank = layout.world_size, layout.rank
+    if world == 1:
+        return [_alone(x, comm_dtype, predivide_factor) for x in g_flat]
+    in_place = dist.get_backend(group) == "gloo"
     pending: list[Any] = []
     outs = []
     for g, members in enumerate(layout.groups):
@@ -163,31 +168,58 @@ def _reduce_scatter(
         pre = predivide_factor or default_predivide(wire, world)
         size, total = layout.slice_numel(g), layout.group_numel(g)
         device = g_flat[members[0]].device
+        rounds = _rounds(size, torch.empty((), dtype=wire).element_size(), world, bucket_bytes)
         out = torch.empty(size, dtype=wire, device=device)
-        itemsize = out.element_size()
-        for start, stop in _rounds(size, itemsize, world, bucket_bytes):
-            parts = []
+        for start, stop in rounds:
+            send = torch.empty(world * (stop - start), dtype=wire, device=device)
+            at = 0
             for r in range(world):
                 a, b = r * size + start, r * size + stop
-                for i, lo, hi in layout.segments(g, a, b):
-                    parts.append(scaled_cast(g_flat[i][lo:hi], wire, pre))
+                parts = [g_flat[i][lo:hi] for i, lo, hi in layout.segments(g, a, b)]
+                at = fill(send, at, parts, pre)
                 pad = b - max(min(b, total), a)
-                if pad:
-                    parts.append(torch.zeros(pad, dtype=wire, device=device))
-            send = torch.cat(parts)
-            work = _reduce_scatter_flat(
-                out[start:stop], send, op=dist.ReduceOp.SUM, group=group, async_op=True
-            )
-            pending.append(work)
+                send[at : at + pad].zero_()
+                at += pad
+            if in_place:
+                work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                chunk = send.view(world, stop - start)[rank]
+                if len(rounds) == 1:
+                    out = chunk
+                pending.append((work, None if len(rounds) == 1 else (out[start:stop], chunk)))
+            else:
+                work = _reduce_scatter_flat(
+                    out[start:stop], send, op=dist.ReduceOp.SUM, group=group, async_op=True
+                )
+                pending.append((work, None))
         outs.append((out, world / pre, dtype))
-    for work in pending:
+    for work, copy in pending:
         work.wait()
-    slices = []
-    for out, post, dtype in outs:
+        if copy is not None:
+            copy[0].copy_(copy[1])
+    pieces: list[Any] = [None] * len(g_flat)
+    for g, (out, post, dtype) in enumerate(outs):
         if post != 1.0:
             out.div_(post)
-        slices.append(out.to(dtype))
-    return slices
+        out = out.to(dtype)
+        start = layout.bounds(g)[0]
+        for i in layout.groups[g]:
+            lo, hi = layout.piece(i)
+            at = layout.offsets[i] + lo - start
+            pieces[i] = out[at : at + hi - lo]
+    return pieces
+
+
+def _alone(x: torch.Tensor, comm_dtype: torch.dtype | None, pre: float | None) -> torch.Tensor:
+    """The "mean" over one rank: ``x`` put through the casts and divisions a group would apply."""
+    wire = comm_dtype or x.dtype
+    pre = pre or default_predivide(wire, 1)
+    if wire == x.dtype and pre == 1.0:
+        return x
+    buf = torch.empty(x.numel(), dtype=wire, device=x.device)
+    fill(buf, 0, [x], pre)
+    if pre != 1.0:
+        buf.div_(1.0 / pre)
+    return buf.to(x.dtype)
 
 
 def _all_gather(
@@ -204,9 +236,12 @@ def _all_gather(
     for g, members in enumerate(layout.groups):
         size = layout.slice_numel(g)
         dtype, device = pieces[members[0]].dtype, pieces[members[0]].device
-        send = torch.zeros(size, dtype=dtype, device=device)
-        start, stop = layout.bounds(g)
-        torch.cat([pieces[i] for i in members], out=send[: stop - start])
+        if world == 1:  # the pieces are the leaves
+            fulls.append(None)
+            continue
+        send = torch.empty(size, dtype=dtype, device=device)
+        at = fill(send, 0, [pieces[i] for i in members], 1.0)
+        send[at:].zero_()
         full = torch.empty(world * size, dtype=dtype, device=device)
         for a, b in _rounds(size, send.element_size(), world, bucket_bytes):
             outs = [full[r * size + a : r * size + b] for r in range(world)]
@@ -217,7 +252,8 @@ def _all_gather(
     out = []
     for i, x in enumerate(like):
         full, o = fulls[layout.group_index[i]], layout.offsets[i]
-        leaf = full[o : o + layout.sizes[i]].view(x.shape)
+        leaf = pieces[i] if full is None else full[o : o + layout.sizes[i]]
+        leaf = leaf.view(x.shape)
         if not x.is_contiguous():  # keep the parameter's memory format (channels-last)
             leaf = torch.empty_like(x).copy_(leaf)
         out.append(leaf)
