@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_description, release_free_memory, rss_bytes  # noqa: E402
+from _common import machine_description, release_free_memory  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
@@ -151,7 +151,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
                 if rep >= args.warmup:
                     times[name].append(seconds)
         result["times"] = times
-        result["rss"] = _gather_max(float(rss_bytes() or 0))
     finally:
         ffd.shutdown()
     if rank == 0:
@@ -203,7 +202,7 @@ def main() -> None:
             )
     print("\nOne SGD-momentum step, the slowest rank (median s, min-max in brackets)")
     print(
-        f"{'ranks':>5s} {'replicated':>22s} {'sharded':>22s} {'sharded/replicated':>19s} {'param ulps':>11s} {'RSS MiB':>9s}"
+        f"{'ranks':>5s} {'replicated':>22s} {'sharded':>22s} {'sharded/replicated':>19s} {'param ulps':>11s}"
     )
     for w, r in rows.items():
         cells = []
@@ -214,7 +213,7 @@ def main() -> None:
             r["times"]["replicated"]
         )
         ulps = str(r["param_ulps"]) + ("" if r["same_decision"] else " (decision differs!)")
-        print(f"{w:5d} {cells[0]:>22s} {cells[1]:>22s} {ratio:19.2f} {ulps:>11s} {_mib(r['rss'])}")
+        print(f"{w:5d} {cells[0]:>22s} {cells[1]:>22s} {ratio:19.2f} {ulps:>11s}")
 
 
 if __name__ == "__main__":
