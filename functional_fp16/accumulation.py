@@ -364,7 +364,9 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
     stepped = impl(
         inner,
         tree_unflatten(m_spec, handed),
-        lambda mean_finite: mean_finite & apply,
+        # The mean's own check is agreed too (``decide``), so that ranks that
+        # each hold a slice of it (a sharded state) decide alike.
+        lambda mean_finite: (mean_finite if decide is None else decide(mean_finite)) & apply,
         donate and spec.use_grad_mean,
     )
     applied = stepped.grads_finite

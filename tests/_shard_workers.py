@@ -10,6 +10,7 @@ that file (written by a run of another world size) and continues.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
+from functional_fp16.distributed import sharded_step
 
 # Odd sizes, and leaves smaller than 3 ranks: 35 + 5 + 15 + 2 + 1 = 58 elements,
 # which neither 2 nor 3 ranks divide into whole leaves (3 does not divide 58).
@@ -61,10 +63,16 @@ def make_tx(name: str) -> ff.GradientTransformation:
     if name == "clip_sgd":  # a norm over the whole tree, summed across the shards
         return ff.chain(ff.clip_by_global_norm(0.05), ff.sgd(0.05, momentum=0.9))
     if name == "clip_adamw":
-        return ff.chain(ff.clip_by_global_norm(0.05), ff.adamw(1e-2, mask=DECAY_MASK))
+        return ff.chain(ff.clip_by_global_norm(0.05), ff.adamw(1e-2, mask=ndim_mask))
+    if name == "adamw_ndim_mask":  # a mask function: decay the weights, not the biases
+        return ff.adamw(1e-2, weight_decay=0.1, mask=ndim_mask)
     if name == "multisteps":
         return ff.MultiSteps(ff.sgd(0.05, momentum=0.9), 2)
     raise ValueError(name)
+
+
+def ndim_mask(params: Any) -> Any:
+    return optree.tree_map(lambda x: x.ndim > 1, params, namespace=ff.NAMESPACE)
 
 
 def make_state(tx_name: str, seed: int) -> ff.FP16State:
@@ -93,26 +101,42 @@ def with_inf(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # -- scenarios ---------------------------------------------------------------
 
-# (optimiser, implementation, bucket bytes): 16 bytes cuts every collective
-# into rounds of a few elements.
+# (optimiser, implementation, bucket bytes, reduction): 16 or 64 bytes cut
+# every collective into rounds of a few elements; "reduce-scatter" makes the
+# CPU take the reduce-scatter that CUDA tensors take (NCCL's path) instead of
+# gloo's in-place all-reduce.
 RUNS = [
-    ("sgd", "auto", ffd.DEFAULT_BUCKET_BYTES),
-    ("sgd", "reference", ffd.DEFAULT_BUCKET_BYTES),
-    ("sgd", "auto", 16),
-    ("sgd_nesterov_decay", "auto", ffd.DEFAULT_BUCKET_BYTES),
-    ("adamw_masked", "auto", ffd.DEFAULT_BUCKET_BYTES),
-    ("multisteps", "auto", ffd.DEFAULT_BUCKET_BYTES),
-    ("clip_sgd", "auto", ffd.DEFAULT_BUCKET_BYTES),
-    ("clip_sgd", "reference", ffd.DEFAULT_BUCKET_BYTES),
-    ("clip_adamw", "auto", ffd.DEFAULT_BUCKET_BYTES),
+    ("sgd", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("sgd", "reference", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("sgd", "auto", 16, "default"),
+    ("sgd", "auto", 16, "reduce-scatter"),
+    ("sgd_nesterov_decay", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("adamw_masked", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("adamw_ndim_mask", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("multisteps", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("clip_sgd", "auto", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("clip_sgd", "reference", ffd.DEFAULT_BUCKET_BYTES, "default"),
+    ("clip_adamw", "auto", 64, "reduce-scatter"),
 ]
+
+
+@contextlib.contextmanager
+def reduction(kind: str):
+    """Within the block, CPU gradients take ``kind``'s path in sharded_update."""
+    saved = sharded_step.reduces_in_place
+    if kind == "reduce-scatter":
+        sharded_step.reduces_in_place = lambda device: False
+    try:
+        yield
+    finally:
+        sharded_step.reduces_in_place = saved
 
 
 def scenario_equivalence(rank: int, out: str) -> dict[Any, Any]:
     """The sharded run next to the replicated one, each fed the same per-rank batches."""
     world = ffd.get_world_size()
     result = {}
-    for tx_name, impl, bucket in RUNS:
+    for tx_name, impl, bucket, kind in RUNS:
         rep = ffd.broadcast_state(make_state(tx_name, seed=rank))  # rank 0's values everywhere
         sharded = ffd.shard_state(rep)
         history = []
@@ -124,9 +148,62 @@ def scenario_equivalence(rank: int, out: str) -> dict[Any, Any]:
             rep = ff.fp16_update(
                 rep, ffd.tree_all_reduce_mean(g_rep), agree=ffd.agree_finite, impl=impl
             )
-            sharded = ffd.sharded_update(sharded, g_sh, impl=impl, bucket_bytes=bucket)
+            with reduction(kind):
+                sharded = ffd.sharded_update(sharded, g_sh, impl=impl, bucket_bytes=bucket)
             history.append((full_snapshot(rep), full_snapshot(ffd.unshard_state(sharded))))
-        result[(tx_name, impl, bucket)] = history
+        result[(tx_name, impl, bucket, kind)] = history
+    return result
+
+
+def awkward_state(tx_name: str) -> ff.FP16State:
+    """Two dtype groups (an FP32 working leaf), a channels-last 4-D leaf and an empty leaf."""
+    params = make_params(0)
+    g = torch.Generator().manual_seed(7)
+    params["k"] = (torch.randn(3, 2, 3, 3, generator=g) * 0.5).to(memory_format=torch.channels_last)
+    params["z"] = torch.zeros(0)
+    params["s"] = torch.randn(4, generator=g)
+    state = ff.fp16_init(params, make_tx(tx_name), ff.DynamicLossScale(2.0**10, growth_interval=2))
+    return state.replace(params={**state.params, "s": state.master["s"].clone()})
+
+
+def awkward_grads(state: ff.FP16State, step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Integer-valued gradients, different on every rank, laid out as awkwardly as autograd may:
+    channels-last for "k", an expanded (stride-0) tensor for "b2"."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    grads = {
+        k: torch.randint(-64, 65, v.shape, generator=g).to(v.dtype) for k, v in state.params.items()
+    }
+    grads["k"] = grads["k"].to(memory_format=torch.channels_last)
+    grads["b2"] = grads["b2"][:1].expand(2)
+    return grads
+
+
+def scenario_awkward(rank: int, out: str) -> dict[Any, Any]:
+    """The layout's corners: FP32 and FP16 leaves, channels-last, an empty leaf, 32-byte rounds.
+
+    The gradients' mean is exact in any summation order (integers, FP32 on the
+    wire), so the sharded run must be bitwise the replicated one.
+    """
+    result = {}
+    for tx_name in ("sgd", "clip_adamw"):
+        rep = ffd.broadcast_state(awkward_state(tx_name))
+        sharded = ffd.shard_state(rep)
+        history = []
+        for step in range(4):
+            grads = awkward_grads(rep, step, rank)
+            mean = ffd.tree_all_reduce_mean(grads, comm_dtype=torch.float32)
+            rep = ff.fp16_update(rep, mean, agree=ffd.agree_finite)
+            sharded = ffd.sharded_update(sharded, grads, comm_dtype=torch.float32, bucket_bytes=32)
+            full = ffd.unshard_state(sharded)
+            history.append((full_snapshot(rep), full_snapshot(full)))
+        result[tx_name] = {
+            "history": history,
+            "groups": len(sharded.shard.groups),
+            "channels_last": full.params["k"].is_contiguous(memory_format=torch.channels_last),
+            "master_channels_last": full.master["k"].is_contiguous(
+                memory_format=torch.channels_last
+            ),
+        }
     return result
 
 
@@ -213,6 +290,10 @@ def scenario_errors(rank: int, out: str) -> dict[str, Any]:
     long_piece = torch.cat([sharded.master["b1"], torch.zeros(1)])
     long_piece = sharded.replace(master={**sharded.master, "b1": long_piece})
     before = _bits(sharded)
+    stale = sharded.replace(params={**sharded.params, "b1": torch.zeros(6, dtype=torch.float16)})
+    averaged = ff.fp16_init(
+        make_params(0), ff.chain(ffd.all_reduce_mean(), ff.sgd(0.1, momentum=0.9))
+    )
     errors = {
         "shard_twice": _error(lambda: ffd.shard_state(sharded)),
         "fp16_update_sharded": _error(lambda: ff.fp16_update(sharded, grads)),
@@ -223,6 +304,10 @@ def scenario_errors(rank: int, out: str) -> dict[str, Any]:
         "bad_grads": _error(lambda: ffd.sharded_update(sharded, bad_grads)),
         "long_piece": _error(lambda: ffd.unshard_state(long_piece)),
         "plain_save": _error(lambda: ff.save_checkpoint(os.path.join(out, "x.ckpt"), sharded)),
+        "bad_loss": _error(lambda: ffd.sharded_update(sharded, grads, loss=1.0)),
+        "bad_impl": _error(lambda: ffd.sharded_update(sharded, grads, impl="fast")),
+        "stale_layout": _error(lambda: ffd.sharded_update(stale, grads)),
+        "all_reduce_in_tx": _error(lambda: ffd.shard_state(averaged)),
     }
     # The process group still works afterwards (no rank was left in a collective).
     ffd.sharded_update(sharded, grads)
@@ -267,6 +352,7 @@ def scenario_checkpoint(rank: int, out: str) -> dict[str, Any]:
 
 SCENARIOS = {
     "equivalence": scenario_equivalence,
+    "awkward": scenario_awkward,
     "exact_sums": scenario_exact_sums,
     "purity": scenario_purity,
     "memory": scenario_memory,

@@ -119,4 +119,4 @@ HYPER = {
 def test_fuzz_hyperparameters():
     """Random values (NaN, inf, negative, wrong type): accepted or named."""
     seen = fuzz_hyperparameters(HYPER, "clip_by_global_norm")
-    assert seen["rejected"] >= 200 and seen["accepted"] >= 40
+    assert seen["rejected"] >= 100 and seen["accepted"] >= 40  # both branches, many times

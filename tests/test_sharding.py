@@ -89,7 +89,7 @@ def assert_ranks_agree(snaps: list[dict], where: str) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("run", W.RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}B")
+@pytest.mark.parametrize("run", W.RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}B-{r[3]}")
 def test_sharded_run_matches_the_replicated_run(runs, world, run):
     per_rank = [r[run] for r in results(runs[world], "equivalence")]
     applied = []
@@ -142,6 +142,27 @@ def test_sharded_update_writes_to_none_of_its_inputs(runs, world):
             assert torch.equal(a, b), f"rank {r}: an input changed"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("tx_name", ["sgd", "clip_adamw"])
+def test_mixed_dtypes_channels_last_and_empty_leaves(runs, world, tx_name):
+    # An FP32 working leaf makes a second dtype group (its own slices); a
+    # channels-last leaf keeps its layout through the gather; an empty leaf
+    # has empty pieces everywhere; gradients come channels-last and expanded;
+    # 32-byte buckets cut every collective into rounds. The means are exact,
+    # so the runs must agree bit for bit.
+    per_rank = [r[tx_name] for r in results(runs[world], "awkward")]
+    for r, res in enumerate(per_rank):
+        assert res["groups"] == 2
+        assert res["channels_last"] and res["master_channels_last"]
+        for step, (rep, sharded) in enumerate(res["history"]):
+            assert_same_state(sharded, rep, f"rank {r} step {step}", exact=True)
+            assert sharded["params"]["s"].dtype == torch.float32
+            assert sharded["params"]["z"].shape == (0,)
+    assert not torch.equal(
+        per_rank[0]["history"][-1][1]["master"]["k"], W.awkward_state(tx_name).master["k"]
+    )
+
+
 # -- memory --------------------------------------------------------------------
 
 
@@ -180,8 +201,12 @@ EXPECTED_ERRORS = {
     "unshard_full": ("ValueError", "shard_state(state) first"),
     "wrong_rank": ("ValueError", "this process is rank"),
     "bad_grads": ("ValueError", "grads['w2']"),
-    "long_piece": ("ValueError", "params['b1']"),
+    "long_piece": ("ValueError", "a piece of params['b1']"),
     "plain_save": ("TypeError", "save_checkpoint_rank0"),
+    "bad_loss": ("TypeError", "loss must be a tensor"),
+    "bad_impl": ("ValueError", "impl must be"),
+    "stale_layout": ("ValueError", "laid out for parameters of"),
+    "all_reduce_in_tx": ("ValueError", "all_reduce_mean()"),
 }
 
 
@@ -256,6 +281,27 @@ def test_a_three_rank_checkpoint_resumes_on_one_rank(runs, one_process_group):
     for step, want in zip(range(W.RESUME_AFTER, W.RESUME_AFTER + W.CONTINUE_STEPS), reference):
         state = W._same_grads_step(state, step)
         assert_same_state(W.full_snapshot(ffd.unshard_state(state)), want, f"{step}", exact=True)
+
+
+def test_one_rank_sharded_is_bitwise_the_plain_update(one_process_group):
+    # With one rank there is nothing to exchange: the pieces are whole leaves
+    # and the sharded step is the replicated one's (mean over one rank, then
+    # fp16_update), bit for bit, with every averaging option.
+    for kwargs in ({}, {"comm_dtype": torch.float32}, {"predivide_factor": 4.0}):
+        plain = W.make_state("clip_adamw", seed=0)
+        sharded = ffd.shard_state(plain)
+        for step in range(3):
+            grads = W.grads_of(plain, W.batch(step, 0))
+            plain = ff.fp16_update(plain, ffd.tree_all_reduce_mean(grads, **kwargs))
+            sharded = ffd.sharded_update(sharded, grads, **kwargs)
+            got = W.full_snapshot(ffd.unshard_state(sharded))
+            assert_same_state(got, W.full_snapshot(plain), f"{kwargs} step {step}", exact=True)
+
+
+def test_pieces_keep_their_parameters_number_of_dimensions(one_process_group):
+    state = ffd.shard_state(W.make_state("adamw_ndim_mask", seed=0))
+    for k, p in state.params.items():
+        assert state.master[k].ndim == p.ndim and state.master[k].numel() == p.numel(), k
 
 
 # -- one process: the optimiser-state probe, and calls without a group -----------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,12 +15,26 @@ from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "tree_all_reduce_mean", "all_reduce_mean", "agree_finite"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "AllReduceSpec",
+    "tree_all_reduce_mean",
+    "all_reduce_mean",
+    "agree_finite",
+]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """Largest bucket one collective sends, in bytes (DDP's default ``bucket_cap_mb``)."""
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class AllReduceSpec(NamedTuple):
+    """Declared form of :func:`all_reduce_mean` (so that a sharded update can refuse it)."""
+
+    bucket_bytes: int
+    comm_dtype: torch.dtype | None
+    predivide_factor: float | None
 
 
 def _float_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], Any, list[str]]:
@@ -175,7 +189,9 @@ def all_reduce_mean(
         )
         return mean, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(
+        init, update, AllReduceSpec(bucket_bytes, comm_dtype, predivide_factor)
+    )
 
 
 @keyword_only("group")

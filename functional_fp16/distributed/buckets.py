@@ -54,23 +54,31 @@ def fill(buf: torch.Tensor, at: int, parts: list[torch.Tensor], pre: float) -> i
     parts are written straight into ``buf``, with no temporary. Returns the
     position after the last part.
     """
-    for x in parts:
-        dst = buf[at : at + x.numel()]
-        if pre == 1.0:
-            dst.copy_(x)
-        elif x.dtype == buf.dtype:
-            torch.div(x, pre, out=dst)
-        else:
-            dst.copy_(x / pre)
-        at += x.numel()
+    with torch.no_grad():  # values only: gradients that carry a graph are taken as values
+        for x in parts:
+            dst = buf[at : at + x.numel()]
+            if pre == 1.0:
+                dst.copy_(x)
+            elif x.dtype == buf.dtype:
+                torch.div(x, pre, out=dst)
+            else:
+                dst.copy_(x / pre)
+            at += x.numel()
     return at
 
 
 def _unpack(
     flat: torch.Tensor, like: list[torch.Tensor], indices: list[int], out: list[Any]
 ) -> None:
+    """The leaves ``indices`` of ``like`` back out of ``flat``, with their dtypes and memory
+    formats (views of ``flat`` where the leaf is contiguous, copies where it is channels-last)."""
     offset = 0
     for i in indices:
-        n = like[i].numel()
-        out[i] = flat[offset : offset + n].view(like[i].shape).to(like[i].dtype)
+        x = like[i]
+        n = x.numel()
+        leaf = flat[offset : offset + n].view(x.shape)
+        if x.is_contiguous():
+            out[i] = leaf.to(x.dtype)
+        else:
+            out[i] = torch.empty_like(x).copy_(leaf)
         offset += n

@@ -11,7 +11,8 @@ elements; rank :math:`r` owns the elements :math:`[r S_g, \\min((r+1) S_g, P_g))
 of it. When :math:`N` does not divide :math:`P_g` the last slices are short
 (or empty); the collectives pad them to :math:`S_g` with zeros, the state
 itself holds only what the rank owns. A leaf's *piece* on a rank is the part
-of the leaf inside that rank's slice, possibly empty.
+of the leaf inside that rank's slice, possibly empty, held with the leaf's
+number of dimensions (:func:`piece_shape`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ShardLayout", "layout_for"]
+__all__ = ["ShardLayout", "layout_for", "piece_shape"]
 
 
 class ShardLayout(NamedTuple):
@@ -91,3 +92,17 @@ def layout_for(leaves: list[torch.Tensor], world_size: int, rank: int) -> ShardL
         offsets=tuple(offsets),
         group_index=tuple(group_index),
     )
+
+
+def piece_shape(ndim: int, n: int) -> tuple[int, ...]:
+    """The shape of an ``n``-element piece of a leaf with ``ndim`` dimensions: ``(1, ..., 1, n)``.
+
+    A piece keeps its leaf's number of dimensions, so that a mask function
+    that tells weights from biases by ``ndim`` (``lambda p: tree_map(lambda x:
+    x.ndim > 1, p)``) selects the same leaves on the pieces as on the whole
+    parameters. A 0-d leaf's piece is 0-d where the rank owns its element and
+    ``(0,)`` where it does not.
+    """
+    if ndim == 0:
+        return () if n == 1 else (0,)
+    return (1,) * (ndim - 1) + (n,)

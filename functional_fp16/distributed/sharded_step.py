@@ -21,14 +21,15 @@ from functional_fp16.distributed.all_reduce import (
 )
 from functional_fp16.distributed.buckets import fill
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
-from functional_fp16.distributed.shard_layout import ShardLayout
-from functional_fp16.distributed.sharding import check_layout
-from functional_fp16.update import FP16State, fp16_update
+from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
+from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
+from functional_fp16.update import _IMPLEMENTATIONS, FP16State, fp16_update
 
 __all__ = ["sharded_update"]
 
 # The flat collectives' names since torch 2.13 (the old ones warn); older releases have only those.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def sharded_update(
@@ -87,21 +88,34 @@ def sharded_update(
       The next sharded state.
     """
     _require_group("sharded_update")
+    # Everything that can be refused is refused before the first collective,
+    # so that a mistake made on every rank raises on every rank without a hang.
     layout = check_layout(state, group, "sharded_update")
+    refuse_replicated_steps(state.tx)
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
     comm_dtype = _check_comm_dtype(comm_dtype)
     predivide_factor = _check_predivide(predivide_factor)
+    if impl not in ("auto", *_IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
     if is_batched([state.step, loss, *g_leaves]):
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
     g_flat = [g.detach().reshape(-1) for g in g_leaves]
-    g_pieces = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
+    g_flat = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
+    shapes = [piece_shape(p.ndim, hi - lo) for p, (lo, hi) in zip(p_leaves, pieces)]
+    g_pieces = [g.view(shape) for g, shape in zip(g_flat, shapes)]
 
     inner = FP16State(
         params=tree_unflatten(
-            p_spec, [p.reshape(-1)[lo:hi] for p, (lo, hi) in zip(p_leaves, pieces)]
+            p_spec,
+            [
+                p.reshape(-1)[lo:hi].view(shape)
+                for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
+            ],
         ),
         master=state.master,
         opt_state=state.opt_state,
@@ -120,7 +134,8 @@ def sharded_update(
             loss=loss,
             agree=functools.partial(agree_finite, group=group),
         )
-    params = _all_gather(tree_flatten(stepped.params)[0], layout, group, p_leaves, bucket_bytes)
+    new_pieces = [x.reshape(-1) for x in tree_flatten(stepped.params)[0]]
+    params = _all_gather(new_pieces, layout, group, p_leaves, bucket_bytes)
     new = stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
     new._kernel_plan = stepped._kernel_plan
     return new
@@ -159,7 +174,7 @@ def _reduce_scatter(
     world, rank = layout.world_size, layout.rank
     if world == 1:
         return [_alone(x, comm_dtype, predivide_factor) for x in g_flat]
-    in_place = dist.get_backend(group) == "gloo"
+    in_place = reduces_in_place(g_flat[0].device)
     pending: list[Any] = []
     outs = []
     for g, members in enumerate(layout.groups):
@@ -209,6 +224,15 @@ def _reduce_scatter(
     return pieces
 
 
+def reduces_in_place(device: torch.device) -> bool:
+    """Whether the gradients of ``device`` are all-reduced in place rather than reduce-scattered.
+
+    CPU tensors go through gloo (or MPI), whose reduce-scatter is an all-reduce
+    of the whole buffer plus copies; CUDA tensors through NCCL's reduce-scatter.
+    """
+    return device.type == "cpu"
+
+
 def _alone(x: torch.Tensor, comm_dtype: torch.dtype | None, pre: float | None) -> torch.Tensor:
     """The "mean" over one rank: ``x`` put through the casts and divisions a group would apply."""
     wire = comm_dtype or x.dtype
@@ -243,7 +267,11 @@ def _all_gather(
         at = fill(send, 0, [pieces[i] for i in members], 1.0)
         send[at:].zero_()
         full = torch.empty(world * size, dtype=dtype, device=device)
-        for a, b in _rounds(size, send.element_size(), world, bucket_bytes):
+        rounds = _rounds(size, send.element_size(), world, bucket_bytes)
+        if len(rounds) == 1:  # straight into the result
+            pending.append(_all_gather_flat(full, send, group=group, async_op=True))
+            rounds = []
+        for a, b in rounds:
             outs = [full[r * size + a : r * size + b] for r in range(world)]
             pending.append(dist.all_gather(outs, send[a:b], group=group, async_op=True))
         fulls.append(full)

@@ -19,6 +19,7 @@ shape-only (``meta``) tensors: a leaf that ``init`` derives from parameter
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import optree
@@ -33,16 +34,23 @@ from functional_fp16._tree import (
     tree_paths,
     tree_unflatten,
 )
+from functional_fp16.accumulation import MultiStepsSpec
+from functional_fp16.base import ChainSpec
+from functional_fp16.distributed.all_reduce import AllReduceSpec
+from functional_fp16.distributed.buckets import fill
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
-from functional_fp16.distributed.shard_layout import ShardLayout, layout_for
+from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, piece_shape
 from functional_fp16.update import FP16State
 
 __all__ = ["shard_state", "unshard_state", "is_sharded"]
 
 # The flat all-gather's name since torch 2.13 (the old one warns); older releases have only that.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_TAG = 1 << 40  # probe leaf i has shape (_TAG + i,): no real tensor is that long
+# Probe leaf i has i + _TAG elements. A tx.init that ignores the device and
+# materialises it allocates a few MB, not terabytes; no optimiser creates
+# state of that length from nothing.
+_TAG = 1_000_003
 
 
 def is_sharded(state: Any) -> bool:
@@ -53,13 +61,15 @@ def is_sharded(state: Any) -> bool:
 def owners(state: FP16State) -> list[int | None]:
     """For every leaf of ``state.opt_state``: the parameter leaf it belongs to, or ``None``.
 
-    ``state.tx.init`` runs on ``meta`` tensors of distinct lengths, one per
-    parameter; a leaf of the result that keeps parameter ``i``'s length belongs
-    to it. The real state's structure must match the probe's.
+    ``state.tx.init`` runs on ``meta`` tensors of distinct sizes, one per
+    parameter, each with its parameter's number of dimensions (as pieces have,
+    so a mask function decides alike); a leaf of the result with parameter
+    ``i``'s size belongs to it. The real state's structure must match the probe's.
     """
     p_leaves, p_spec = tree_flatten(state.params)
     tags = [
-        torch.empty((_TAG + i,), dtype=torch.float32, device="meta") for i in range(len(p_leaves))
+        torch.empty(piece_shape(max(p.ndim, 1), _TAG + i), dtype=torch.float32, device="meta")
+        for i, p in enumerate(p_leaves)
     ]
     try:
         probe = state.tx.init(tree_unflatten(p_spec, tags))
@@ -76,9 +86,33 @@ def owners(state: FP16State) -> list[int | None]:
         )
     out: list[int | None] = []
     for leaf in tree_flatten(probe)[0]:
-        long = isinstance(leaf, torch.Tensor) and leaf.ndim == 1 and leaf.shape[0] >= _TAG
-        out.append(leaf.shape[0] - _TAG if long else None)
+        i = leaf.numel() - _TAG if isinstance(leaf, torch.Tensor) and leaf.ndim else -1
+        out.append(i if 0 <= i < len(p_leaves) else None)
     return out
+
+
+def _declared(spec: Any) -> Iterator[Any]:
+    """Every spec declared in a transform's ``spec``, looking inside chains and ``MultiSteps``."""
+    yield spec
+    if isinstance(spec, ChainSpec):
+        for part in spec.parts:
+            yield from _declared(part)
+    elif isinstance(spec, MultiStepsSpec):
+        yield from _declared(getattr(spec.inner, "spec", None))
+
+
+def refuse_replicated_steps(tx: Any) -> None:
+    """Refuses an optimiser that averages across ranks itself (``all_reduce_mean``).
+
+    On pieces, whose sizes differ between ranks, it would average elements of
+    different parameters; ``sharded_update`` averages the gradients already.
+    """
+    if any(isinstance(spec, AllReduceSpec) for spec in _declared(getattr(tx, "spec", None))):
+        raise ValueError(
+            "state.tx contains all_reduce_mean(), which would average pieces of different "
+            "parameters across the ranks; sharded_update averages the gradients itself "
+            "(reduce-scatter), so build the optimiser without it"
+        )
 
 
 def _check_full(state: FP16State, owner: list[int | None]) -> None:
@@ -103,8 +137,9 @@ def _check_full(state: FP16State, owner: list[int | None]) -> None:
 
 
 def _piece(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """A copy of the flat elements ``lo .. hi - 1`` of ``x``, owning its own (small) storage."""
-    return x.reshape(-1)[lo:hi].clone()
+    """A copy of the flat elements ``lo .. hi - 1`` of ``x``, owning its own (small) storage,
+    shaped by :func:`~functional_fp16.distributed.shard_layout.piece_shape`."""
+    return x.reshape(-1)[lo:hi].clone().view(piece_shape(x.ndim, hi - lo))
 
 
 def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
@@ -144,10 +179,17 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
         raise ValueError(
             f"state is already sharded (shard {state.shard.rank} of {state.shard.world_size})"
         )
+    refuse_replicated_steps(state.tx)
     check_same_tree(state, group, name="state")
     owner = owners(state)
     _check_full(state, owner)
     p_leaves, p_spec = tree_flatten(state.params)
+    devices = {p.device for p in p_leaves}
+    if len(devices) > 1:
+        raise ValueError(
+            f"params live on several devices ({sorted(map(str, devices))}); "
+            "a sharded state keeps all of them on one"
+        )
     layout = layout_for(p_leaves, dist.get_world_size(group), dist.get_rank(group))
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
     master = [_piece(m, *pieces[i]) for i, m in enumerate(tree_flatten(state.master)[0])]
@@ -174,7 +216,26 @@ def check_layout(state: FP16State, group: ProcessGroup, what: str) -> ShardLayou
             f"{rank} of {world} in the group: shard it for this group (unshard_state on the old "
             "group, or load the full checkpoint, then shard_state)"
         )
+    sizes = tuple(p.numel() for p in tree_flatten(state.params)[0])
+    if sizes != layout.sizes:
+        raise ValueError(
+            f"state.shard was laid out for parameters of {layout.sizes} elements, but "
+            f"state.params has {sizes}: shard a state only with shard_state"
+        )
     return layout
+
+
+def raise_together(error: str | None, group: ProcessGroup) -> None:
+    """Raises on every rank if ``error`` (this rank's problem, or ``None``) is set on any.
+
+    One small all-gather, so that a rank with a malformed state does not leave
+    the others waiting in the collective that follows.
+    """
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    for r, message in enumerate(errors):
+        if message is not None:
+            raise ValueError(message if r == dist.get_rank(group) else f"on rank {r}: {message}")
 
 
 def unshard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
@@ -204,13 +265,17 @@ def unshard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
     sharded = list(enumerate(m_leaves)) + [
         (i, o_leaves[j]) for j, i in enumerate(owner) if i is not None
     ]
+    error = None
     for i, t in sharded:
         lo, hi = layout.piece(i)
-        if not isinstance(t, torch.Tensor) or t.shape != (hi - lo,):
-            raise ValueError(
-                f"a piece of params{tree_paths(state.params)[i]} has {describe_tensor(t)}, but "
-                f"shard {layout.rank} of {layout.world_size} owns {hi - lo} of its elements"
+        want = piece_shape(p_leaves[i].ndim, hi - lo)
+        if not isinstance(t, torch.Tensor) or t.shape != want:
+            error = (
+                f"a piece of params{tree_paths(state.params)[i]} is a {describe_tensor(t)}, but "
+                f"shard {layout.rank} of {layout.world_size} holds it as shape {want}"
             )
+            break
+    raise_together(error, group)
     full = _gather_pieces(sharded, layout, p_leaves, group)
     master = full[: len(m_leaves)]
     rest = iter(full[len(m_leaves) :])
@@ -227,8 +292,14 @@ def _gather_pieces(
     layout: ShardLayout,
     params: list[torch.Tensor],
     group: ProcessGroup,
+    bucket_bytes: int = 64 * 1024 * 1024,
 ) -> list[torch.Tensor]:
-    """The full tensors of ``sharded`` (``(parameter index, piece)``), one all-gather per dtype."""
+    """The full tensors of ``sharded`` (``(parameter index, piece)``), all-gathered in buckets.
+
+    Tensors of one dtype go together until a bucket's gathered bytes would
+    pass ``bucket_bytes``, so the memory in flight beyond the result is one
+    bucket, not a second copy of the whole state.
+    """
     world = layout.world_size
     lengths = [
         [hi - lo for lo, hi in (layout.piece(i, r) for i, _ in sharded)] for r in range(world)
@@ -238,28 +309,47 @@ def _gather_pieces(
     for j, (_, t) in enumerate(sharded):
         by_dtype.setdefault(t.dtype, []).append(j)
     for dtype, js in by_dtype.items():
-        totals = [sum(lengths[r][j] for j in js) for r in range(world)]
-        width = max(totals)
-        device = sharded[js[0]][1].device
-        mine = torch.zeros(width, dtype=dtype, device=device)
-        if js:
-            torch.cat([sharded[j][1] for j in js], out=mine[: totals[layout.rank]])
-        gathered = torch.empty(world * width, dtype=dtype, device=device)
-        _all_gather_flat(gathered, mine, group=group)
-        rows = gathered.view(world, width)
-        starts = [0] * world
-        for j in js:
-            parts = []
-            for r in range(world):
-                parts.append(rows[r, starts[r] : starts[r] + lengths[r][j]])
-                starts[r] += lengths[r][j]
-            like = params[sharded[j][0]]
-            flat = torch.cat(parts)
-            if like.is_contiguous():
-                out[j] = flat.view(like.shape)
-            else:  # keep the parameter's memory format (channels-last)
-                out[j] = torch.empty_like(like, dtype=dtype).copy_(flat.view(like.shape))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        bucket: list[int] = []
+        for j in js + [None]:
+            if j is not None:
+                grown = bucket + [j]
+                width = max(sum(lengths[r][k] for k in grown) for r in range(world))
+                if not bucket or world * width * itemsize <= bucket_bytes:
+                    bucket = grown
+                    continue
+            _gather_bucket(bucket, sharded, lengths, layout, params, group, dtype, out)
+            bucket = [j] if j is not None else []
     return out
+
+
+def _gather_bucket(js, sharded, lengths, layout, params, group, dtype, out) -> None:
+    """All-gathers the pieces of ``sharded[j]`` for ``j`` in ``js`` and writes the full tensors to ``out``."""
+    world = layout.world_size
+    totals = [sum(lengths[r][j] for j in js) for r in range(world)]
+    width = max(totals)
+    device = sharded[js[0]][1].device
+    mine = torch.empty(width, dtype=dtype, device=device)
+    at = fill(mine, 0, [sharded[j][1].reshape(-1) for j in js], 1.0)
+    mine[at:].zero_()
+    gathered = torch.empty(world * width, dtype=dtype, device=device)
+    _all_gather_flat(gathered, mine, group=group)
+    rows = gathered.view(world, width)
+    starts = [0] * world
+    for j in js:
+        like = params[sharded[j][0]]
+        full = torch.empty_like(like, dtype=dtype)  # the parameter's shape and memory format
+        dense = full.is_contiguous()
+        flat = full.view(-1) if dense else torch.empty(like.numel(), dtype=dtype, device=device)
+        at = 0
+        for r in range(world):
+            n = lengths[r][j]
+            flat[at : at + n].copy_(rows[r, starts[r] : starts[r] + n])
+            starts[r] += n
+            at += n
+        if not dense:  # channels-last: reorder into the parameter's layout
+            full.copy_(flat.view(like.shape))
+        out[j] = full
 
 
 def map_sharded(fn, tree: PyTree) -> PyTree:
