@@ -1,6 +1,7 @@
 """Worker side of ``tests/test_distributed.py``: one process per rank, started by the test.
 
-Run as ``python tests/_dist_workers.py OUT_DIR`` with the ``torchrun`` variables
+Run as ``python -m tests._dist_workers OUT_DIR`` (from the repository) with the
+``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) set.
 Every scenario below runs in turn in the same process group; each writes
 ``OUT_DIR/<scenario>_rank<r>.pt`` (its results) or ``OUT_DIR/<scenario>_rank<r>.err``
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +20,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
+from tests._launch import error_of, run_scenarios
 
 # -- the model, the data, the reference ------------------------------------
 
@@ -215,27 +216,17 @@ def dp_init_no_broadcast(seed: int) -> ff.FP16State:
     )
 
 
-def _error_of(fn) -> str | None:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
 def scenario_mismatch(rank: int, out: str) -> dict[str, Any]:
     params = make_params(0)
     if rank == 1:
         params["w2"] = torch.zeros(HIDDEN, OUT + 1)
-    shape_error = _error_of(lambda: ffd.broadcast_state(ff.fp16_init(params, ff.sgd(LR))))
-    init_error = _error_of(
-        lambda: ff.fp16_init(params, ff.chain(ffd.all_reduce_mean(), ff.sgd(LR)))
-    )
+    shape_error = error_of(lambda: ffd.broadcast_state(ff.fp16_init(params, ff.sgd(LR))))
+    init_error = error_of(lambda: ff.fp16_init(params, ff.chain(ffd.all_reduce_mean(), ff.sgd(LR))))
 
     extra = make_params(0)
     if rank == 1:
         extra["extra"] = torch.zeros(3)
-    structure_error = _error_of(lambda: ffd.check_same_tree(extra, name="params"))
+    structure_error = error_of(lambda: ffd.check_same_tree(extra, name="params"))
 
     # The group still works afterwards: nobody was left inside a collective.
     alive = ffd.tree_all_reduce_mean({"x": torch.full((2,), float(rank))})["x"]
@@ -374,7 +365,4 @@ def _keep_info(info: ffd.DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests._launch import run_scenarios
-
     sys.exit(run_scenarios(SCENARIOS, sys.argv[1], _keep_info))

@@ -59,7 +59,10 @@ def _start(worker: Path, out: Path, world: int, timeout_s: float, env: dict[str,
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(worker), str(out)],
+                # As a module of the tests package, from the repository, so that
+                # the worker imports the shared helpers here like any test does.
+                [sys.executable, "-m", f"tests.{worker.stem}", str(out)],
+                cwd=worker.resolve().parents[1],
                 env=rank_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -117,6 +120,15 @@ def results(launch: Launch, scenario: str) -> list[Any]:
             pytest.fail(f"scenario {scenario!r} left no result on rank {rank}\n{launch.logs}")
         out.append(torch.load(path))
     return out
+
+
+def error_of(fn: Callable[[], Any]) -> str | None:
+    """``"Type: message"`` of the exception ``fn()`` raises, or ``None`` if it returns."""
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def load_module(path: Path, name: str) -> ModuleType:

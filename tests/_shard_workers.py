@@ -1,6 +1,6 @@
 """Worker side of ``tests/test_sharding.py``: one process per rank, started by the test.
 
-Run as ``python tests/_shard_workers.py OUT_DIR`` with the ``torchrun``
+Run as ``python -m tests._shard_workers OUT_DIR`` (from the repository) with the ``torchrun``
 variables set, for 2 or 3 ranks. Every scenario runs in turn in one process
 group and writes ``OUT_DIR/<scenario>_rank<r>.pt`` or ``.err``. With
 ``FF_SHARD_CKPT_DIR`` set, the checkpoint scenario writes
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import optree
@@ -22,6 +21,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed import sharded_step
+from tests._launch import error_of, run_scenarios
 
 # Odd sizes, and leaves smaller than 3 ranks: 35 + 5 + 15 + 2 + 1 = 58 elements,
 # which neither 2 nor 3 ranks divide into whole leaves (3 does not divide 58).
@@ -270,14 +270,6 @@ def scenario_memory(rank: int, out: str) -> dict[str, Any]:
     return result
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
 def scenario_errors(rank: int, out: str) -> dict[str, Any]:
     """Misuse raises on every rank, before any collective, naming what is wrong."""
     full = ffd.broadcast_state(make_state("sgd", seed=0))
@@ -295,19 +287,19 @@ def scenario_errors(rank: int, out: str) -> dict[str, Any]:
         make_params(0), ff.chain(ffd.all_reduce_mean(), ff.sgd(0.1, momentum=0.9))
     )
     errors = {
-        "shard_twice": _error(lambda: ffd.shard_state(sharded)),
-        "fp16_update_sharded": _error(lambda: ff.fp16_update(sharded, grads)),
-        "update_path_sharded": _error(lambda: ff.update_path(sharded)),
-        "sharded_update_full": _error(lambda: ffd.sharded_update(full, grads)),
-        "unshard_full": _error(lambda: ffd.unshard_state(full)),
-        "wrong_rank": _error(lambda: ffd.sharded_update(wrong_rank, grads)),
-        "bad_grads": _error(lambda: ffd.sharded_update(sharded, bad_grads)),
-        "long_piece": _error(lambda: ffd.unshard_state(long_piece)),
-        "plain_save": _error(lambda: ff.save_checkpoint(os.path.join(out, "x.ckpt"), sharded)),
-        "bad_loss": _error(lambda: ffd.sharded_update(sharded, grads, loss=1.0)),
-        "bad_impl": _error(lambda: ffd.sharded_update(sharded, grads, impl="fast")),
-        "stale_layout": _error(lambda: ffd.sharded_update(stale, grads)),
-        "all_reduce_in_tx": _error(lambda: ffd.shard_state(averaged)),
+        "shard_twice": error_of(lambda: ffd.shard_state(sharded)),
+        "fp16_update_sharded": error_of(lambda: ff.fp16_update(sharded, grads)),
+        "update_path_sharded": error_of(lambda: ff.update_path(sharded)),
+        "sharded_update_full": error_of(lambda: ffd.sharded_update(full, grads)),
+        "unshard_full": error_of(lambda: ffd.unshard_state(full)),
+        "wrong_rank": error_of(lambda: ffd.sharded_update(wrong_rank, grads)),
+        "bad_grads": error_of(lambda: ffd.sharded_update(sharded, bad_grads)),
+        "long_piece": error_of(lambda: ffd.unshard_state(long_piece)),
+        "plain_save": error_of(lambda: ff.save_checkpoint(os.path.join(out, "x.ckpt"), sharded)),
+        "bad_loss": error_of(lambda: ffd.sharded_update(sharded, grads, loss=1.0)),
+        "bad_impl": error_of(lambda: ffd.sharded_update(sharded, grads, impl="fast")),
+        "stale_layout": error_of(lambda: ffd.sharded_update(stale, grads)),
+        "all_reduce_in_tx": error_of(lambda: ffd.shard_state(averaged)),
     }
     # The process group still works afterwards (no rank was left in a collective).
     ffd.sharded_update(sharded, grads)
@@ -362,7 +354,4 @@ SCENARIOS = {
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests._launch import run_scenarios
-
     sys.exit(run_scenarios(SCENARIOS, sys.argv[1]))

@@ -5,8 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__: list[str] = []
+
+# The flat collectives under their names since torch 2.13 (the old names warn);
+# older releases have only the old ones.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _buckets(

@@ -19,17 +19,13 @@ from functional_fp16.distributed.all_reduce import (
     agree_finite,
     default_predivide,
 )
-from functional_fp16.distributed.buckets import fill
+from functional_fp16.distributed.buckets import all_gather_flat, fill, reduce_scatter_flat
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
 from functional_fp16.update import _IMPLEMENTATIONS, FP16State, fp16_update
 
 __all__ = ["sharded_update"]
-
-# The flat collectives' names since torch 2.13 (the old ones warn); older releases have only those.
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def sharded_update(
@@ -103,11 +99,18 @@ def sharded_update(
     if is_batched([state.step, loss, *g_leaves]):
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
-    g_flat = [g.detach().reshape(-1) for g in g_leaves]
-    g_flat = _reduce_scatter(g_flat, layout, group, comm_dtype, bucket_bytes, predivide_factor)
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
+    mean = _reduce_scatter(
+        [g.detach().reshape(-1) for g in g_leaves],
+        pieces,
+        layout,
+        group,
+        comm_dtype,
+        bucket_bytes,
+        predivide_factor,
+    )
     shapes = [piece_shape(p.ndim, hi - lo) for p, (lo, hi) in zip(p_leaves, pieces)]
-    g_pieces = [g.view(shape) for g, shape in zip(g_flat, shapes)]
+    g_pieces = [g.view(shape) for g, shape in zip(mean, shapes)]
 
     inner = FP16State(
         params=tree_unflatten(
@@ -156,13 +159,15 @@ def _rounds(length: int, itemsize: int, world: int, bucket_bytes: int) -> list[t
 
 def _reduce_scatter(
     g_flat: list[torch.Tensor],
+    pieces: list[tuple[int, int]],
     layout: ShardLayout,
     group: ProcessGroup,
     comm_dtype: torch.dtype | None,
     bucket_bytes: int,
     predivide_factor: float | None,
 ) -> list[torch.Tensor]:
-    """This rank's piece of the mean gradient of every leaf (views into one slice per dtype group).
+    """This rank's piece of the mean gradient of every leaf (views into one slice per dtype group);
+    ``pieces`` are the leaves' ``layout.piece``.
 
     Each round packs its part of every rank's slice into one buffer (divided by
     the pre-divide factor on the way) and reduce-scatters it. gloo's
@@ -202,7 +207,7 @@ def _reduce_scatter(
                     out = chunk
                 pending.append((work, None if len(rounds) == 1 else (out[start:stop], chunk)))
             else:
-                work = _reduce_scatter_flat(
+                work = reduce_scatter_flat(
                     out[start:stop], send, op=dist.ReduceOp.SUM, group=group, async_op=True
                 )
                 pending.append((work, None))
@@ -211,17 +216,17 @@ def _reduce_scatter(
         work.wait()
         if copy is not None:
             copy[0].copy_(copy[1])
-    pieces: list[Any] = [None] * len(g_flat)
+    mean: list[Any] = [None] * len(g_flat)
     for g, (out, post, dtype) in enumerate(outs):
         if post != 1.0:
             out.div_(post)
         out = out.to(dtype)
         start = layout.bounds(g)[0]
         for i in layout.groups[g]:
-            lo, hi = layout.piece(i)
+            lo, hi = pieces[i]
             at = layout.offsets[i] + lo - start
-            pieces[i] = out[at : at + hi - lo]
-    return pieces
+            mean[i] = out[at : at + hi - lo]
+    return mean
 
 
 def reduces_in_place(device: torch.device) -> bool:
@@ -269,7 +274,7 @@ def _all_gather(
         full = torch.empty(world * size, dtype=dtype, device=device)
         rounds = _rounds(size, send.element_size(), world, bucket_bytes)
         if len(rounds) == 1:  # straight into the result
-            pending.append(_all_gather_flat(full, send, group=group, async_op=True))
+            pending.append(all_gather_flat(full, send, group=group, async_op=True))
             rounds = []
         for a, b in rounds:
             outs = [full[r * size + a : r * size + b] for r in range(world)]

@@ -37,7 +37,7 @@ from functional_fp16._tree import (
 from functional_fp16.accumulation import MultiStepsSpec
 from functional_fp16.base import ChainSpec
 from functional_fp16.distributed.all_reduce import AllReduceSpec
-from functional_fp16.distributed.buckets import fill
+from functional_fp16.distributed.buckets import all_gather_flat, fill
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, piece_shape
@@ -45,8 +45,6 @@ from functional_fp16.update import FP16State
 
 __all__ = ["shard_state", "unshard_state", "is_sharded"]
 
-# The flat all-gather's name since torch 2.13 (the old one warns); older releases have only that.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Probe leaf i has i + _TAG elements. A tx.init that ignores the device and
 # materialises it allocates a few MB, not terabytes; no optimiser creates
 # state of that length from nothing.
@@ -333,7 +331,7 @@ def _gather_bucket(js, sharded, lengths, layout, params, group, dtype, out) -> N
     at = fill(mine, 0, [sharded[j][1].reshape(-1) for j in js], 1.0)
     mine[at:].zero_()
     gathered = torch.empty(world * width, dtype=dtype, device=device)
-    _all_gather_flat(gathered, mine, group=group)
+    all_gather_flat(gathered, mine, group=group)
     rows = gathered.view(world, width)
     starts = [0] * world
     for j in js:
