@@ -10,7 +10,6 @@ it fail with the workers' logs.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import socket
 import subprocess
@@ -19,7 +18,6 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import pytest
@@ -129,14 +127,6 @@ def error_of(fn: Callable[[], Any]) -> str | None:
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     return None
-
-
-def load_module(path: Path, name: str) -> ModuleType:
-    """Imports a worker file as a module, so that tests use its model and reference code."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_scenarios(

@@ -1,7 +1,11 @@
 """Small shared utilities for the tests: random trees, float distances, a host-sync trap."""
 
 import contextlib
+import importlib.util
 import math
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import optree
@@ -202,3 +206,21 @@ def assert_bitwise_unchanged(tree, before: list[torch.Tensor]) -> None:
     assert len(after) == len(before)
     for x, b in zip(after, before, strict=True):
         assert torch.equal(bits(x), b)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    """Imports the file ``path`` as module ``name`` (a worker file, an example script)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_example(name: str) -> ModuleType:
+    """Imports ``examples/<name>.py``, with ``examples/`` on the path for its sibling modules."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return load_module(EXAMPLES / f"{name}.py", name)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from tests._launch import Launch, launch_workers, load_module, results
+from tests._launch import Launch, launch_workers, results
+from tests.helpers import load_module
 
 pytestmark = pytest.mark.distributed
 

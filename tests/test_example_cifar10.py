@@ -4,7 +4,6 @@ The example runs in-process through its ``main(argv)``; every run is a few
 steps of FP32 or BF16 computation on the CPU.
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,24 +13,12 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves
-from tests.helpers import assert_within_one_operation_ulp
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
+from tests.helpers import assert_within_one_operation_ulp, load_example
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load(name):
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load("cifar10_functional")
+example = load_example("cifar10_functional")
 data_mod = sys.modules["cifar10_data"]
 
 TINY = [

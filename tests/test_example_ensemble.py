@@ -2,31 +2,19 @@
 members against the same members trained one at a time with the unbatched step."""
 
 import argparse
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import functional_fp16 as ff
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.helpers import load_example
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load(name):
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ensemble = _load("ensemble_vmap")
+ensemble = load_example("ensemble_vmap")
 main_job = sys.modules["cifar10_functional"]
 data_mod = sys.modules["cifar10_data"]
 

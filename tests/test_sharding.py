@@ -20,8 +20,8 @@ import torch.distributed as dist
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed.sharding import owners
-from tests._launch import launch_workers, load_module, results
-from tests.helpers import bits, ulp_distance
+from tests._launch import launch_workers, results
+from tests.helpers import bits, load_module, ulp_distance
 
 pytestmark = pytest.mark.distributed
 
