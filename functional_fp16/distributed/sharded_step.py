@@ -112,21 +112,11 @@ def sharded_update(
     shapes = [piece_shape(p.ndim, hi - lo) for p, (lo, hi) in zip(p_leaves, pieces)]
     g_pieces = [g.view(shape) for g, shape in zip(mean, shapes)]
 
-    inner = FP16State(
-        params=tree_unflatten(
-            p_spec,
-            [
-                p.reshape(-1)[lo:hi].view(shape)
-                for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
-            ],
-        ),
-        master=state.master,
-        opt_state=state.opt_state,
-        loss_scale=state.loss_scale,
-        step=state.step,
-        grads_finite=state.grads_finite,
-        tx=state.tx,
-    )
+    # This rank's pieces as a plain state, which fp16_update steps like any other.
+    p_pieces = [
+        p.reshape(-1)[lo:hi].view(shape) for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
+    ]
+    inner = state.replace(params=tree_unflatten(p_spec, p_pieces), shard=None)
     inner._kernel_plan = state._kernel_plan
     # Global norms (clip_by_global_norm) add up the shards' sums of squares.
     with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
