@@ -20,7 +20,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
-from tests._launch import error_of, run_scenarios
+from tests._launch import error_of, run_scenarios, thread_names
 
 # -- the model, the data, the reference ------------------------------------
 
@@ -345,6 +345,24 @@ def scenario_agree(rank: int, out: str) -> dict[str, Any]:
     return results
 
 
+def scenario_late_import(rank: int, out: str) -> dict[str, Any]:
+    """What a training script does after joining the group: a meta-device op (the
+    example sizes its model that way), which makes torch import
+    ``torch.distributed.nn``, then a collective; the threads running now."""
+    import torch.distributed.nn.functional as dist_nn_functional
+
+    with torch.device("meta"):
+        torch.nn.functional.max_pool2d(torch.empty(1, 1, 4, 4), 2)
+    total = torch.tensor(float(rank + 1))
+    torch.distributed.all_reduce(total)
+    group_default = dist_nn_functional.all_reduce.__defaults__[-1]
+    return {
+        "total": total,
+        "threads": thread_names(),
+        "group_default_is_none": group_default is None,
+    }
+
+
 SCENARIOS = {
     "env": scenario_env,
     "parity": scenario_parity,
@@ -354,6 +372,7 @@ SCENARIOS = {
     "mismatch": scenario_mismatch,
     "buckets": scenario_buckets,
     "agree": scenario_agree,
+    "late_import": scenario_late_import,  # last: its threads are checked after shutdown
 }
 
 _INFO: ffd.DistInfo

@@ -129,6 +129,21 @@ def error_of(fn: Callable[[], Any]) -> str | None:
     return None
 
 
+def thread_names() -> list[str] | None:
+    """The names of this process's threads (Linux), or ``None`` where ``/proc`` does not list them."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while listing
+            pass
+    return sorted(names)
+
+
 def run_scenarios(
     scenarios: dict[str, Callable[[int, str], Any]],
     out: str,
@@ -136,7 +151,9 @@ def run_scenarios(
 ) -> int:
     """A worker's main: joins the process group, runs every scenario, saves each result or traceback.
 
-    A failing scenario does not stop the others. Returns the exit status (1 if any failed).
+    A failing scenario does not stop the others. After :func:`functional_fp16.distributed.shutdown`
+    the names of the threads still running are saved as the ``after_shutdown`` result.
+    Returns the exit status (1 if any failed).
     """
     from functional_fp16 import distributed as ffd
 
@@ -157,4 +174,5 @@ def run_scenarios(
             torch.save(result, os.path.join(out, f"{name}_rank{info.rank}.pt"))
     finally:
         ffd.shutdown()
+    torch.save(thread_names(), os.path.join(out, f"after_shutdown_rank{info.rank}.pt"))
     return 1 if failed else 0

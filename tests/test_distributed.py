@@ -276,6 +276,22 @@ def test_init_from_env_reads_the_torchrun_variables(launch):
         }
 
 
+def test_shutdown_frees_the_group_even_after_torch_imports_its_collectives_late(launch):
+    # torch.distributed.nn binds the default group into its functions' defaults
+    # when first imported with a group alive; that reference would keep gloo's
+    # worker threads running into interpreter exit, where they can abort the
+    # process. Without /proc the threads cannot be listed.
+    late = results(launch, "late_import")
+    after = results(launch, "after_shutdown")
+    for rank in range(WORLD):
+        assert float(late[rank]["total"]) == WORLD * (WORLD + 1) / 2
+        assert late[rank]["group_default_is_none"]
+        if late[rank]["threads"] is None:
+            pytest.skip("this system does not list a process's threads")
+        assert "pt_gloo_runloop" in late[rank]["threads"]  # the check below can fail
+        assert not [n for n in after[rank] if "gloo" in n], (rank, after[rank])
+
+
 # -- errors that need no second process --------------------------------------------
 
 

@@ -21,6 +21,17 @@ __all__ = [
     "is_main_process",
 ]
 
+if dist.is_available():
+    # ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default
+    # argument of its collectives when it is first imported, and torch imports
+    # it lazily (the first meta-device op is enough). Imported after the default
+    # group exists, those defaults keep the group alive past
+    # ``destroy_process_group``: its gloo worker threads run on into interpreter
+    # shutdown, where one that drops the last collective's tensors cannot take
+    # the GIL and the process aborts ("terminate called without an active
+    # exception"). Imported here, before any group exists, the defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 ProcessGroup = Any  # a ``torch.distributed.ProcessGroup``, or ``None`` for the default group
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -116,7 +127,11 @@ def init_from_env(
 
 
 def shutdown() -> None:
-    """Destroys the default process group if there is one (call at the end of every rank)."""
+    """Destroys the default process group if there is one (call at the end of every rank).
+
+    The group's backend is freed here, not at interpreter exit: its worker
+    threads (gloo's) are joined before this returns.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
