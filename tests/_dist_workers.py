@@ -372,7 +372,7 @@ SCENARIOS = {
     "mismatch": scenario_mismatch,
     "buckets": scenario_buckets,
     "agree": scenario_agree,
-    "late_import": scenario_late_import,  # last: its threads are checked after shutdown
+    "late_import": scenario_late_import,
 }
 
 _INFO: ffd.DistInfo

@@ -129,8 +129,10 @@ def init_from_env(
 def shutdown() -> None:
     """Destroys the default process group if there is one (call at the end of every rank).
 
-    The group's backend is freed here, not at interpreter exit: its worker
-    threads (gloo's) are joined before this returns.
+    The group's backend is freed here, not at interpreter exit: gloo's worker
+    threads are joined before this returns, provided nothing else still holds
+    the group (importing this module first keeps ``torch.distributed.nn`` from
+    doing so).
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
