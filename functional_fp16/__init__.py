@@ -5,7 +5,7 @@ from functional_fp16.accumulation import MultiSteps, MultiStepsState
 from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from functional_fp16.batching import tree_stack, tree_unstack
+from functional_fp16.update.batching import tree_stack, tree_unstack
 from functional_fp16.bridge import (
     make_apply,
     module_state_dict,

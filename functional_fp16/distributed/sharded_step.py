@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from functional_fp16._tree import PyTree, check_like, tree_flatten, tree_unflatten
-from functional_fp16.batching import is_batched
+from functional_fp16.update.batching import is_batched
 from functional_fp16.clipping import sums_of_squares_reduced
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
@@ -23,7 +23,8 @@ from functional_fp16.distributed.buckets import all_gather_flat, fill, reduce_sc
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
-from functional_fp16.update import _IMPLEMENTATIONS, FP16State, fp16_update
+from functional_fp16.update import FP16State, fp16_update
+from functional_fp16.update.dispatch import IMPLEMENTATIONS
 
 __all__ = ["sharded_update"]
 
@@ -91,8 +92,8 @@ def sharded_update(
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
     comm_dtype = _check_comm_dtype(comm_dtype)
     predivide_factor = _check_predivide(predivide_factor)
-    if impl not in ("auto", *_IMPLEMENTATIONS):
-        raise ValueError(f"impl must be 'auto' or one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    if impl not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
@@ -117,7 +118,6 @@ def sharded_update(
         p.reshape(-1)[lo:hi].view(shape) for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
     ]
     inner = state.replace(params=tree_unflatten(p_spec, p_pieces), shard=None)
-    inner._kernel_plan = state._kernel_plan
     # Global norms (clip_by_global_norm) add up the shards' sums of squares.
     with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
         stepped = fp16_update(
@@ -129,9 +129,7 @@ def sharded_update(
         )
     new_pieces = [x.reshape(-1) for x in tree_flatten(stepped.params)[0]]
     params = _all_gather(new_pieces, layout, group, p_leaves, bucket_bytes)
-    new = stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
-    new._kernel_plan = stepped._kernel_plan
-    return new
+    return stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
 
 
 def _sum_over_ranks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:

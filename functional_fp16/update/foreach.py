@@ -1,6 +1,6 @@
 """The multi-tensor implementation of :func:`~functional_fp16.fp16_update` (``impl="foreach"``).
 
-It runs wherever the fused kernel (:mod:`functional_fp16.fused_update`) does
+It runs wherever the fused kernel (:mod:`functional_fp16._fused.steps`) does
 not: for optimisers that are not a fusable SGD chain, under ``torch.compile``,
 on devices without a kernel, and where no C compiler is available. It produces
 bitwise the results of the reference implementation in
@@ -14,7 +14,7 @@ roundings. What changes is how the work is organised:
   reduction instead of ``isfinite(x).all()`` (about 20x faster on the CPU);
   see :func:`grads_finite`.
 * For a chain that declares itself an SGD step without clipping
-  (:func:`~functional_fp16.sgd_plan.sgd_plan`), the chain
+  (:func:`~functional_fp16._fused.sgd_plan.sgd_plan`), the chain
   runs as a specialised multi-tensor sequence on exactly negated operands, and
   a skipped step is made a no-op by zeroing the negated terms bitwise instead
   of selecting with ``torch.where`` (two to three times the cost of an add).
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from functional_fp16._finite import grads_finite
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.allocator import tune_malloc  # re-exported: its old home
 from functional_fp16.base import saturating_increment
 from functional_fp16.loss_scale import (
     DynamicLossScale,
@@ -53,49 +53,9 @@ from functional_fp16.loss_scale import (
     unscale_factor,
 )
 from functional_fp16.sgd import ScaleByScheduleState, TraceState
-from functional_fp16.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
+from functional_fp16._fused.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
 
-__all__ = ["foreach_update", "grads_finite", "tune_malloc"]  # tune_malloc: see allocator.py
-
-
-# ---------------------------------------------------------------------------
-# The all-finite test.
-# ---------------------------------------------------------------------------
-
-
-def grads_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor:
-    r"""Whether :math:`\operatorname{fl}_{32}(g) \cdot s^{-1}` is finite for every element.
-
-    Equal to ``all(isfinite(g.float() * inv_scale))`` over all leaves, computed
-    from one reduction over the original (e.g. FP16) gradients:
-
-    .. math:: f = \operatorname{isfinite}\big(\operatorname{fl}_{32}(M)\cdot s^{-1}\big),
-              \qquad M = \max_i \max(|\min g_i|, |\max g_i|)
-
-    ``min``/``max`` propagate NaN and rounding is monotonic, so the product of
-    the largest magnitude overflows exactly when some element's product does,
-    and any inf or NaN input makes :math:`M` inf or NaN. Unlike a sum, this
-    cannot overflow for FP32 or BF16 gradients. ``inv_scale=None`` means no
-    multiplication (a unit loss scale). Empty tensors are ignored; with none
-    left the result is ``True``. Returns a 0-d bool tensor, without reading
-    any value on the host.
-    """
-    peaks = []
-    for g in grads:
-        if g.numel() == 0:
-            continue
-        lo, hi = torch.aminmax(g)
-        peaks.append(torch.maximum(hi, -lo))
-    if not peaks:
-        device = grads[0].device if grads else None
-        return torch.ones((), dtype=torch.bool, device=device)
-    dtypes = {p.dtype for p in peaks}
-    if len(dtypes) > 1:
-        peaks = [p.float() for p in peaks]
-    peak = torch.stack(peaks).amax().float()
-    if inv_scale is not None:
-        peak = peak * inv_scale
-    return torch.isfinite(peak)
+__all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
 
 
 # ---------------------------------------------------------------------------
@@ -163,24 +123,32 @@ def _cast_params(
     return out
 
 
+def sgd_sequence(state) -> SGDPlan | None:
+    """The SGD plan that :func:`foreach_update` runs as its specialised sequence, or ``None``.
+
+    A fusable SGD chain without clipping, a loss scale of a known type, a
+    state of the plan's layout, in eager mode (under ``torch.compile`` the
+    generic code is traced and Inductor fuses it).
+    """
+    if _compiling() or not _inv_scale(state.loss_scale)[0]:
+        return None
+    cfg = sgd_plan(state.tx)
+    if cfg is None or cfg.max_norm is not None:
+        return None
+    return cfg if state_fits(cfg, state.opt_state, tree_flatten(state.master)[1]) else None
+
+
 def foreach_update(state, grads: PyTree, decide, donate: bool):
     """``impl="foreach"``: flat multi-tensor update, bitwise equal to the reference on the CPU.
 
-    See the module docstring. The signature is the one of every entry of
-    ``functional_fp16.update._IMPLEMENTATIONS``.
+    See the module docstring. ``decide`` is the step's
+    :class:`~functional_fp16.update.decision.Decision`.
     """
     known, inv = _inv_scale(state.loss_scale)
     g_leaves, _ = tree_flatten(grads)
     m_leaves, m_spec = tree_flatten(state.master)
     p_leaves = tree_flatten(state.params)[0]
-    # Under torch.compile, Inductor fuses the generic path into one pass by
-    # itself; the specialised kernel (and the closure inspection that selects
-    # it) is for eager execution only.
-    cfg = None if _compiling() or not known else sgd_plan(state.tx)
-    if cfg is not None and (
-        cfg.max_norm is not None or not state_fits(cfg, state.opt_state, m_spec)
-    ):
-        cfg = None
+    cfg = sgd_sequence(state)
     if known:
         finite = grads_finite(g_leaves, inv)
         # The SGD kernel works on negated gradients; with weight decay it

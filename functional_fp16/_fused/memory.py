@@ -1,5 +1,7 @@
 """Output buffers for pure CPU updates, reused once the caller has dropped them.
 
+:func:`fresh_like` is what the fused ops allocate their outputs with.
+
 A pure update returns a new state in fresh memory every step. On the CPU,
 glibc's ``malloc`` serves large blocks with ``mmap`` and unmaps them on
 ``free``, so each step's multi-megabyte outputs are page-faulted (and zeroed by
@@ -23,11 +25,21 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "fresh_like", "storage_use_count"]
 
 
-def _use_count(storage: torch.UntypedStorage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """How many owners ``storage`` has (tensors, views, the pool), or ``None`` if unknown.
+
+    PyTorch documents no public way to ask this; this one function uses the
+    private ``torch._C._storage_Use_Count`` and returns ``None`` where it is
+    missing, and the pool then allocates plainly (``torch.empty_like``).
+    ``tests/test_memory.py`` fails loudly if a release changes it.
+    """
+    probe = getattr(torch._C, "_storage_Use_Count", None)
+    if probe is None:
+        return None
+    return int(probe(storage._cdata))
 
 
 class BufferPool:
@@ -48,11 +60,13 @@ class BufferPool:
 
         The inputs must be dense (contiguous in some memory format).
         """
+        if not hasattr(torch._C, "_storage_Use_Count"):  # no probe: plain allocation
+            return [torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
         with self._lock:
             free: dict[int, list[torch.UntypedStorage]] = {}
             kept = []
             for st in self._held:
-                if _use_count(st) == 1:
+                if storage_use_count(st) == 1:
                     free.setdefault(st.nbytes(), []).append(st)
                 else:
                     kept.append(st)
@@ -78,3 +92,20 @@ class BufferPool:
         """Releases every storage the pool holds (live tensors keep their own)."""
         with self._lock:
             self._held = []
+
+
+_POOL = BufferPool()
+
+
+def fresh_like(
+    tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None
+) -> list[torch.Tensor]:
+    """Uninitialised tensors shaped and strided like ``tensors`` (dtype: ``dtypes`` or theirs).
+
+    CPU tensors come from the pool of dropped outputs; others from
+    ``torch.empty_like`` (CUDA's caching allocator already reuses blocks).
+    """
+    dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
+    if not tensors or tensors[0].device.type != "cpu":
+        return [torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
+    return _POOL.empty_like(tensors, dtypes)

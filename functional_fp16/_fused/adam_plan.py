@@ -1,6 +1,6 @@
 """Reading a chain of declared transforms as one fusable Adam/AdamW step.
 
-The counterpart of :mod:`functional_fp16.sgd_plan` for Adam. :func:`adam_plan`
+The counterpart of :mod:`functional_fp16._fused.sgd_plan` for Adam. :func:`adam_plan`
 reads the transforms' declared ``spec`` only, never code, and returns the
 hyperparameters of the single-pass kernel when the chain, flattened, has the
 form::
@@ -27,7 +27,7 @@ from functional_fp16.adam import AdamSpec, ScaleByAdamState
 from functional_fp16.base import GradientTransformation
 from functional_fp16.clipping import ClipSpec
 from functional_fp16.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
-from functional_fp16.sgd_plan import Path, cached_plan, state_at
+from functional_fp16._fused.sgd_plan import Path, cached_plan, state_at
 
 __all__ = ["AdamPlan", "adam_plan", "adam_state_fits"]
 
@@ -85,7 +85,7 @@ _adam_plan = cached_plan(_read)
 def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
     """The :class:`AdamPlan` of ``tx``, or ``None`` if it is not a fusable Adam chain.
 
-    Read from the transforms' declared ``spec`` only. Cached per ``tx`` object.
+    Read from the transforms' declared ``spec`` only, cached by its value.
     """
     return _adam_plan(tx)
 

@@ -1,16 +1,24 @@
-/* The single-pass SGD update of functional_fp16 on the CPU.
+/* The fused optimiser steps of functional_fp16 on the CPU (SGD and Adam families).
  *
- * Two entry points, both over a list of leaves (one pointer per tensor):
+ * Every entry point works over a list of leaves (one pointer per tensor) split
+ * into n_groups equal runs of consecutive leaves: leaf l belongs to group
+ * l / (n_leaves / n_groups). A group is one training state (one member of a
+ * vmapped ensemble; a plain update has one group), and every per-step scalar
+ * is an array with one entry per group, so K members are K more entries of
+ * the same call, each with its own scale, decision and counters.
  *
- *   ff_grad_stats  one read of the low-precision gradients: the largest
- *                  magnitude (+inf if any element is inf or NaN) and, when
- *                  asked, the sum of squares of the unscaled gradients.
- *   ff_sgd_update  one pass that reads gradient, master and momentum once and
- *                  writes master, momentum and the working copy once.
+ *   ff_grad_stats   one read of the low-precision gradients: per group, the
+ *                   largest magnitude (+inf if any element is inf or NaN) and,
+ *                   when asked, the sum of squares of the unscaled gradients.
+ *   ff_sgd_update   one pass that reads gradient, master and momentum once and
+ *                   writes master, momentum and the working copy once.
+ *   ff_keep_unless  undoes a speculative ff_sgd_update in the groups that skip.
+ *   ff_adam_update  the same single pass for Adam/AdamW.
  *
- * Scalars that live in tensors (the skip flag, 1/scale, the learning rate,
+ * Scalars that live in tensors (the skip flags, 1/scale, the learning rates,
  * the clip factors, whether momentum has started) are read through pointers
- * here, so the Python side never reads a value back.
+ * here, so the Python side never reads a value back. The arguments are
+ * declared once, by name, in signatures.py, which checks every call.
  *
  * Arithmetic per element, with g the gradient as stored and inv = fl32(1/s):
  *
@@ -217,29 +225,35 @@ static double sum_squares(const void *x, int64_t n, int dt, float inv) {
     return total;
 }
 
-/* out[0] = largest |g| as float32 (+inf if any element is inf or NaN);
- * out_sq[0] = sum of fl32(g * inv)^2 (only if want_sq). One read of the gradients. */
-void ff_grad_stats(int64_t n_leaves, void *const *grads, const int64_t *numel,
-                   const int32_t *gdt, const float *inv_ptr, int32_t want_sq,
-                   int32_t threads, float *out, double *out_sq) {
+/* Per group k: peak_out[k] = largest |g| as float32 (+inf if any element is
+ * inf or NaN); sq_out[k] = sum of fl32(g * inv[k])^2 (only if want_sq). One
+ * read of the gradients. inv NULL: a unit scale. */
+void ff_grad_stats(int64_t n_leaves, int64_t n_groups, void *const *grads, const int64_t *numel,
+                   const int32_t *gdt, const float *inv, int32_t want_sq, int32_t threads,
+                   float *peak_out, double *sq_out) {
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
-    const float inv = inv_ptr ? *inv_ptr : 1.0f;
-    float peak = 0.0f;
-    double sq = 0.0;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak) \
-    reduction(+ : sq)
+    const int64_t per_group = n_leaves / n_groups;
+    float *peak = (float *)calloc((size_t)n_groups, sizeof(float));
+    double *sq = (double *)calloc((size_t)n_groups, sizeof(double));
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak[:n_groups]) \
+    reduction(+ : sq[:n_groups])
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
+        const int64_t grp = c->leaf / per_group;
         const int dt = gdt[c->leaf];
         const char *x = (const char *)grads[c->leaf] + c->start * dt_size(dt);
         float v = peak_value(peak_bits(x, c->len, dt), dt);
-        peak = v > peak ? v : peak;
-        if (want_sq) sq += sum_squares(x, c->len, dt, inv);
+        peak[grp] = v > peak[grp] ? v : peak[grp];
+        if (want_sq) sq[grp] += sum_squares(x, c->len, dt, inv ? inv[grp] : 1.0f);
     }
     free(chunks);
-    out[0] = peak;
-    if (want_sq) out_sq[0] = sq;
+    for (int64_t k = 0; k < n_groups; ++k) {
+        peak_out[k] = peak[k];
+        if (want_sq) sq_out[k] = sq[k];
+    }
+    free(peak);
+    free(sq);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -301,81 +315,90 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
 /* Pointers per leaf: g (grad, dtype gdt), m (master, f32), b (momentum, f32;
  * unused without momentum), p (old working copy, dtype pdt; read only for a
  * skipped pure step), and the outputs mo, bo, po (equal to m, b, p when
- * donating; po equal to mo for an FP32 working copy). Scalars are read through
- * pointers: inv (NULL: 1), clip_div and clip_mul (NULL: no clipping), lr;
- * apply and started are bools (started NULL: no momentum); take_started is
- * fl32(1 - dampening), rounded once from the exact difference. */
-void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *const *b,
-                   void *const *p, float *const *mo, float *const *bo, void *const *po,
-                   const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
-                   const float *inv_ptr, const float *clip_div_ptr, const float *clip_mul_ptr,
-                   const float *lr_ptr, const uint8_t *apply_ptr, const uint8_t *started_ptr,
+ * donating; po equal to mo, and p to m, for a leaf whose working copy is its
+ * master). Per-group scalars read through pointers: inv (NULL: 1), clip_div
+ * and clip_mul (NULL: no clipping), lr; apply and started are bools (started
+ * NULL: no momentum); take_started is fl32(1 - dampening), rounded once from
+ * the exact difference.
+ *
+ * apply NULL: a speculative pure step, applied whatever the gradients;
+ * peak_out then receives each group's largest gradient magnitude
+ * (ff_grad_stats's value) and ff_keep_unless undoes the groups that skip. */
+void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
+                   float *const *b, void *const *p, float *const *mo, float *const *bo,
+                   void *const *po, const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
+                   const float *inv, const float *clip_div, const float *clip_mul,
+                   const float *lr, const uint8_t *apply, const uint8_t *started,
                    float weight_decay, float momentum, float take_started, int32_t nesterov,
                    int32_t threads, float *peak_out) {
-    /* apply_ptr NULL: a speculative pure step, applied whatever the gradients;
-     * peak_out then receives their largest magnitude (ff_grad_stats's value)
-     * and ff_keep_unless undoes the step if the decision says so. */
-    const int apply = apply_ptr ? *apply_ptr != 0 : 1;
     const int want_peak = peak_out != NULL;
-    float peak = 0.0f;
-    Hyper h;
-    h.inv = inv_ptr ? *inv_ptr : 1.0f;
-    h.clip = clip_div_ptr != NULL;
-    h.clip_div = h.clip ? *clip_div_ptr : 1.0f;
-    h.clip_mul = h.clip ? *clip_mul_ptr : 1.0f;
-    h.decay = weight_decay != 0.0f;
-    h.wd = weight_decay;
-    h.momentum = momentum != 0.0f;
-    h.mu = momentum;
-    const int started = started_ptr ? *started_ptr != 0 : 0;
-    /* the first buffer is the gradient itself: b * 0 + u * 1 */
-    h.keep = started ? momentum : 0.0f;
-    h.take = started ? take_started : 1.0f;
-    h.nesterov = nesterov != 0;
-    h.factor = *lr_ptr;
+    const int64_t per_group = n_leaves / n_groups;
+    Hyper *hs = (Hyper *)malloc((size_t)n_groups * sizeof(Hyper));
+    uint8_t *go = (uint8_t *)malloc((size_t)n_groups);
+    for (int64_t k = 0; k < n_groups; ++k) {
+        Hyper *h = &hs[k];
+        go[k] = apply ? apply[k] != 0 : 1;
+        h->inv = inv ? inv[k] : 1.0f;
+        h->clip = clip_div != NULL;
+        h->clip_div = h->clip ? clip_div[k] : 1.0f;
+        h->clip_mul = h->clip ? clip_mul[k] : 1.0f;
+        h->decay = weight_decay != 0.0f;
+        h->wd = weight_decay;
+        h->momentum = momentum != 0.0f;
+        h->mu = momentum;
+        const int has_started = started ? started[k] != 0 : 0;
+        /* the first buffer is the gradient itself: b * 0 + u * 1 */
+        h->keep = has_started ? momentum : 0.0f;
+        h->take = has_started ? take_started : 1.0f;
+        h->nesterov = nesterov != 0;
+        h->factor = lr[k];
+    }
+    float *peak = (float *)calloc((size_t)n_groups, sizeof(float));
 
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak)
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak[:n_groups])
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int l = c->leaf;
+        const int64_t grp = l / per_group;
+        const Hyper *h = &hs[grp];
         const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         const int p_is_master = po[l] == (void *)mo[l];
         if (want_peak) {
             float v = peak_value(peak_bits((const char *)g[l] + c->start * gs, c->len, gd), gd);
-            peak = v > peak ? v : peak;
+            peak[grp] = v > peak[grp] ? v : peak[grp];
         }
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
             float *mo_s = mo[l] + s;
-            float *bo_s = h.momentum ? bo[l] + s : NULL;
+            float *bo_s = h->momentum ? bo[l] + s : NULL;
             char *po_s = (char *)po[l] + s * ps;
-            if (!apply) {
+            if (!go[grp]) {
                 /* A skipped step: the new state is the old one, bit for bit. */
                 if (mo[l] != m[l]) memcpy(mo_s, m[l] + s, (size_t)n * 4);
-                if (h.momentum && bo[l] != b[l]) memcpy(bo_s, b[l] + s, (size_t)n * 4);
+                if (h->momentum && bo[l] != b[l]) memcpy(bo_s, b[l] + s, (size_t)n * 4);
                 if (po[l] != p[l] && !p_is_master)
                     memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
                 continue;
             }
             float gbuf[BLOCK], pbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
-            const float *b_s = h.momentum ? b[l] + s : NULL;
+            const float *b_s = h->momentum ? b[l] + s : NULL;
             float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
             if (mo[l] == m[l]) {
                 /* donated: master and momentum in place, on lines the loads just
                  * brought into cache; the working copy, never read, streamed */
-                sgd_dispatch(&h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
+                sgd_dispatch(h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
                 if (!p_is_master) {
                     from_f32(pbuf, hbuf, n, pd);
                     stream_bytes(po_s, hbuf, n * ps);
                 }
             } else {
                 float mbuf[BLOCK], bbuf[BLOCK];
-                sgd_dispatch(&h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
+                sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
                 stream_bytes(mo_s, mbuf, n * 4);
-                if (h.momentum) stream_bytes(bo_s, bbuf, n * 4);
+                if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
                 if (!p_is_master) {
                     from_f32(pbuf, hbuf, n, pd);
                     stream_bytes(po_s, hbuf, n * ps);
@@ -385,22 +408,31 @@ void ff_sgd_update(int64_t n_leaves, void *const *g, float *const *m, float *con
         stream_fence(); /* each thread orders its own streaming stores */
     }
     free(chunks);
-    if (want_peak) *peak_out = peak;
+    if (want_peak)
+        for (int64_t k = 0; k < n_groups; ++k) peak_out[k] = peak[k];
+    free(peak);
+    free(go);
+    free(hs);
 }
 
-/* Undoes a speculative pure step (ff_sgd_update with apply_ptr NULL) if *apply_ptr
- * is false: copies the old master, momentum (b may be NULL) and working copy
- * over the outputs, bit for bit. Does nothing if the step is applied. */
-void ff_keep_unless(int64_t n_leaves, float *const *m, float *const *b, void *const *p,
-                    float *const *mo, float *const *bo, void *const *po, const int64_t *numel,
-                    const int32_t *pdt, const uint8_t *apply_ptr, int32_t threads) {
-    if (*apply_ptr) return;
+/* Undoes a speculative pure step (ff_sgd_update with apply NULL) in every group
+ * whose apply[k] is false: copies the old master, momentum (b may be NULL) and
+ * working copy over the outputs, bit for bit. Applied groups are not touched. */
+void ff_keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, float *const *b,
+                    void *const *p, float *const *mo, float *const *bo, void *const *po,
+                    const int64_t *numel, const int32_t *pdt, const uint8_t *apply,
+                    int32_t threads) {
+    int any_skip = 0;
+    for (int64_t k = 0; k < n_groups; ++k) any_skip |= apply[k] == 0;
+    if (!any_skip) return;
+    const int64_t per_group = n_leaves / n_groups;
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int l = c->leaf, ps = dt_size(pdt[l]);
+        if (apply[l / per_group]) continue;
         const int64_t s = c->start, n = c->len;
         memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
         if (b) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
@@ -480,38 +512,41 @@ static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, co
 
 /* Pointers per leaf: g (grad, dtype gdt), m (master), a and v (the moments),
  * p (old working copy, dtype pdt), and the outputs mo, ao, vo, po (the inputs
- * themselves when donating; po equal to mo for an FP32 working copy). Scalars
- * read through pointers: inv (NULL: 1), clip_div and clip_mul (NULL: no
- * clipping), lr (the signed step factor), apply (bool), inv_c1 = fl32(1 / (1 -
- * b1^t)) and sqrt_c2 = fl32(sqrt(1 - b2^t)). l2 and wd of 0: no decay of
- * that kind. A skipped step (apply false) leaves the outputs equal to the
- * inputs, bit for bit. */
-void ff_adam_update(int64_t n_leaves, void *const *g, float *const *m, float *const *a,
-                    float *const *v, void *const *p, float *const *mo, float *const *ao,
-                    float *const *vo, void *const *po, const int64_t *numel, const int32_t *gdt,
-                    const int32_t *pdt, const float *inv_ptr, const float *clip_div_ptr,
-                    const float *clip_mul_ptr, const float *lr_ptr, const uint8_t *apply_ptr,
-                    const float *inv_c1_ptr, const float *sqrt_c2_ptr, float l2, float w,
-                    float b2, float c2, float eps, float wd, int32_t threads) {
-    const int apply = *apply_ptr != 0;
-    AdamHyper h;
-    h.inv = inv_ptr ? *inv_ptr : 1.0f;
-    h.clip = clip_div_ptr != NULL;
-    h.clip_div = h.clip ? *clip_div_ptr : 1.0f;
-    h.clip_mul = h.clip ? *clip_mul_ptr : 1.0f;
-    h.has_l2 = l2 != 0.0f;
-    h.l2 = l2;
-    h.w = w;
-    h.w_minus_1 = w - 1.0f;
-    h.small_w = fabsf(w) < 0.5f;
-    h.b2 = b2;
-    h.c2 = c2;
-    h.sqrt_c2 = *sqrt_c2_ptr;
-    h.inv_c1 = *inv_c1_ptr;
-    h.eps = eps;
-    h.decoupled = wd != 0.0f;
-    h.wd = wd;
-    h.factor = *lr_ptr;
+ * themselves when donating; po equal to mo, and p to m, for a leaf whose
+ * working copy is its master). Per-group scalars read through pointers: inv
+ * (NULL: 1), clip_div and clip_mul (NULL: no clipping), lr (the signed step
+ * factor), apply (bool), inv_c1 = fl32(1 / (1 - b1^t)) and sqrt_c2 =
+ * fl32(sqrt(1 - b2^t)). l2 and wd of 0: no decay of that kind. A skipped group
+ * (apply false) leaves its outputs equal to its inputs, bit for bit. */
+void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
+                    float *const *a, float *const *v, void *const *p, float *const *mo,
+                    float *const *ao, float *const *vo, void *const *po, const int64_t *numel,
+                    const int32_t *gdt, const int32_t *pdt, const float *inv,
+                    const float *clip_div, const float *clip_mul, const float *lr,
+                    const uint8_t *apply, const float *inv_c1, const float *sqrt_c2, float l2,
+                    float w, float b2, float c2, float eps, float wd, int32_t threads) {
+    const int64_t per_group = n_leaves / n_groups;
+    AdamHyper *hs = (AdamHyper *)malloc((size_t)n_groups * sizeof(AdamHyper));
+    for (int64_t k = 0; k < n_groups; ++k) {
+        AdamHyper *h = &hs[k];
+        h->inv = inv ? inv[k] : 1.0f;
+        h->clip = clip_div != NULL;
+        h->clip_div = h->clip ? clip_div[k] : 1.0f;
+        h->clip_mul = h->clip ? clip_mul[k] : 1.0f;
+        h->has_l2 = l2 != 0.0f;
+        h->l2 = l2;
+        h->w = w;
+        h->w_minus_1 = w - 1.0f;
+        h->small_w = fabsf(w) < 0.5f;
+        h->b2 = b2;
+        h->c2 = c2;
+        h->sqrt_c2 = sqrt_c2[k];
+        h->inv_c1 = inv_c1[k];
+        h->eps = eps;
+        h->decoupled = wd != 0.0f;
+        h->wd = wd;
+        h->factor = lr[k];
+    }
 
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
@@ -519,13 +554,15 @@ void ff_adam_update(int64_t n_leaves, void *const *g, float *const *m, float *co
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int l = c->leaf;
+        const int64_t grp = l / per_group;
+        const AdamHyper *h = &hs[grp];
         const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         const int p_is_master = po[l] == (void *)mo[l];
         const int donated = mo[l] == m[l];
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
             char *po_s = (char *)po[l] + s * ps;
-            if (!apply) {
+            if (!apply[grp]) {
                 /* A skipped step: the new state is the old one, bit for bit. */
                 if (!donated) {
                     memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
@@ -538,11 +575,11 @@ void ff_adam_update(int64_t n_leaves, void *const *g, float *const *m, float *co
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             if (donated) {
-                adam_dispatch(&h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
+                adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
                               vo[l] + s, p_is_master ? mo[l] + s : pbuf, n);
             } else {
                 float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
-                adam_dispatch(&h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
+                adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
                 stream_bytes(mo[l] + s, mbuf, n * 4);
                 stream_bytes(ao[l] + s, abuf, n * 4);
                 stream_bytes(vo[l] + s, vbuf, n * 4);
@@ -555,4 +592,5 @@ void ff_adam_update(int64_t n_leaves, void *const *g, float *const *m, float *co
         stream_fence();
     }
     free(chunks);
+    free(hs);
 }

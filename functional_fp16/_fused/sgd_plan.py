@@ -16,6 +16,7 @@ any transform without a spec, returns ``None`` and runs as written.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -111,23 +112,36 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
     )
 
 
-def cached_plan(read: Callable[[list[tuple[Any, Path]]], Any]) -> Callable[..., Any]:
-    """Turns ``read(parts)`` into ``plan(tx)``: the chain's parts read once per ``tx`` object.
+def _typed(spec: Any) -> Any:
+    """``spec`` as a hashable key that tells specs of equal values but other types apart."""
+    if isinstance(spec, tuple):
+        return (type(spec), tuple(_typed(x) for x in spec))
+    return (type(spec), spec)
 
+
+def cached_plan(read: Callable[[list[tuple[Any, Path]]], Any]) -> Callable[..., Any]:
+    """Turns ``read(parts)`` into ``plan(tx)``: the plan of ``tx``'s declared ``spec``.
+
+    Cached by the spec's value (specs are tuples of hyperparameters), never by
+    object identity; a spec that cannot be hashed is read every time.
     ``plan(tx)`` returns ``None`` for a transform with an undeclared part.
     """
-    cache: dict[int, tuple[GradientTransformation, Any]] = {}
+
+    @functools.lru_cache(maxsize=256)
+    def of_key(key: Any, spec: Any) -> Any:
+        del key  # the cache's key; ``spec`` rides along (equal keys, equal specs)
+        parts = chain_parts(spec)
+        return read(parts) if parts else None
 
     def plan(tx: GradientTransformation) -> Any:
-        hit = cache.get(id(tx))
-        if hit is not None and hit[0] is tx:
-            return hit[1]
-        parts = chain_parts(getattr(tx, "spec", None))
-        result = read(parts) if parts else None
-        if len(cache) > 256:
-            cache.clear()
-        cache[id(tx)] = (tx, result)
-        return result
+        spec = getattr(tx, "spec", None)
+        try:
+            key = _typed(spec)
+            hash(key)
+        except TypeError:  # an unhashable hyperparameter: read it every time
+            parts = chain_parts(spec)
+            return read(parts) if parts else None
+        return of_key(key, spec)
 
     return plan
 
@@ -138,7 +152,7 @@ _sgd_plan = cached_plan(_read)
 def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
     """The :class:`SGDPlan` of ``tx``, or ``None`` if it is not a fusable SGD chain.
 
-    Read from the transforms' declared ``spec`` only. Cached per ``tx`` object.
+    Read from the transforms' declared ``spec`` only, cached by its value.
     """
     return _sgd_plan(tx)
 

@@ -1,0 +1,1 @@
+"""The fused steps: their torch.library ops, plans read from declared transforms, and the update built on them."""

@@ -1,0 +1,331 @@
+"""The fused kernels' arguments, declared once by name.
+
+Every entry point of ``fused_step.c`` is described here as a list of
+:class:`Arg`\\ s. The ctypes signature is derived from that list, and so is
+the packing of a call: :func:`pack` takes the arguments *by name*, checks each
+one (count, dtype, device, shape, layout) and only then turns it into
+pointers. A call with a missing, extra or malformed argument raises a
+``TypeError`` or ``ValueError`` naming it; no pointer reaches C unchecked.
+
+Every entry point begins with two implicit ``int64`` arguments, the number
+of leaves ``L`` and the number of groups ``G`` (``G`` divides ``L``; leaf
+``l`` belongs to group ``l // (L // G)``). Then, in declared order:
+
+* ``leaves``: one tensor per leaf, passed as an array of data pointers;
+* ``numel``/``codes``: derived from a ``leaves`` argument, the per-leaf
+  element counts (``int64``) and dtype codes (``int32``);
+* ``group``: a 1-d contiguous tensor of ``G`` scalars (or ``None`` where
+  ``optional``), passed by address;
+
+A call may stack ``members`` states in every leaf (a ``vmap`` batch): each
+leaf tensor then holds ``members`` equal, consecutive blocks along its
+outermost dimension, and :func:`pack` passes them to C as ``members * L``
+leaves, member-major, by pointer arithmetic (no views are made). Member
+``b``'s leaves form groups ``b * G0 .. (b + 1) * G0 - 1`` of the
+``G = members * G0`` groups.
+* ``float``/``int``: a Python number, passed by value.
+
+This module imports nothing of the rest of the package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Arg", "Signature", "DTYPE_CODES", "SIGNATURES", "pack", "dense", "members_outermost"]
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The dtypes the kernels read and write, with their codes in the C source."""
+
+STORED = tuple(DTYPE_CODES)  # a gradient or a working copy: float32, float16 or bfloat16
+F32 = (torch.float32,)
+
+
+class Arg(NamedTuple):
+    """One declared argument of a kernel entry point."""
+
+    name: str
+    kind: str  # "leaves", "numel", "codes", "group", "float", "int"
+    dtypes: tuple[torch.dtype, ...] = ()  # allowed dtypes ("leaves", "group")
+    optional: bool = False  # None allowed ("group": a NULL pointer)
+    of: str = ""  # "numel"/"codes": the leaves argument it is derived from
+    like: str = ""  # "leaves": each tensor has the numel of this argument's tensors
+    written: bool = False  # the kernel writes it
+
+
+class Signature(NamedTuple):
+    """A C entry point: its symbol and its declared arguments."""
+
+    symbol: str
+    args: tuple[Arg, ...]
+
+    def argtypes(self) -> list[Any]:
+        """The ctypes argument types, derived from the declaration."""
+        c = {
+            "leaves": ctypes.c_void_p,
+            "numel": ctypes.c_void_p,
+            "codes": ctypes.c_void_p,
+            "group": ctypes.c_void_p,
+            "float": ctypes.c_float,
+            "int": ctypes.c_int32,
+        }
+        return [ctypes.c_int64, ctypes.c_int64] + [c[a.kind] for a in self.args]
+
+    def inputs(self) -> list[str]:
+        """The names a caller passes (derived arguments excluded)."""
+        return [a.name for a in self.args if a.kind not in ("numel", "codes")]
+
+
+def _leaves(
+    name: str, *, dtypes=F32, like: str = "grads", written: bool = False, optional=False
+) -> Arg:
+    return Arg(name, "leaves", dtypes, optional=optional, like=like, written=written)
+
+
+def _group(name: str, dtype: torch.dtype, *, optional: bool = False, written=False) -> Arg:
+    return Arg(name, "group", (dtype,), optional=optional, written=written)
+
+
+_STEP_SCALARS = (
+    _group("inv", torch.float32, optional=True),
+    _group("clip_div", torch.float32, optional=True),
+    _group("clip_mul", torch.float32, optional=True),
+    _group("lr", torch.float32),
+)
+
+SIGNATURES: dict[str, Signature] = {
+    "grad_stats": Signature(
+        "ff_grad_stats",
+        (
+            _leaves("grads", dtypes=STORED, like=""),
+            Arg("grads_numel", "numel", of="grads"),
+            Arg("grads_codes", "codes", of="grads"),
+            _group("inv", torch.float32, optional=True),
+            Arg("sum_squares", "int"),
+            Arg("threads", "int"),
+            _group("peak_out", torch.float32, written=True),
+            _group("sum_sq_out", torch.float64, optional=True, written=True),
+        ),
+    ),
+    "sgd_update": Signature(
+        "ff_sgd_update",
+        (
+            _leaves("grads", dtypes=STORED, like=""),
+            _leaves("master"),
+            _leaves("trace", optional=True),  # None without momentum
+            _leaves("params", dtypes=STORED),
+            _leaves("master_out", written=True),
+            _leaves("trace_out", written=True, optional=True),
+            _leaves("params_out", dtypes=STORED, written=True),
+            Arg("numel", "numel", of="grads"),
+            Arg("grads_codes", "codes", of="grads"),
+            Arg("params_codes", "codes", of="params_out"),
+            *_STEP_SCALARS,
+            _group("apply", torch.bool, optional=True),
+            _group("started", torch.bool, optional=True),
+            Arg("weight_decay", "float"),
+            Arg("momentum", "float"),
+            Arg("take_started", "float"),
+            Arg("nesterov", "int"),
+            Arg("threads", "int"),
+            _group("peak_out", torch.float32, optional=True, written=True),
+        ),
+    ),
+    "keep_unless": Signature(
+        "ff_keep_unless",
+        (
+            _leaves("master", like="master"),
+            _leaves("trace", like="master", optional=True),
+            _leaves("params", dtypes=STORED, like="master"),
+            _leaves("master_out", like="master", written=True),
+            _leaves("trace_out", like="master", written=True, optional=True),
+            _leaves("params_out", dtypes=STORED, like="master", written=True),
+            Arg("numel", "numel", of="master"),
+            Arg("params_codes", "codes", of="params_out"),
+            _group("apply", torch.bool),
+            Arg("threads", "int"),
+        ),
+    ),
+    "adam_update": Signature(
+        "ff_adam_update",
+        (
+            _leaves("grads", dtypes=STORED, like=""),
+            _leaves("master"),
+            _leaves("mu"),
+            _leaves("nu"),
+            _leaves("params", dtypes=STORED),
+            _leaves("master_out", written=True),
+            _leaves("mu_out", written=True),
+            _leaves("nu_out", written=True),
+            _leaves("params_out", dtypes=STORED, written=True),
+            Arg("numel", "numel", of="grads"),
+            Arg("grads_codes", "codes", of="grads"),
+            Arg("params_codes", "codes", of="params_out"),
+            *_STEP_SCALARS,
+            _group("apply", torch.bool),
+            _group("inv_c1", torch.float32),
+            _group("sqrt_c2", torch.float32),
+            Arg("l2", "float"),
+            Arg("w", "float"),
+            Arg("b2", "float"),
+            Arg("c2", "float"),
+            Arg("eps", "float"),
+            Arg("decoupled", "float"),
+            Arg("threads", "int"),
+        ),
+    ),
+}
+"""Every entry point of ``fused_step.c``. The C prototypes follow this order."""
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its storage span exactly, in some order of dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def members_outermost(t: torch.Tensor, members: int) -> bool:
+    """Whether ``t``'s ``members`` blocks are consecutive along its first dimension."""
+    if members == 1:
+        return True
+    return t.dim() >= 1 and t.shape[0] == members and (t.numel() == 0 or t.stride(0) * members == t.numel())
+
+
+def _check_leaves(
+    sig: Signature, arg: Arg, value: Any, n_leaves: int, kw: dict, members: int
+) -> None:
+    where = f"{sig.symbol}: {arg.name}"
+    if arg.optional and value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
+        raise TypeError(f"{where} must be a list of tensors, got {type(value).__name__}")
+    if len(value) != n_leaves:
+        raise ValueError(f"{where} has {len(value)} tensors, expected {n_leaves} (one per leaf)")
+    ref = kw[arg.like] if arg.like else None
+    for i, t in enumerate(value):
+        if t.device.type != "cpu":
+            raise ValueError(f"{where}[{i}] is on {t.device}; the C kernel takes CPU tensors")
+        if t.dtype not in arg.dtypes:
+            raise TypeError(f"{where}[{i}] has dtype {t.dtype}, expected one of {arg.dtypes}")
+        if not dense(t):
+            raise ValueError(f"{where}[{i}] is not dense (it has gaps or overlaps)")
+        if not members_outermost(t, members):
+            raise ValueError(
+                f"{where}[{i}] of shape {tuple(t.shape)} does not hold {members} members "
+                "as consecutive blocks along its first dimension"
+            )
+        if ref is not None and (t.shape != ref[i].shape or t.stride() != ref[i].stride()):
+            raise ValueError(
+                f"{where}[{i}] has shape {tuple(t.shape)} and strides {t.stride()}, but "
+                f"{arg.like}[{i}] has {tuple(ref[i].shape)} and {ref[i].stride()}"
+            )
+
+
+def _check_group(sig: Signature, arg: Arg, value: Any, n_groups: int) -> None:
+    where = f"{sig.symbol}: {arg.name}"
+    if value is None:
+        if not arg.optional:
+            raise TypeError(f"{where} is required")
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(value).__name__}")
+    if value.device.type != "cpu" or value.dtype not in arg.dtypes:
+        raise TypeError(
+            f"{where} must be a CPU tensor of dtype {arg.dtypes[0]}, "
+            f"got {value.dtype} on {value.device}"
+        )
+    if value.shape != (n_groups,) or not value.is_contiguous():
+        raise ValueError(
+            f"{where} must be contiguous of shape ({n_groups},) (one per group), "
+            f"got shape {tuple(value.shape)}"
+        )
+
+
+class Packed:
+    """The ctypes arguments of one call, with the arrays they point into kept alive."""
+
+    def __init__(self) -> None:
+        self.keep: list[array] = []
+        self.args: list[Any] = []
+
+    def array(self, code: str, values: Sequence[int]) -> int:
+        a = array(code, values)
+        self.keep.append(a)
+        return a.buffer_info()[0]
+
+
+def pack(sig: Signature, *, n_groups: int, members: int = 1, **kw: Any) -> Packed:
+    """Checks ``kw`` against ``sig`` and packs it into ctypes arguments (``Packed.args``).
+
+    ``n_groups`` counts the groups of all members together (the length of
+    every per-group scalar); ``members`` is the number of stacked states per
+    leaf tensor (see the module docstring).
+
+    Raises ``TypeError`` for a missing or unknown argument or a wrong type,
+    and ``ValueError`` for a wrong count, shape, layout or device.
+    """
+    expected = sig.inputs()
+    missing = [n for n in expected if n not in kw]
+    extra = [n for n in kw if n not in expected]
+    if missing or extra:
+        raise TypeError(f"{sig.symbol}: missing arguments {missing}, unexpected {extra}")
+    first = next(a for a in sig.args if a.kind == "leaves")
+    leaves0 = kw[first.name]
+    if not isinstance(leaves0, (list, tuple)):
+        raise TypeError(f"{sig.symbol}: {first.name} must be a list of tensors")
+    n_leaves = len(leaves0)
+    for name, value in (("n_groups", n_groups), ("members", members)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TypeError(f"{sig.symbol}: {name} must be a positive int, got {value!r}")
+    if n_groups % members or (n_leaves * members) % n_groups:
+        raise ValueError(
+            f"{sig.symbol}: {members} member(s) of {n_leaves} leaves do not split into "
+            f"{n_groups} groups"
+        )
+    out = Packed()
+    out.args = [n_leaves * members, n_groups]
+    for arg in sig.args:
+        if arg.kind == "leaves":
+            value = kw[arg.name]
+            _check_leaves(sig, arg, value, n_leaves, kw, members)
+            if value is None:
+                out.args.append(None)
+                continue
+            ptrs = [
+                t.data_ptr() + b * (t.numel() // members) * t.element_size()
+                for b in range(members)
+                for t in value
+            ]
+            out.args.append(out.array("Q", ptrs))
+        elif arg.kind == "numel":
+            sizes = [t.numel() // members for t in kw[arg.of]]
+            out.args.append(out.array("q", sizes * members))
+        elif arg.kind == "codes":
+            codes = [DTYPE_CODES[t.dtype] for t in kw[arg.of]]
+            out.args.append(out.array("i", codes * members))
+        elif arg.kind == "group":
+            value = kw[arg.name]
+            _check_group(sig, arg, value, n_groups)
+            out.args.append(None if value is None else value.data_ptr())
+        elif arg.kind == "float":
+            value = kw[arg.name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{sig.symbol}: {arg.name} must be a number, got {value!r}")
+            out.args.append(float(value))
+        else:  # "int"
+            value = kw[arg.name]
+            if not isinstance(value, (int, bool)):
+                raise TypeError(f"{sig.symbol}: {arg.name} must be an int, got {value!r}")
+            out.args.append(int(value))
+    return out

@@ -1,0 +1,14 @@
+"""The FP16 training state and its one pure update.
+
+``state``: :class:`FP16State` and :func:`fp16_init`; ``step``:
+:func:`fp16_update` and :func:`update_path`; ``dispatch``: the one place that
+chooses the implementation; ``reference``, ``foreach`` and (in
+:mod:`functional_fp16._fused`) the fused op: the implementations;
+``accumulation``: the step of a ``MultiSteps`` optimiser; ``batching``:
+stacked states for ``vmap``.
+"""
+
+from functional_fp16.update.state import FP16State, fp16_init
+from functional_fp16.update.step import fp16_update, update_path
+
+__all__ = ["FP16State", "fp16_init", "fp16_update", "update_path"]

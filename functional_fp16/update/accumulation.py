@@ -1,0 +1,135 @@
+"""``fp16_update`` for a :func:`~functional_fp16.MultiSteps` optimiser: one micro-batch at a time.
+
+The rules (one loss scale per window, an overflow skips the whole window) are
+described in :mod:`functional_fp16.accumulation`, which holds the transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
+from functional_fp16.accumulation import (
+    MultiStepsSpec,
+    MultiStepsState,
+    _check_state,
+    _closes,
+    _counters,
+    _empty_unless,
+    _hand_over,
+    _window_size,
+)
+from functional_fp16.base import ChainSpec, GradientTransformation
+from functional_fp16.loss_scale import NoOpLossScale
+from functional_fp16.update.decision import Decision
+from functional_fp16._finite import grads_finite
+
+__all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
+
+
+def _contains_multi_steps(spec: Any) -> bool:
+    if isinstance(spec, MultiStepsSpec):
+        return True
+    if isinstance(spec, ChainSpec):
+        return any(_contains_multi_steps(part) for part in spec.parts)
+    return False
+
+
+def fp16_accumulates(tx: GradientTransformation) -> bool:
+    """Whether ``fp16_update`` accumulates for ``tx``: ``tx`` is a :func:`MultiSteps`.
+
+    Raises ``ValueError`` for a ``MultiSteps`` anywhere but outermost (inside
+    a chain, or inside another ``MultiSteps``): its loss-scale and skipping
+    rules need to see every micro-batch before the rest of the optimiser does.
+    """
+    spec = tx.spec
+    if isinstance(spec, MultiStepsSpec):
+        if _contains_multi_steps(spec.inner.spec):
+            raise ValueError(
+                "MultiSteps inside MultiSteps: fp16_update accumulates one level only; "
+                "use one MultiSteps with the product of the window sizes"
+            )
+        return True
+    if _contains_multi_steps(spec):
+        raise ValueError(
+            "MultiSteps must be the outermost transform given to fp16_init "
+            "(write MultiSteps(chain(...), k), not chain(..., MultiSteps(...)))"
+        )
+    return False
+
+
+def _unit_scale(device: torch.device) -> NoOpLossScale:
+    # A fill on the device, not a host-to-device copy (CUDA-graph capturable).
+    return NoOpLossScale().replace(loss_scale=torch.ones((), dtype=torch.float32, device=device))
+
+
+def inner_fp16_state(state: Any):
+    """The state the inner optimiser is stepped on: its own ``tx`` and state, a unit loss scale.
+
+    Its gradients are the accumulated, already unscaled FP32 mean. Used by
+    :func:`fp16_accumulate_update` and by :func:`~functional_fp16.update_path`.
+    """
+    ms = state.opt_state
+    _check_state(ms)
+    return state.replace(
+        tx=state.tx.spec.inner,
+        opt_state=ms.inner_opt_state,
+        loss_scale=_unit_scale(state.step.device),
+    )
+
+
+def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
+    """``fp16_update`` for a :func:`MultiSteps` optimiser: one micro-batch.
+
+    ``grads`` are already checked against ``state.params``; ``decide`` is
+    ``fp16_update``'s :class:`Decision` (``loss=``, ``agree=``), applied to this
+    micro-batch's finite flag; ``impl`` is the implementation of the plain
+    update (``impl(state, grads, decide, donate)``) that steps the inner
+    optimiser. See the module docstring for the rules.
+    """
+    spec: MultiStepsSpec = state.tx.spec
+    inner = inner_fp16_state(state)
+    ms: MultiStepsState = state.opt_state
+    g32, _ = tree_flatten(state.loss_scale.unscale(grads))
+    acc_leaves, acc_spec = tree_flatten(ms.acc_grads)
+    m_spec = tree_flatten(state.master)[1]
+    if acc_spec != m_spec:
+        raise ValueError(
+            f"opt_state.acc_grads has a different tree structure than master: "
+            f"expected {m_spec}, got {acc_spec}"
+        )
+    finite = decide(grads_finite(g32, None))
+    window_ok = ms.acc_finite & finite
+    acc = torch._foreach_add(acc_leaves, g32)
+    k = _window_size(spec.every_k_schedule, ms.gradient_step)
+    emit = _closes(ms, k)
+    apply = emit & window_ok
+    handed = _hand_over(acc, k, spec.use_grad_mean)
+    # The inner update skips unless this is a window's last micro-batch and
+    # all of it was finite; it also checks the mean itself. It may reuse the
+    # memory of what it is handed only where that is not the accumulator.
+    stepped = impl(
+        inner,
+        tree_unflatten(m_spec, handed),
+        # The mean's own check is agreed too, so that ranks that each hold a
+        # slice of it (a sharded state) decide alike.
+        Decision(apply, decide.agree),
+        donate and spec.use_grad_mean,
+    )
+    applied = stepped.grads_finite
+    mini_step, gradient_step = _counters(ms, emit, applied)
+    opt_state = MultiStepsState(
+        mini_step=mini_step,
+        gradient_step=gradient_step,
+        inner_opt_state=stepped.opt_state,
+        acc_grads=tree_unflatten(acc_spec, _empty_unless(emit, acc)),
+        acc_finite=emit | window_ok,
+    )
+    return stepped.replace(
+        tx=state.tx,
+        opt_state=opt_state,
+        loss_scale=tree_select(emit, state.loss_scale.adjust(applied), state.loss_scale),
+        grads_finite=torch.where(emit, applied, window_ok),
+    )

@@ -1,0 +1,51 @@
+"""How a step's apply/skip decision is made from its gradients, its loss and its replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from functional_fp16._tree import describe_tensor
+
+__all__ = ["Decision", "FiniteHook"]
+
+FiniteHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Decision(NamedTuple):
+    r"""The decision rule of one step, applied to the local all-finite flag :math:`f`:
+
+    .. math:: d = \operatorname{agree}(f \wedge r)
+
+    ``require`` (:math:`r`): ``None`` or a 0-d bool that must also hold (the
+    loss is finite; a window of micro-batches closes). ``agree``: ``None`` or
+    a hook from the local flag to the one every replica agrees on (e.g. an
+    all-reduce). Calling the rule applies it.
+    """
+
+    require: torch.Tensor | None = None
+    agree: FiniteHook | None = None
+
+    def __call__(self, finite: torch.Tensor) -> torch.Tensor:
+        if self.require is not None:
+            finite = finite & self.require.to(finite.device)
+        if self.agree is None:
+            return finite
+        local = finite
+        finite = self.agree(local)
+        if (
+            not isinstance(finite, torch.Tensor)
+            or finite.ndim != 0
+            or finite.dtype != torch.bool
+            or finite.device != local.device
+        ):
+            got = describe_tensor(finite)
+            raise TypeError(f"agree must return a 0-d bool tensor on {local.device}, got {got}")
+        return finite
+
+    def also(self, require: torch.Tensor) -> Decision:
+        """This rule with one more condition that must hold."""
+        both = require if self.require is None else self.require & require
+        return Decision(both, self.agree)

@@ -1,0 +1,103 @@
+"""The one place that decides which implementation runs an update.
+
+:func:`route` reads declared configuration only: the ``impl`` asked for, the
+optimiser's declared ``spec`` (through the fused plans), the loss scale's type
+and the state's leaf metadata (dtypes, shapes, strides, device), and returns a
+:class:`Route`: a name, the kernel where one runs, and the function that runs
+it. :func:`~functional_fp16.fp16_update` runs the route and
+:func:`~functional_fp16.update_path` reports its name, so the two cannot
+disagree.
+
+===============  ===========================================================
+route name       what runs
+===============  ===========================================================
+``fused``        one ``functional_fp16::sgd_step``/``adam_step`` op call
+                 (kernel ``c`` on the CPU, ``triton`` on CUDA, ``generic``
+                 elsewhere or without a C compiler); eager, compiled and vmapped
+``foreach-sgd``  the multi-tensor SGD sequence (:mod:`.foreach`), eager only
+``foreach``      any optimiser on flat lists of tensors (:mod:`.foreach`)
+``reference``    the tree-map specification (:mod:`.reference`)
+===============  ===========================================================
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+from functional_fp16._fused import ops
+from functional_fp16._fused.steps import fused_plan, fused_update
+from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16._tree import tree_leaves
+from functional_fp16.update.accumulation import (
+    fp16_accumulate_update,
+    fp16_accumulates,
+    inner_fp16_state,
+)
+from functional_fp16.update.foreach import foreach_update, sgd_sequence
+from functional_fp16.update.reference import reference_update
+
+__all__ = ["IMPLEMENTATIONS", "Route", "route"]
+
+IMPLEMENTATIONS = ("fused", "foreach", "reference")
+"""The values of ``impl`` besides ``"auto"`` (which means ``"fused"`` where it applies)."""
+
+_warned: set[str] = set()
+
+
+class Route(NamedTuple):
+    """Which implementation runs a state's update, and how."""
+
+    name: str  # "fused", "foreach-sgd", "foreach" or "reference"
+    kernel: str | None  # the fused op's kernel ("c", "triton", "generic"); None otherwise
+    run: Callable  # run(state, grads, decision, donate) -> FP16State
+    batches: bool  # runs under vmap as it is (else once per member)
+
+
+def _fused_runner(fp):
+    def run(state, grads, decision, donate):
+        return fused_update(
+            state, grads, fp, loss_ok=decision.require, decide=decision.agree, donate=donate
+        )
+
+    return run
+
+
+def _warn_generic(device) -> None:
+    reason = c_kernel.unavailable_reason() if device.type == "cpu" else f"no kernel for {device}"
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(
+        f"functional_fp16: {reason}; the fused update runs its plain PyTorch kernel "
+        "(correct, but slower)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def route(state, impl: str = "auto") -> Route:
+    """The :class:`Route` of ``state``'s update for ``impl`` (``"auto"`` or one of
+    :data:`IMPLEMENTATIONS`). Reads metadata only; never a tensor's value."""
+    if impl not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    if fp16_accumulates(state.tx):  # MultiSteps: the inner optimiser's route, per micro-batch
+        inner = route(inner_fp16_state(state), impl)
+
+        def run(s, grads, decision, donate):
+            return fp16_accumulate_update(s, grads, decision, donate, inner.run)
+
+        return Route(inner.name, inner.kernel, run, batches=False)
+    if impl == "reference":
+        return Route("reference", None, reference_update, batches=False)
+    if impl in ("auto", "fused"):
+        fp = fused_plan(state)
+        if fp is not None:
+            device = tree_leaves(state.master)[0].device
+            kernel = ops.kernel_for(device)
+            if kernel == "generic":
+                _warn_generic(device)
+            return Route("fused", kernel, _fused_runner(fp), batches=True)
+    name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
+    return Route(name, None, foreach_update, batches=False)

@@ -1,0 +1,38 @@
+"""``impl="reference"``: the plain tree-map update, the specification every other path is tested against.
+
+.. math::
+    \hat g = \operatorname{unscale}(g), \quad f = \textstyle\bigwedge \operatorname{isfinite}(\hat g), \quad
+    (u, o') = \text{tx.update}(\hat g, o, m), \quad
+    m' = f\ ?\ m + u : m, \quad p' = \operatorname{fl}_{16}(m')
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functional_fp16._tree import PyTree, tree_leaves, tree_map, tree_select
+from functional_fp16.base import apply_updates
+from functional_fp16.update.decision import Decision
+from functional_fp16.update.state import FP16State
+
+__all__ = ["reference_update"]
+
+
+def reference_update(state: FP16State, grads: PyTree, decision: Decision, donate: bool):
+    """The reference step. It never writes in place, so ``donate`` is accepted and ignored."""
+    del donate
+    grads32 = state.loss_scale.unscale(grads)
+    finite = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)]).all()
+    finite = decision(finite)
+    updates, opt_state = state.tx.update(grads32, state.opt_state, state.master)
+    master = tree_select(finite, apply_updates(state.master, updates), state.master)
+    opt_state = tree_select(finite, opt_state, state.opt_state)
+    params = tree_map(lambda m, p: m.to(p.dtype), master, state.params)
+    return state.replace(
+        params=params,
+        master=master,
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        step=state.step + 1,
+        grads_finite=finite,
+    )

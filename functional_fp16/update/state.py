@@ -1,0 +1,223 @@
+"""The FP16 training state and its one pure update.
+
+``FP16State`` holds everything that changes during training: the FP16 working
+copy of the parameters, the FP32 master copy, the optimiser state, the loss
+scale, the step counter and whether the last step was applied. The optimiser
+itself (a :class:`~functional_fp16.GradientTransformation`) is static
+configuration carried alongside, not a leaf.
+
+``fp16_update(state, grads)`` is the whole mixed-precision step::
+
+    g32       = fl32(grads) * fl32(1 / fl64(s))          # unscale in FP32
+    finite    = all(isfinite(g32))
+    u, opt'   = tx.update(g32, opt, master)               # on FP32 values only
+    master'   = finite ? master + u : master              # bitwise no-op if skipped
+    opt'      = finite ? opt'       : opt
+    params'   = fl16(master')                             # round to nearest
+    s'        = loss_scale.adjust(finite)
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from functional_fp16._tree import (
+    PyTree,
+    describe_tensor,
+    register_node,
+    tree_leaves,
+    tree_map,
+    tree_paths,
+)
+from functional_fp16.base import GradientTransformation
+from functional_fp16.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_for,
+)
+
+__all__ = ["FP16State", "fp16_init"]
+
+_LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
+_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
+
+
+class FP16State:
+    """Everything that changes during mixed-precision training (an immutable pytree).
+
+    Fields (leaves, or subtrees of leaves):
+
+    * ``params`` — the working copy in ``param_dtype`` (FP16 by default), same
+      tree structure as the parameters given to :func:`fp16_init`; the round-
+      to-nearest cast of ``master``.
+    * ``master`` — FP32 copies; the source of truth, never rebuilt from ``params``.
+    * ``opt_state`` — the optimiser's state, from ``tx.init(master)``.
+    * ``loss_scale`` — a loss-scale pytree (:class:`DynamicLossScale`, ...).
+    * ``step`` — 0-d int32, the number of :func:`fp16_update` calls, skipped ones included.
+    * ``grads_finite`` — 0-d bool, whether the last update was applied (with
+      :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
+      :mod:`functional_fp16.accumulation`).
+
+    Static configuration: ``tx``, the :class:`GradientTransformation`, and
+    ``shard``: ``None``, or for a state made by
+    :func:`functional_fp16.distributed.shard_state`, the
+    :class:`~functional_fp16.distributed.ShardLayout` saying which slice of the
+    flattened FP32 tensors this rank's ``master`` and ``opt_state`` hold (as
+    1-D pieces, one per parameter leaf, in the parameters' tree structure).
+    """
+
+    __slots__ = _FIELDS + ("tx", "shard")
+
+    def __init__(
+        self,
+        params: PyTree,
+        master: PyTree,
+        opt_state: Any,
+        loss_scale: LossScale,
+        step: torch.Tensor,
+        grads_finite: torch.Tensor,
+        tx: GradientTransformation,
+        shard: Any = None,
+    ) -> None:
+        self.params = params
+        self.master = master
+        self.opt_state = opt_state
+        self.loss_scale = loss_scale
+        self.step = step
+        self.grads_finite = grads_finite
+        self.tx = tx
+        self.shard = shard
+
+    def replace(self, **changes: Any) -> FP16State:
+        """A copy with the given fields replaced."""
+        fields = {name: getattr(self, name) for name in _FIELDS + ("tx", "shard")}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"FP16State has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return FP16State(**fields)
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in tree_leaves(self.params))
+        shard = (
+            "" if self.shard is None else f", shard {self.shard.rank} of {self.shard.world_size}"
+        )
+        return (
+            f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
+            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params"
+            f"{shard})"
+        )
+
+
+register_node(
+    FP16State,
+    lambda s: (tuple(getattr(s, n) for n in _FIELDS), (s.tx, s.shard)),
+    lambda meta, children: FP16State(*children, tx=meta[0], shard=meta[1]),
+    lambda s: _FIELDS,
+)
+
+
+def _check_params(params: PyTree) -> list[torch.Tensor]:
+    leaves = tree_leaves(params)
+    paths = tree_paths(params)
+    if not leaves:
+        raise ValueError("params is an empty tree: there is nothing to train")
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
+            )
+        if leaf.layout != torch.strided:
+            raise TypeError(f"params{path}: expected a dense tensor, got layout {leaf.layout}")
+    device = leaves[0].device
+    for path, leaf in zip(paths, leaves):
+        if leaf.device != device:
+            raise ValueError(
+                f"params{path}: on {leaf.device}, but params{paths[0]} is on {device}; "
+                "all parameters must live on one device"
+            )
+    return leaves
+
+
+def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None:
+    """Refuses non-finite parameters, warns about ones that overflow ``param_dtype`` (one sync)."""
+    masters, works = tree_leaves(master), tree_leaves(working)
+    if masters[0].is_meta:
+        return
+    ok = torch.stack(
+        [torch.isfinite(m).all() & torch.isfinite(w).all() for m, w in zip(masters, works)]
+    )
+    if bool(ok.all()):
+        return
+    for path, m, w in zip(tree_paths(params), masters, works):
+        if not bool(torch.isfinite(m).all()):
+            raise ValueError(
+                f"params{path}: contains inf or NaN (in float32); initial parameters must be finite"
+            )
+        if not bool(torch.isfinite(w).all()):
+            big = float(m.abs().max())
+            warnings.warn(
+                f"params{path}: values up to {big:g} overflow {w.dtype} "
+                f"(largest finite {torch.finfo(w.dtype).max:g}), so the working copy holds inf; "
+                "rescale them or use a wider param_dtype such as torch.bfloat16",
+                stacklevel=3,
+            )
+
+
+def fp16_init(
+    params: PyTree,
+    tx: GradientTransformation,
+    loss_scale: LossScale | None = None,
+    *,
+    param_dtype: torch.dtype = torch.float16,
+) -> FP16State:
+    r"""Builds the initial :class:`FP16State` from a tree of parameters.
+
+    .. math:: m_0 = \operatorname{fl}_{32}(p), \quad p_0 = \operatorname{fl}_{16}(m_0)
+
+    Args:
+      params: a pytree (dicts, lists, tuples, NamedTuples) of floating-point
+        tensors of any dtype, all on one device. They are copied, never aliased.
+      tx: the optimiser, e.g. ``sgd(1e-3, momentum=0.9)``.
+      loss_scale: a loss scale; default :class:`DynamicLossScale` for FP16
+        ``param_dtype`` and :class:`NoOpLossScale` otherwise. It is moved to
+        the parameters' device.
+      param_dtype: dtype of the working copy ``state.params`` (default FP16).
+
+    Returns:
+      The initial state: ``step == 0`` and ``grads_finite == True``.
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}")
+    if not isinstance(param_dtype, torch.dtype) or not param_dtype.is_floating_point:
+        raise TypeError(f"param_dtype must be a floating torch.dtype, got {param_dtype!r}")
+    if loss_scale is None:
+        loss_scale = loss_scale_for(param_dtype)
+    if not isinstance(loss_scale, _LOSS_SCALES):
+        raise TypeError(
+            "loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "
+            f"got {type(loss_scale).__name__}"
+        )
+    leaves = _check_params(params)
+    device = leaves[0].device
+    master = tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+    working = tree_map(lambda m: m.to(param_dtype), master)
+    _check_param_values(params, master, working)
+    return FP16State(
+        params=working,
+        master=master,
+        opt_state=tx.init(master),
+        loss_scale=loss_scale.to(device),
+        step=torch.zeros((), dtype=torch.int32, device=device),
+        grads_finite=torch.ones((), dtype=torch.bool, device=device),
+        tx=tx,
+    )

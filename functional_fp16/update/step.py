@@ -1,0 +1,145 @@
+"""``fp16_update``: the whole mixed-precision step, as one pure function.
+
+.. math::
+    \hat g = \operatorname{fl}_{32}(g)\cdot \operatorname{fl}_{32}(1 / \operatorname{fl}_{64}(s)), \quad
+    f = \textstyle\bigwedge \operatorname{isfinite}(\hat g), \quad
+    (u, o') = \text{tx.update}(\hat g, o, m), \quad
+    m' = f\ ?\ m + u : m, \quad p' = \operatorname{fl}_{16}(m'), \quad s' = \operatorname{adjust}(s, f)
+
+Which implementation runs is decided in :mod:`functional_fp16.update.dispatch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functional_fp16._tree import PyTree, check_like, tree_map
+from functional_fp16.update.batching import is_batched, per_member
+from functional_fp16.update.decision import Decision, FiniteHook
+from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
+from functional_fp16.update.state import FP16State
+
+__all__ = ["fp16_update", "update_path"]
+
+_SHARDED_MESSAGE = (
+    "state holds shard {} of {} of the FP32 master and optimiser state "
+    "(from functional_fp16.distributed.shard_state): update it with "
+    "functional_fp16.distributed.sharded_update on every rank, or gather it "
+    "with unshard_state first"
+)
+
+def fp16_update(
+    state: FP16State,
+    grads: PyTree,
+    *,
+    impl: str = "auto",
+    loss: torch.Tensor | None = None,
+    donate: bool = False,
+    agree: FiniteHook | None = None,
+) -> FP16State:
+    r"""One mixed-precision optimiser step, as a pure function.
+
+    ``grads`` are the gradients of the *scaled* loss with respect to
+    ``state.params`` (same structure, shapes, dtypes and device). With
+    :math:`s` the loss scale and :math:`m` the FP32 master:
+
+    .. math::
+        \hat g &= \operatorname{fl}_{32}(g)\cdot \operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s)) \\
+        f &= \textstyle\bigwedge_i \operatorname{isfinite}(\hat g_i) \\
+        (u, o') &= \text{tx.update}(\hat g, o, m) \\
+        m' &= m + u \text{ if } f \text{ else } m, \qquad o' = o' \text{ if } f \text{ else } o \\
+        p' &= \operatorname{fl}_{16}(m'), \qquad s' = \text{adjust}(s, f)
+
+    A skipped step (:math:`f` false) leaves ``master``, ``params`` and every
+    optimiser-state tensor bitwise unchanged; only the loss scale, ``step`` and
+    ``grads_finite`` move. No input tensor is modified and nothing is read back
+    to the host, so the function runs on CUDA without synchronisation and
+    compiles with ``torch.compile(fullgraph=True)``.
+
+    Args:
+      state: the current :class:`FP16State`.
+      grads: gradients of the scaled loss, shaped like ``state.params``.
+      loss: optionally, the loss of this step (scaled or not); a non-finite
+        loss skips the step like non-finite gradients do.
+      impl: which implementation to run: ``"auto"`` (the fused op where
+        it applies, else the multi-tensor path; :func:`update_path` tells
+        which), ``"fused"`` (the same), ``"foreach"`` or ``"reference"``.
+        :mod:`functional_fp16.update.dispatch` decides, from declared
+        configuration only.
+        Decisions, loss scale and counters are bitwise the same in all;
+        the fused kernel contracts multiply-adds (within one ulp of the
+        reference's master per step).
+      donate: the caller promises never to use ``state`` (or ``grads``) again,
+        so the implementation may reuse their memory (like JAX's
+        ``donate_argnums``). Off by default: the update is pure.
+      agree: maps the local finite flag to the one every replica agrees on
+        (e.g. an all-reduce across processes); ``None`` on one process.
+
+    Returns:
+      The next :class:`FP16State`; ``grads_finite`` says whether it was applied.
+    """
+    _check_state(state)
+    if impl not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
+    if agree is not None and not callable(agree):
+        raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
+    # with ``create_graph``) are taken as values: no graph reaches the new state.
+    if any(g.requires_grad for g in g_leaves):
+        grads = tree_map(torch.Tensor.detach, grads)
+    chosen = route(state, impl)
+    decision = Decision(
+        require=None if loss is None else torch.isfinite(loss.detach()).all(), agree=agree
+    )
+    # Under torch.func.vmap (a batched state, gradients or loss) the fused op
+    # batches inside itself; the other implementations run once per member.
+    if not chosen.batches and is_batched([state.step, loss, *g_leaves]):
+        return per_member(
+            lambda s, g, lo: _step_member(s, g, lo, impl, agree), state, grads, loss
+        )
+    return chosen.run(state, grads, decision, donate)
+
+
+def _step_member(state, grads, loss, impl: str, agree) -> FP16State:
+    """One member of a vmapped update whose implementation does not batch."""
+    decision = Decision(
+        require=None if loss is None else torch.isfinite(loss.detach()).all(), agree=agree
+    )
+    return route(state, impl).run(state, grads, decision, False)
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    if state.shard is not None:
+        raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
+
+
+def update_path(state: FP16State, impl: str = "auto") -> str:
+    """Which code :func:`fp16_update` runs for ``state``: the dispatcher's answer.
+
+    Returns one of:
+
+    * ``"fused"`` — one call of the fused op (:mod:`functional_fp16._fused.ops`):
+      the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
+      or after ``clip_by_global_norm`` or ``add_decayed_weights``) or Adam chain
+      (:func:`~functional_fp16.adam`, :func:`~functional_fp16.adamw`, the same
+      prefixes), the state has the plan's layout and the loss scale is one of
+      the library's. The op runs the compiled kernel of the state's device
+      (the CPU with a C compiler, CUDA with Triton) or its plain PyTorch
+      kernel, in eager mode, under ``torch.compile`` and under ``vmap``;
+    * ``"foreach-sgd"`` — the multi-tensor SGD sequence (a fusable SGD chain
+      without clipping, ``impl="foreach"``);
+    * ``"foreach"`` — any other optimiser, run on flat lists of tensors;
+    * ``"reference"`` — the plain tree-map specification (``impl="reference"``).
+
+    ``impl`` is the argument you pass to :func:`fp16_update`. Both ask
+    :func:`functional_fp16.update.dispatch.route`.
+    """
+    _check_state(state)
+    return route(state, impl).name
