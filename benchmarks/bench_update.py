@@ -52,7 +52,7 @@ Usage::
 
 glibc's allocator keeps its default settings, as in a user's process;
 ``--tune-malloc`` raises its thresholds first (see
-``functional_fp16.fast_update.tune_malloc``).
+``functional_fp16.tune_malloc``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import _common as C  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16.fast_update import tune_malloc  # noqa: E402
+from functional_fp16.allocator import tune_malloc  # noqa: E402
 
 LR = 0.05
 MOMENTUM = 0.9

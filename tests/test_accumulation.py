@@ -33,11 +33,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import update as update_module
+from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from functional_fp16._tree import tree_leaves
 from tests.helpers import bits, no_host_sync, scaled_error
 
-IMPLS = sorted(update_module._IMPLEMENTATIONS)
+IMPLS = sorted(IMPLEMENTATIONS)
 N = 257
 LR = 0.01
 WD = 1e-2

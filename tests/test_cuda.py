@@ -11,7 +11,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_map
-from functional_fp16.update import _IMPLEMENTATIONS
+from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 
 pytestmark = [
     pytest.mark.cuda,

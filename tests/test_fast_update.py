@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import fast_update
+from functional_fp16 import _finite as fast_update, allocator
 from functional_fp16._tree import tree_flatten, tree_leaves, tree_map
 from tests.helpers import SIZES, random_tree
 
@@ -269,7 +269,7 @@ def test_an_unexpected_state_gets_exactly_the_reference_error(impl):
 
 _TUNE_MALLOC_PROBE = """
 import ctypes, ctypes.util, torch
-from functional_fp16 import fast_update
+from functional_fp16 import _finite as fast_update, allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
@@ -286,7 +286,7 @@ def mmapped(nbytes=64 << 20):
     return libc.mallinfo2().hblkhd >= nbytes
 
 before = mmapped()
-ok = fast_update.tune_malloc(1 << 28)
+ok = allocator.tune_malloc(1 << 28)
 print(ok, before, mmapped())
 """
 
@@ -297,9 +297,9 @@ def test_tune_malloc_is_an_explicit_opt_in():
     import sys
 
     with pytest.raises(ValueError):
-        fast_update.tune_malloc(0)
+        allocator.tune_malloc(0)
     with pytest.raises(TypeError):
-        fast_update.tune_malloc(1.5)
+        allocator.tune_malloc(1.5)
     # Applied in a child process, so that this run's allocator stays as it was.
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt and mallinfo2 are glibc's")

@@ -23,7 +23,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16._tree import tree_leaves, tree_map, tree_paths
 from functional_fp16.loss_scale import unscale_factor
-from functional_fp16.update import _IMPLEMENTATIONS
+from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 from tests.helpers import bits
 
 EPISODES = 24

@@ -1,4 +1,7 @@
-"""The fused kernel (``impl="fused"``, the default) under the numerical contract.
+"""The fused op (``impl="fused"``, the default) under the numerical contract.
+
+Every test here runs twice: with the compiled C kernel and with the op's plain
+PyTorch kernel (``generic``, what runs without a C compiler or on other devices).
 
 Bitwise, always: the skip decision, the loss scale and its counters, ``step``,
 ``grads_finite``, every optimiser-state tensor that is not contracted (the
@@ -22,14 +25,25 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16 import cpu_kernel, fused_update
+from functional_fp16._finite import grads_finite
+from functional_fp16._fused import ops, steps
+from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._tree import tree_leaves, tree_map
-from functional_fp16.fast_update import grads_finite
+from functional_fp16.update import dispatch
 from tests.helpers import assert_within_one_operation_ulp, random_tree, ulp
 from tests.test_fast_update import STEPS, TX_NAMES, _grads, _txs
 from tests.test_fast_update import _assert_states_bitwise_equal as assert_bitwise
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
+
+
+@pytest.fixture(autouse=True, params=["c", "generic"])
+def kernel(request, monkeypatch):
+    """Runs each test with the C kernel and with the op's plain PyTorch kernel."""
+    if request.param == "generic":
+        monkeypatch.setattr(ops, "kernel_for", lambda device: "generic")
+        monkeypatch.setattr(dispatch, "_warned", {"no kernel for cpu", None})
+    return request.param
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -140,17 +154,19 @@ def test_the_readme_and_example_optimisers_take_the_fused_path():
         ff.update_path(quick, impl="fast")
 
 
-def test_without_a_compiler_it_warns_once_and_runs_the_multi_tensor_path(monkeypatch):
+def test_without_a_compiler_it_warns_once_and_runs_the_plain_kernel(monkeypatch, kernel):
+    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
+    grads = _grads(state, 0, 0)
+    with_c = ff.fp16_update(state, grads)
     monkeypatch.setattr(cpu_kernel, "_loaded", True)
     monkeypatch.setattr(cpu_kernel, "_lib", None)
     monkeypatch.setattr(cpu_kernel, "_reason", "no C compiler found (test)")
-    monkeypatch.setattr(fused_update, "_warned", set())
-    state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
-    grads = _grads(state, 0, 0)
+    monkeypatch.setattr(dispatch, "_warned", set())
     with pytest.warns(RuntimeWarning, match="no C compiler found"):
         new = ff.fp16_update(state, grads)
-    assert ff.update_path(state) == "foreach-sgd"
-    assert_bitwise(new, ff.fp16_update(state, grads, impl="foreach"))
+    assert ff.update_path(state) == "fused"
+    assert dispatch.route(state).kernel == "generic"
+    assert_bitwise(new, with_c)  # on the CPU the plain kernel is bitwise the C one
     import warnings
 
     with warnings.catch_warnings():
@@ -201,17 +217,18 @@ def test_kernel_finite_decision_matches_grads_finite(dtype, n, value):
     if value is not None:
         g[n // 2] = value
     for inv in (torch.tensor(1.0), torch.tensor(2.0**-10), torch.tensor(2.0**100), None):
-        peak, _ = cpu_kernel.grad_stats([g, torch.ones(3, dtype=dtype)], inv, sum_squares=False)
-        mine = torch.isfinite(peak if inv is None else peak * inv)
+        one = None if inv is None else inv.reshape(1)
+        peak, _ = ops.grad_stats([g, torch.ones(3, dtype=dtype)], one, 1, 1, False)
+        mine = torch.isfinite(peak if inv is None else peak * inv)[0]
         assert bool(mine) == bool(grads_finite([g], inv))
 
 
 def test_kernel_sum_of_squares_matches_global_norm():
     g = [(torch.randn(n) * 300).half() for n in (1, 17, 70_001)]
     inv = torch.tensor(2.0**-8)
-    _, sq = cpu_kernel.grad_stats(g, inv, sum_squares=True)
+    _, sq = ops.grad_stats(g, inv.reshape(1), 1, 1, True)
     expected = ff.global_norm([x.float() * inv for x in g])
-    assert torch.equal(sq.sqrt().float(), expected)
+    assert torch.equal(sq[0].sqrt().float(), expected)
 
 
 def test_the_compiled_update_still_matches_eager_fused():
@@ -226,5 +243,5 @@ def test_the_compiled_update_still_matches_eager_fused():
 def test_leaves_without_a_state_layout_are_refused_by_the_plan_not_the_kernel():
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
     bad = state.replace(master=tree_map(lambda m: m.double(), state.master))
-    assert fused_update.fused_plan(bad) is None
-    assert fused_update.fused_plan(state) is not None
+    assert steps.fused_plan(bad) is None
+    assert steps.fused_plan(state) is not None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16.sgd_plan import replace_at, sgd_plan, state_at
+from functional_fp16._fused.sgd_plan import replace_at, sgd_plan, state_at
 
 
 def test_sgd_declares_its_hyperparameters():

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import functional_fp16 as ff
 from functional_fp16._tree import tree_map
-from functional_fp16.update import _IMPLEMENTATIONS
+from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 from tests.helpers import HostSync, no_host_sync, random_tree
 
 IMPLS = sorted(_IMPLEMENTATIONS)

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import update as update_module
+from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from functional_fp16._tree import NAMESPACE, format_path, tree_leaves
 from tests._bad_inputs import FUZZ, Pair, base_params, good_grads, trained
 from tests.helpers import (
@@ -26,7 +26,7 @@ from tests.helpers import (
     scaled_error,
 )
 
-IMPLS = sorted(update_module._IMPLEMENTATIONS)
+IMPLS = sorted(IMPLEMENTATIONS)
 NS = ff.NAMESPACE
 
 

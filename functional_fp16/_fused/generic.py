@@ -10,6 +10,8 @@ the host; a skipped group's outputs are written from its inputs.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
 
@@ -74,7 +76,7 @@ def sgd_into(*, members, grads, master, trace, params, master_out, trace_out, pa
              clip_div, clip_mul, lr, apply, started, weight_decay, momentum, take_started,
              nesterov) -> None:  # fmt: skip
     """The SGD step (see :func:`functional_fp16._fused.ops.sgd_step`) into the outputs."""
-    take = float(torch.tensor(take_started, dtype=torch.float32))
+    take = struct.unpack("f", struct.pack("f", take_started))[0]  # rounded once to float32
     results = []
     for b, l, k in _walk(len(grads), lr.numel(), members):
         m = _at(master[l], b, members)
@@ -105,7 +107,7 @@ def adam_into(*, members, grads, master, mu, nu, params, master_out, mu_out, nu_
               inv, clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps,
               decoupled) -> None:  # fmt: skip
     """The Adam step (see :func:`functional_fp16._fused.ops.adam_step`) into the outputs."""
-    c2 = float(torch.tensor(c2, dtype=torch.float32))
+    c2 = struct.unpack("f", struct.pack("f", c2))[0]
     results = []
     for b, l, k in _walk(len(grads), lr.numel(), members):
         m = _at(master[l], b, members)

@@ -37,6 +37,7 @@ extern kernels), in CUDA graphs and under ``vmap``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Optional
 
@@ -71,6 +72,11 @@ def _triton():
     from functional_fp16._kernels import triton_steps
 
     return triton_steps
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (on the host: a Python number, not a tensor)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _threads() -> int:
@@ -468,7 +474,7 @@ def _adam_into(kernel, grads, master, mu, nu, params, m_out, a_out, v_out, p_out
     """Runs one Adam step of ``kernel`` into the given outputs; returns the decision per group."""
     groups = s["lr"].numel()
     finite = _decide(s, grads, groups, members)
-    w = float(torch.tensor(1.0 - hyper["b1"], dtype=torch.float32))  # torch.lerp's weight
+    w = _f32(1.0 - hyper["b1"])  # torch.lerp's weight, rounded once to float32
     args = dict(
         grads=grads,
         master=master,

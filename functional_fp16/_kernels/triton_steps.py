@@ -121,22 +121,32 @@ if triton is not None:
     @triton.jit
     def _chunk(leaves, chunks, LEAF_W: tl.constexpr, CHUNK_W: tl.constexpr, CHUNK: tl.constexpr):
         """This program's chunk: its leaf's table row, first and end element, group, slot."""
-        pid = tl.program_id(0).to(tl.int64)
-        row = leaves + tl.load(chunks + pid * CHUNK_W) * LEAF_W
-        start = tl.load(chunks + pid * CHUNK_W + 1)
-        slot = tl.load(chunks + pid * CHUNK_W + CHUNK_W - 1)  # the last column
-        end = tl.minimum(start + CHUNK, tl.load(row + LEAF_W - 2))  # row: ..., numel, group
-        return row, start, end, tl.load(row + LEAF_W - 1), slot
+        at = chunks + tl.program_id(0).to(tl.int64) * CHUNK_W
+        row = leaves + tl.load(at) * LEAF_W  # row: addresses..., numel, group
+        start = tl.multiple_of(tl.load(at + 1), CHUNK)
+        end = tl.minimum(start + CHUNK, tl.load(row + LEAF_W - 2))
+        return row, start, end, tl.load(row + LEAF_W - 1), tl.load(at + CHUNK_W - 1)
 
     @triton.jit
-    def _ptr(row, k: tl.constexpr, dtype: tl.constexpr):
+    def _ptr(row, k: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
         """Address ``k`` of a leaf's row as a pointer to ``dtype``."""
-        return tl.load(row + k).to(tl.pointer_type(dtype))
+        ptr = tl.load(row + k).to(tl.pointer_type(dtype))
+        if ALIGNED:  # every address of the class is 16-byte aligned: vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        return ptr
+
+    @triton.jit
+    def _load(ptr, mask):
+        """A full block (``mask`` None: no mask, so aligned loads vectorise) or the tail."""
+        if mask is None:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=mask, other=0.0)
 
     @triton.jit
     def _unscaled(g_ptr, offs, mask, inv, cdiv, cmul, HAS_INV: tl.constexpr, CLIP: tl.constexpr):
         """The unscaled, clipped gradient u = (fl32(g) * inv / c_div) * c_mul."""
-        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = _load(g_ptr + offs, mask).to(tl.float32)
         if HAS_INV:
             u = u * inv
         if CLIP:
@@ -144,12 +154,27 @@ if triton is not None:
         return u
 
     @triton.jit
-    def _store_working_copy(p_ptr, po_ptr, offs, mask, apply, nm, P_IS_MASTER: tl.constexpr):
-        """p' = nm rounded to the working copy's dtype, or the old p where the group skips."""
+    def _store_master(mo_ptr, po_ptr, p_ptr, offs, mask, m, nm, apply, P_IS_MASTER: tl.constexpr):
+        """m' (the old m where the group skips), then p' = m' rounded to the working
+        copy's dtype (the old p where the group skips) unless the working copy is m."""
+        nm = tl.where(apply, nm, m)
+        tl.store(mo_ptr + offs, nm, mask=mask)
         if not P_IS_MASTER:
-            p_old = tl.load(p_ptr + offs, mask=mask)
             p_new = nm.to(po_ptr.dtype.element_ty)  # round to nearest even
-            tl.store(po_ptr + offs, tl.where(apply, p_new, p_old), mask=mask)
+            tl.store(po_ptr + offs, tl.where(apply, p_new, _load(p_ptr + offs, mask)), mask=mask)
+
+    # -- gradient statistics ------------------------------------------------
+
+    @triton.jit
+    def _stats_block(g_ptr, offs, mask, inv, peak, sq, HAS_INV: tl.constexpr, SUM_SQ: tl.constexpr):
+        x = _load(g_ptr + offs, mask).to(tl.float32)
+        a = tl.abs(x)
+        peak = tl.maximum(peak, tl.where(a == a, a, float("inf")))  # NaN counts as inf
+        if SUM_SQ:
+            w = x * inv if HAS_INV else x
+            w = w.to(tl.float64)
+            sq += w * w  # each square exact in float64
+        return peak, sq
 
     @triton.jit
     def _stats_kernel(
@@ -159,26 +184,25 @@ if triton is not None:
         peak_part,
         sq_part,
         G_TY: tl.constexpr,
+        ALIGNED: tl.constexpr,
         HAS_INV: tl.constexpr,
         SUM_SQ: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """Chunk i's largest |g| and sum of squares into slot i of the partial results."""
         # leaf row: grads, numel, group; chunk row: leaf, start, slot
         row, start, end, grp, slot = _chunk(leaves, chunks, 3, 3, CHUNK)
-        g_ptr = _ptr(row, 0, G_TY)
+        g_ptr = _ptr(row, 0, G_TY, ALIGNED)
         inv = tl.load(inv_ptr + grp)  # a dummy without HAS_INV
         peak = tl.zeros([BLOCK], dtype=tl.float32)
         sq = tl.zeros([BLOCK], dtype=tl.float64)
-        for s in range(start, end, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            x = tl.load(g_ptr + offs, mask=offs < end, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            peak = tl.maximum(peak, tl.where(a == a, a, float("inf")))  # NaN counts as inf
-            if SUM_SQ:
-                w = x * inv if HAS_INV else x
-                w = w.to(tl.float64)
-                sq += w * w  # each square exact in float64
+        n_full = (end - start) // BLOCK
+        for i in range(0, n_full):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            peak, sq = _stats_block(g_ptr, offs, None, inv, peak, sq, HAS_INV, SUM_SQ)
+        offs = start + n_full * BLOCK + tl.arange(0, BLOCK)
+        peak, sq = _stats_block(g_ptr, offs, offs < end, inv, peak, sq, HAS_INV, SUM_SQ)
         tl.store(peak_part + slot, tl.max(peak, axis=0))
         if SUM_SQ:
             tl.store(sq_part + slot, tl.sum(sq, axis=0))
@@ -208,6 +232,38 @@ if triton is not None:
         if SUM_SQ:
             tl.store(sq_out + k, tl.sum(sq, axis=0))
 
+    # -- SGD ----------------------------------------------------------------
+
+    @triton.jit
+    def _sgd_block(
+        ptrs,
+        offs,
+        mask,
+        scalars,
+        HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr,
+        DECAY: tl.constexpr,
+        MOMENTUM: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        P_IS_MASTER: tl.constexpr,
+    ):
+        g_ptr, m_ptr, b_ptr, p_ptr, mo_ptr, bo_ptr, po_ptr = ptrs
+        apply, lr, inv, cdiv, cmul, wd, mu, keep, take = scalars
+        m = _load(m_ptr + offs, mask)
+        u = _unscaled(g_ptr, offs, mask, inv, cdiv, cmul, HAS_INV, CLIP)
+        if DECAY:
+            u = tl.fma(m, wd, u)
+        d = u
+        if MOMENTUM:
+            b = _load(b_ptr + offs, mask)
+            nb = b * keep + u * take  # two roundings: fusion is off
+            tl.store(bo_ptr + offs, tl.where(apply, nb, b), mask=mask)
+            if NESTEROV:
+                d = tl.fma(nb, mu, u)
+            else:
+                d = nb
+        _store_master(mo_ptr, po_ptr, p_ptr, offs, mask, m, tl.fma(d, lr, m), apply, P_IS_MASTER)
+
     @triton.jit
     def _sgd_kernel(
         leaves,
@@ -223,6 +279,7 @@ if triton is not None:
         take_started,
         G_TY: tl.constexpr,
         P_TY: tl.constexpr,
+        ALIGNED: tl.constexpr,
         HAS_INV: tl.constexpr,
         CLIP: tl.constexpr,
         DECAY: tl.constexpr,
@@ -233,46 +290,78 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """One SGD step of chunk i (absent per-group scalars point at lr or apply, unused)."""
         # leaf row: grads, master, trace, params, master_out, trace_out, params_out, numel, group
         row, start, end, grp, _ = _chunk(leaves, chunks, 9, 2, CHUNK)
-        g_ptr = _ptr(row, 0, G_TY)
-        m_ptr = _ptr(row, 1, tl.float32)
-        b_ptr = _ptr(row, 2, tl.float32)
-        p_ptr = _ptr(row, 3, P_TY)
-        mo_ptr = _ptr(row, 4, tl.float32)
-        bo_ptr = _ptr(row, 5, tl.float32)
-        po_ptr = _ptr(row, 6, P_TY)
-        # per-group scalars (absent ones point at lr or apply and are never used)
-        apply = tl.load(apply_ptr + grp) != 0
-        lr = tl.load(lr_ptr + grp)
-        inv = tl.load(inv_ptr + grp)
-        cdiv = tl.load(cdiv_ptr + grp)
-        cmul = tl.load(cmul_ptr + grp)
+        f32 = tl.float32
+        ptrs = (
+            _ptr(row, 0, G_TY, ALIGNED),
+            _ptr(row, 1, f32, ALIGNED),
+            _ptr(row, 2, f32, ALIGNED),
+            _ptr(row, 3, P_TY, ALIGNED),
+            _ptr(row, 4, f32, ALIGNED),
+            _ptr(row, 5, f32, ALIGNED),
+            _ptr(row, 6, P_TY, ALIGNED),
+        )
         keep = 0.0  # before momentum has started: b' = b * 0 + u * 1
         take = 1.0
         if STARTED:
             started = tl.load(started_ptr + grp) != 0
             keep = tl.where(started, mu, 0.0)
             take = tl.where(started, take_started, 1.0)
-        for s in range(start, end, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            mask = offs < end
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            u = _unscaled(g_ptr, offs, mask, inv, cdiv, cmul, HAS_INV, CLIP)
-            if DECAY:
-                u = tl.fma(m, wd, u)
-            d = u
-            if MOMENTUM:
-                b = tl.load(b_ptr + offs, mask=mask, other=0.0)
-                nb = b * keep + u * take  # two roundings: fusion is off
-                tl.store(bo_ptr + offs, tl.where(apply, nb, b), mask=mask)
-                if NESTEROV:
-                    d = tl.fma(nb, mu, u)
-                else:
-                    d = nb
-            nm = tl.where(apply, tl.fma(d, lr, m), m)
-            tl.store(mo_ptr + offs, nm, mask=mask)
-            _store_working_copy(p_ptr, po_ptr, offs, mask, apply, nm, P_IS_MASTER)
+        scalars = (
+            tl.load(apply_ptr + grp) != 0,
+            tl.load(lr_ptr + grp),
+            tl.load(inv_ptr + grp),
+            tl.load(cdiv_ptr + grp),
+            tl.load(cmul_ptr + grp),
+            wd,
+            mu,
+            keep,
+            take,
+        )
+        flags = (HAS_INV, CLIP, DECAY, MOMENTUM, NESTEROV, P_IS_MASTER)
+        n_full = (end - start) // BLOCK
+        for i in range(0, n_full):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _sgd_block(ptrs, offs, None, scalars, *flags)
+        offs = start + n_full * BLOCK + tl.arange(0, BLOCK)
+        _sgd_block(ptrs, offs, offs < end, scalars, *flags)
+
+    # -- Adam ---------------------------------------------------------------
+
+    @triton.jit
+    def _adam_block(
+        ptrs,
+        offs,
+        mask,
+        scalars,
+        HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr,
+        L2: tl.constexpr,
+        DECOUPLED: tl.constexpr,
+        SMALL_W: tl.constexpr,
+        P_IS_MASTER: tl.constexpr,
+    ):
+        g_ptr, m_ptr, a_ptr, v_ptr, p_ptr, mo_ptr, ao_ptr, vo_ptr, po_ptr = ptrs
+        apply, lr, inv, cdiv, cmul, inv_c1, sqrt_c2, l2, w, b2, c2, eps, wd = scalars
+        m = _load(m_ptr + offs, mask)
+        u = _unscaled(g_ptr, offs, mask, inv, cdiv, cmul, HAS_INV, CLIP)
+        if L2:
+            u = tl.fma(m, l2, u)
+        a = _load(a_ptr + offs, mask)
+        v = _load(v_ptr + offs, mask)
+        if SMALL_W:  # torch.lerp(a, u, w)
+            na = tl.fma(w, u - a, a)
+        else:
+            na = tl.fma(w - 1.0, u - a, u)
+        nv = tl.fma(c2 * u, u, v * b2)  # torch.addcmul(v * b2, u, u, value=c2)
+        d = tl.div_rn(na, tl.div_rn(tl.sqrt_rn(nv), sqrt_c2) + eps) * inv_c1
+        if DECOUPLED:
+            d = tl.fma(m, wd, d)
+        tl.store(ao_ptr + offs, tl.where(apply, na, a), mask=mask)
+        tl.store(vo_ptr + offs, tl.where(apply, nv, v), mask=mask)
+        _store_master(mo_ptr, po_ptr, p_ptr, offs, mask, m, tl.fma(d, lr, m), apply, P_IS_MASTER)
 
     @triton.jit
     def _adam_kernel(
@@ -293,6 +382,7 @@ if triton is not None:
         wd,
         G_TY: tl.constexpr,
         P_TY: tl.constexpr,
+        ALIGNED: tl.constexpr,
         HAS_INV: tl.constexpr,
         CLIP: tl.constexpr,
         L2: tl.constexpr,
@@ -302,47 +392,44 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """One Adam step of chunk i (absent per-group scalars point at lr, unused)."""
         # leaf row: grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out,
         # numel, group
         row, start, end, grp, _ = _chunk(leaves, chunks, 11, 2, CHUNK)
-        g_ptr = _ptr(row, 0, G_TY)
-        m_ptr = _ptr(row, 1, tl.float32)
-        a_ptr = _ptr(row, 2, tl.float32)
-        v_ptr = _ptr(row, 3, tl.float32)
-        p_ptr = _ptr(row, 4, P_TY)
-        mo_ptr = _ptr(row, 5, tl.float32)
-        ao_ptr = _ptr(row, 6, tl.float32)
-        vo_ptr = _ptr(row, 7, tl.float32)
-        po_ptr = _ptr(row, 8, P_TY)
-        apply = tl.load(apply_ptr + grp) != 0
-        lr = tl.load(lr_ptr + grp)
-        inv = tl.load(inv_ptr + grp)
-        cdiv = tl.load(cdiv_ptr + grp)
-        cmul = tl.load(cmul_ptr + grp)
-        inv_c1 = tl.load(ic1_ptr + grp)
-        sqrt_c2 = tl.load(sc2_ptr + grp)
-        for s in range(start, end, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            mask = offs < end
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            u = _unscaled(g_ptr, offs, mask, inv, cdiv, cmul, HAS_INV, CLIP)
-            if L2:
-                u = tl.fma(m, l2, u)
-            a = tl.load(a_ptr + offs, mask=mask, other=0.0)
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-            if SMALL_W:  # torch.lerp(a, u, w)
-                na = tl.fma(w, u - a, a)
-            else:
-                na = tl.fma(w - 1.0, u - a, u)
-            nv = tl.fma(c2 * u, u, v * b2)  # torch.addcmul(v * b2, u, u, value=c2)
-            d = tl.div_rn(na, tl.div_rn(tl.sqrt_rn(nv), sqrt_c2) + eps) * inv_c1
-            if DECOUPLED:
-                d = tl.fma(m, wd, d)
-            nm = tl.where(apply, tl.fma(d, lr, m), m)
-            tl.store(mo_ptr + offs, nm, mask=mask)
-            tl.store(ao_ptr + offs, tl.where(apply, na, a), mask=mask)
-            tl.store(vo_ptr + offs, tl.where(apply, nv, v), mask=mask)
-            _store_working_copy(p_ptr, po_ptr, offs, mask, apply, nm, P_IS_MASTER)
+        f32 = tl.float32
+        ptrs = (
+            _ptr(row, 0, G_TY, ALIGNED),
+            _ptr(row, 1, f32, ALIGNED),
+            _ptr(row, 2, f32, ALIGNED),
+            _ptr(row, 3, f32, ALIGNED),
+            _ptr(row, 4, P_TY, ALIGNED),
+            _ptr(row, 5, f32, ALIGNED),
+            _ptr(row, 6, f32, ALIGNED),
+            _ptr(row, 7, f32, ALIGNED),
+            _ptr(row, 8, P_TY, ALIGNED),
+        )
+        scalars = (
+            tl.load(apply_ptr + grp) != 0,
+            tl.load(lr_ptr + grp),
+            tl.load(inv_ptr + grp),
+            tl.load(cdiv_ptr + grp),
+            tl.load(cmul_ptr + grp),
+            tl.load(ic1_ptr + grp),
+            tl.load(sc2_ptr + grp),
+            l2,
+            w,
+            b2,
+            c2,
+            eps,
+            wd,
+        )
+        flags = (HAS_INV, CLIP, L2, DECOUPLED, SMALL_W, P_IS_MASTER)
+        n_full = (end - start) // BLOCK
+        for i in range(0, n_full):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _adam_block(ptrs, offs, None, scalars, *flags)
+        offs = start + n_full * BLOCK + tl.arange(0, BLOCK)
+        _adam_block(ptrs, offs, offs < end, scalars, *flags)
 
 
 def _launch(name: str, kernel: Any, grid: int, *args: Any, **constexprs: Any) -> None:
@@ -521,31 +608,33 @@ class _Class:
 def _classes(
     tables: _Tables,
     roles: Sequence[Sequence[torch.Tensor] | None],
-    keys: Sequence[Any],
+    keys: Sequence[tuple],
     per_group: int,
     first_slot: Sequence[int] | None = None,
-) -> dict[Any, _Class]:
-    """Sorts the non-empty leaves by class key and adds each class's rows to ``tables``.
+) -> dict[tuple, _Class]:
+    """Sorts the non-empty leaves into classes and adds each class's rows to ``tables``.
 
-    ``roles`` lists the per-leaf tensors in table order (``None``: a role the
-    kernel does not use, address 0); a leaf's row is their addresses, its
-    numel and its group. ``first_slot``: each leaf's first partial-result slot.
+    A leaf's class is its key (the dtypes and flags the kernel is compiled
+    for) and whether all its addresses are 16-byte aligned (vector loads), in
+    that order. ``roles`` lists the per-leaf tensors in table order (``None``:
+    a role the kernel does not use, address 0); a leaf's row is their
+    addresses, its numel and its group. ``first_slot``: each leaf's first
+    partial-result slot.
     """
     grads = roles[0]
-    members: dict[Any, list[int]] = {}
+    members: dict[tuple, list[int]] = {}
+    rows: dict[int, list[int]] = {}
     for leaf, key in enumerate(keys):
         if grads[leaf].numel() > 0:
-            members.setdefault(key, []).append(leaf)
+            addresses = [0 if r is None else r[leaf].data_ptr() for r in roles]
+            aligned = all(a % 16 == 0 for a in addresses)
+            rows[leaf] = addresses + [grads[leaf].numel(), leaf // per_group]
+            members.setdefault((*key, aligned), []).append(leaf)
     classes = {}
     for key, leaves in members.items():
-        rows = [
-            [0 if r is None else r[i].data_ptr() for r in roles]
-            + [grads[i].numel(), i // per_group]
-            for i in leaves
-        ]
         slots = None if first_slot is None else [first_slot[i] for i in leaves]
         chunks = _chunk_rows([grads[i].numel() for i in leaves], slots)
-        classes[key] = _Class(tables, rows, chunks)
+        classes[key] = _Class(tables, [rows[i] for i in leaves], chunks)
     return classes
 
 
@@ -560,8 +649,8 @@ def _on(device: torch.device) -> Any:
 
 
 def _sizes() -> dict[str, int]:
-    if BLOCK & (BLOCK - 1) or CHUNK % BLOCK:
-        raise ValueError(f"BLOCK ({BLOCK}) must be a power of two dividing CHUNK ({CHUNK})")
+    if BLOCK & (BLOCK - 1) or CHUNK & (CHUNK - 1) or CHUNK < BLOCK:
+        raise ValueError(f"BLOCK ({BLOCK}) and CHUNK ({CHUNK}) must be powers of two, BLOCK <= CHUNK")
     return {"CHUNK": CHUNK, "BLOCK": BLOCK}
 
 
@@ -602,14 +691,14 @@ def grad_stats(
         first.append(first[-1] + -(-g.numel() // CHUNK))
     bounds = [first[k * per_group] for k in range(n_groups)] + [first[n_leaves]]
     tables = _Tables()
-    classes = _classes(tables, [grads], [g.dtype for g in grads], per_group, first)
+    classes = _classes(tables, [grads], [(g.dtype,) for g in grads], per_group, first)
     b_at, _ = tables.add(torch.tensor(bounds, dtype=torch.int64))
     device = check.device
     table = tables.to(device)
     peak_part = torch.empty(max(1, first[-1]), dtype=torch.float32, device=device)
     sq_part = torch.empty_like(peak_part, dtype=torch.float64) if sum_squares else peak_part
     with _on(device):
-        for dtype, c in classes.items():
+        for (dtype, aligned), c in classes.items():
             _launch(
                 "grad_stats",
                 _stats_kernel,
@@ -619,6 +708,7 @@ def grad_stats(
                 peak_part,
                 sq_part,
                 G_TY=_TRITON_DTYPES[dtype],
+                ALIGNED=aligned,
                 HAS_INV=inv is not None,
                 SUM_SQ=bool(sum_squares),
                 **sizes,
@@ -717,7 +807,7 @@ def sgd_update(
         **sizes,
     )
     with _on(check.device):
-        for (g_dtype, p_dtype, p_is_master), c in classes.items():
+        for (g_dtype, p_dtype, p_is_master, aligned), c in classes.items():
             _launch(
                 "sgd_update",
                 _sgd_kernel,
@@ -734,6 +824,7 @@ def sgd_update(
                 float(take_started),
                 G_TY=_TRITON_DTYPES[g_dtype],
                 P_TY=_TRITON_DTYPES[p_dtype],
+                ALIGNED=aligned,
                 P_IS_MASTER=p_is_master,
                 **flags,
             )
@@ -819,7 +910,7 @@ def adam_update(
         **sizes,
     )
     with _on(check.device):
-        for (g_dtype, p_dtype, p_is_master), c in classes.items():
+        for (g_dtype, p_dtype, p_is_master, aligned), c in classes.items():
             _launch(
                 "adam_update",
                 _adam_kernel,
@@ -840,6 +931,7 @@ def adam_update(
                 float(decoupled),
                 G_TY=_TRITON_DTYPES[g_dtype],
                 P_TY=_TRITON_DTYPES[p_dtype],
+                ALIGNED=aligned,
                 P_IS_MASTER=p_is_master,
                 **flags,
             )

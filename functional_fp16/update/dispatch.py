@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+
 from functional_fp16._fused import ops
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._kernels import cpu as c_kernel
@@ -51,6 +53,7 @@ class Route(NamedTuple):
 
     name: str  # "fused", "foreach-sgd", "foreach" or "reference"
     kernel: str | None  # the fused op's kernel ("c", "triton", "generic"); None otherwise
+    # (and None while torch.compile traces: the op chooses when it runs)
     run: Callable  # run(state, grads, decision, donate) -> FP16State
     batches: bool  # runs under vmap as it is (else once per member)
 
@@ -94,10 +97,12 @@ def route(state, impl: str = "auto") -> Route:
     if impl in ("auto", "fused"):
         fp = fused_plan(state)
         if fp is not None:
-            device = tree_leaves(state.master)[0].device
-            kernel = ops.kernel_for(device)
-            if kernel == "generic":
-                _warn_generic(device)
+            kernel = None  # under torch.compile the op picks its kernel when it runs
+            if not torch.compiler.is_compiling():
+                device = tree_leaves(state.master)[0].device
+                kernel = ops.kernel_for(device)
+                if kernel == "generic":
+                    _warn_generic(device)
             return Route("fused", kernel, _fused_runner(fp), batches=True)
     name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
     return Route(name, None, foreach_update, batches=False)

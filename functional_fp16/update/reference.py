@@ -1,4 +1,4 @@
-"""``impl="reference"``: the plain tree-map update, the specification every other path is tested against.
+r"""``impl="reference"``: the plain tree-map update, the specification every other path is tested against.
 
 .. math::
     \hat g = \operatorname{unscale}(g), \quad f = \textstyle\bigwedge \operatorname{isfinite}(\hat g), \quad

@@ -1,4 +1,4 @@
-"""``fp16_update``: the whole mixed-precision step, as one pure function.
+r"""``fp16_update``: the whole mixed-precision step, as one pure function.
 
 .. math::
     \hat g = \operatorname{fl}_{32}(g)\cdot \operatorname{fl}_{32}(1 / \operatorname{fl}_{64}(s)), \quad

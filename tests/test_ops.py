@@ -1,0 +1,290 @@
+"""The fused steps as ``torch.library`` ops: ``opcheck``, ``torch.compile``, ``vmap``.
+
+* ``torch.library.opcheck`` (schema, fake kernel, autograd registration,
+  ``aot_dispatch_dynamic``) on every op across parameter dtypes and flags;
+* the compiled update calls the op: kernel calls are counted over 20 steps
+  that include skipped steps and loss-scale changes, with ``fullgraph=True``
+  and recompilation made an error;
+* under ``vmap`` the op batches inside itself: one kernel call for K members,
+  bitwise K unbatched updates (each member its own scale, decision, counters).
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import functional_fp16 as ff
+from functional_fp16._fused import ops
+from functional_fp16._kernels import cpu as cpu_kernel
+from functional_fp16._tree import tree_leaves
+from tests.helpers import bits
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _leaves(param_dtype, seed=0, n_leaves=3):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (33,), (2, 3, 4, 5)][:n_leaves]
+    master = [torch.randn(s, generator=g) for s in shapes]
+    master[-1] = master[-1].to(memory_format=torch.channels_last) if master[-1].dim() == 4 else master[-1]
+    grads = [(torch.randn(m.shape, generator=g) * 100).to(torch.float16) for m in master]
+    grads = [torch.empty_like(m, dtype=torch.float16).copy_(x) for m, x in zip(master, grads)]
+    params = [m.to(param_dtype) for m in master]
+    return grads, master, params
+
+
+def _scalars(skip=False, clip=False, started=True):
+    s = dict(
+        inv=torch.tensor([2.0**-7]),
+        clip_div=torch.tensor([3.0]) if clip else None,
+        clip_mul=torch.tensor([1.0]) if clip else None,
+        lr=torch.tensor([-0.1]),
+        apply=torch.tensor([not skip]),
+        require=None,
+    )
+    return s, torch.tensor([started])
+
+
+SGD_FLAGS = [
+    dict(weight_decay=0.0, momentum=0.9, dampening=0.0, nesterov=False),
+    dict(weight_decay=1e-2, momentum=0.9, dampening=0.1, nesterov=False),
+    dict(weight_decay=0.0, momentum=0.9, dampening=0.0, nesterov=True),
+    dict(weight_decay=1e-2, momentum=0.0, dampening=0.0, nesterov=False),
+]
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("flags", range(len(SGD_FLAGS)))
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+def test_opcheck_sgd(param_dtype, flags, skip, clip):
+    hyper = SGD_FLAGS[flags]
+    grads, master, params = _leaves(param_dtype)
+    separate = [param_dtype != torch.float32] * len(master)
+    own = [p for p, s in zip(params, separate) if s]
+    trace = [torch.randn_like(m) for m in master] if hyper["momentum"] else []
+    s, started = _scalars(skip, clip)
+    args = (grads, master, trace, own, separate)
+    kwargs = dict(**s, started=started if hyper["momentum"] else None, **hyper, members=1)
+    torch.library.opcheck(ops.sgd_step, args, kwargs)
+    copies = ([m.clone() for m in master], [t.clone() for t in trace], [p.clone() for p in own])
+    torch.library.opcheck(ops.sgd_step_, (grads, *copies, separate), kwargs)
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("decay", ["l2", "decoupled", "none"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_opcheck_adam(param_dtype, decay, skip):
+    grads, master, params = _leaves(param_dtype)
+    separate = [param_dtype != torch.float32] * len(master)
+    own = [p for p, s in zip(params, separate) if s]
+    mu = [torch.randn_like(m) for m in master]
+    nu = [torch.rand_like(m) for m in master]
+    s, _ = _scalars(skip, clip=not skip)
+    kwargs = dict(
+        **s,
+        inv_c1=torch.tensor([10.0]),
+        sqrt_c2=torch.tensor([0.03]),
+        l2=1e-2 if decay == "l2" else 0.0,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        decoupled=1e-2 if decay == "decoupled" else 0.0,
+        members=1,
+    )
+    torch.library.opcheck(ops.adam_step, (grads, master, mu, nu, own, separate), kwargs)
+    copies = [[x.clone() for x in xs] for xs in (master, mu, nu, own)]
+    torch.library.opcheck(ops.adam_step_, (grads, *copies, separate), kwargs)
+
+
+@pytest.mark.parametrize("sum_squares", [False, True])
+def test_opcheck_grad_stats(sum_squares):
+    grads, _, _ = _leaves(torch.float16)
+    torch.library.opcheck(ops.grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares))
+
+
+def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs():
+    grads, master, params = _leaves(torch.float16)
+    trace = [torch.randn_like(m) for m in master]
+    master[0][0, 0] = -0.0
+    before = [bits(x).clone() for x in [*master, *trace, *params]]
+    s, started = _scalars(skip=True)
+    out = ops.sgd_step(grads, master, trace, params, [True] * 3, **s, started=started,
+                       **SGD_FLAGS[0], members=1)  # fmt: skip
+    assert not bool(out[3][0])
+    for new, old in zip([*out[0], *out[1], *out[2]], before):
+        assert torch.equal(bits(new), old)
+    assert all(torch.equal(bits(x), b) for x, b in zip([*master, *trace, *params], before))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.__setitem__("master", a["master"][:2]), "master has 2 tensors"),
+        (lambda a: a.__setitem__("trace", [t[:1] for t in a["trace"]]), r"trace\[0\] has shape"),
+        (lambda a: a.__setitem__("master", [m.half() for m in a["master"]]), "master.0. has dtype"),
+        (lambda a: a.__setitem__("lr", torch.tensor([-0.1, -0.1])), "lr has shape"),
+        (lambda a: a.__setitem__("apply", torch.tensor([1.0])), "apply must be torch.bool"),
+        (lambda a: a.__setitem__("inv", torch.tensor(0.5)), "inv must have shape"),
+        (lambda a: a.__setitem__("separate", [True]), "separate has 1 flags"),
+        (lambda a: a.__setitem__("started", None), "started is required"),
+        (lambda a: a.__setitem__("clip_mul", torch.tensor([1.0])), "given together"),
+        (lambda a: a.__setitem__("grads", [g.t() for g in a["grads"][:1]] + a["grads"][1:]),
+         r"shape|strides"),
+    ],
+)
+def test_bad_arguments_raise_in_python_before_any_kernel(change, message, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernel, "call", lambda *a, **k: calls.append(a))
+    grads, master, params = _leaves(torch.float16)
+    s, started = _scalars()
+    args = dict(grads=grads, master=master, trace=[torch.zeros_like(m) for m in master],
+                params=params, separate=[True] * 3, **s, started=started, **SGD_FLAGS[0],
+                members=1)  # fmt: skip
+    change(args)
+    with pytest.raises((TypeError, ValueError), match=message):
+        ops.sgd_step(**args)
+    assert not calls
+
+
+# ---------------------------------------------------------------------------
+# torch.compile: the compiled step calls the op.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def count_kernel_calls(monkeypatch):
+    calls: list[str] = []
+    real = cpu_kernel.call
+
+    def counting(entry, **kw):
+        calls.append(entry)
+        return real(entry, **kw)
+
+    monkeypatch.setattr(cpu_kernel, "call", counting)
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("tx_name", ["sgd", "adamw"])
+def test_compiled_update_runs_the_kernel_without_breaks_or_recompiles(
+    count_kernel_calls, donate, tx_name
+):
+    torch._dynamo.reset()
+    counters.clear()
+    tx = ff.sgd(0.1, momentum=0.9) if tx_name == "sgd" else ff.adamw(1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    # growth every 3 steps, so the scale also grows between the overflows
+    scale = ff.DynamicLossScale(2.0**10, growth_interval=3)
+    state = ff.fp16_init(params, tx, scale)
+    eager = state
+
+    @torch.compile(fullgraph=True)
+    def step(s, grads, loss):
+        return ff.fp16_update(s, grads, loss=loss, donate=donate)
+
+    scales = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _run_compiled(step, state, eager, params, g, donate, scales)
+    assert len(scales) >= 3  # skipped steps and growth both moved the scale
+    assert counters["stats"]["unique_graphs"] == 1
+    update_calls = [c for c in count_kernel_calls if c in ("sgd_update", "adam_update")]
+    assert len(update_calls) == 20  # the kernel ran on every compiled step
+    torch._dynamo.reset()
+
+
+def _run_compiled(step, state, eager, params, g, donate, scales):
+    for i in range(20):
+        grads = {k: (torch.randn(v.shape, generator=g) * 50).half() for k, v in params.items()}
+        if i in (4, 11):
+            grads["w"][0, 0] = float("inf")
+        loss = torch.tensor(float("nan") if i == 15 else 1.0)
+        eager = ff.fp16_update(eager, grads, loss=loss, impl="reference")
+        copy = ff._tree.tree_map(torch.clone, state) if donate else state
+        state = step(copy, grads, loss)
+        scales.add(float(state.loss_scale.loss_scale))
+        assert torch.equal(state.grads_finite, eager.grads_finite)
+        assert torch.equal(state.loss_scale.loss_scale, eager.loss_scale.loss_scale)
+        assert torch.equal(state.step, eager.step)
+
+
+# ---------------------------------------------------------------------------
+# vmap: K members in one kernel call.
+# ---------------------------------------------------------------------------
+
+
+def _member(k):
+    g = torch.Generator().manual_seed(k)
+    return {
+        "conv": torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        "w": torch.randn(10, 6, generator=g),
+        "b": torch.randn(10, generator=g),
+    }
+
+
+@pytest.mark.parametrize("tx_name", ["sgd", "nesterov-clip", "adamw"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_vmapped_update_is_one_kernel_call_and_bitwise_the_members(
+    count_kernel_calls, tx_name, donate
+):
+    tx = {
+        "sgd": ff.sgd(0.1, momentum=0.9),
+        "nesterov-clip": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1, 0.9, nesterov=True)),
+        "adamw": ff.adamw(1e-2, weight_decay=0.1),
+    }[tx_name]
+    K = 4
+    members = [ff.fp16_init(_member(k), tx) for k in range(K)]
+    stacked = ff.tree_stack(members)
+    g = torch.Generator().manual_seed(99)
+    for step in range(4):
+        grads = [
+            {k: (torch.randn(v.shape, generator=g) * 300).half() for k, v in m.params.items()}
+            for m in members
+        ]
+        if step == 1:
+            grads[2]["b"][3] = float("nan")  # member 2 skips, the others apply
+        count_kernel_calls.clear()
+        fn = torch.func.vmap(lambda s, gr: ff.fp16_update(s, gr, donate=donate))
+        stacked = fn(stacked, ff.tree_stack(grads))
+        updates = [c for c in count_kernel_calls if c.endswith("_update")]
+        assert len(updates) == 1
+        members = [ff.fp16_update(m, gr) for m, gr in zip(members, grads)]
+        for k, alone in enumerate(ff.tree_unstack(stacked)):
+            for a, b in zip(tree_leaves(alone), tree_leaves(members[k])):
+                assert torch.equal(bits(a), bits(b))
+    assert [bool(x) for x in stacked.grads_finite] == [True] * K
+
+
+def test_vmap_of_the_op_with_a_shared_learning_rate_and_non_leading_batch_dim():
+    grads, master, params = _leaves(torch.float16)
+    K = 3
+    gb = [torch.stack([x * (k + 1) for k in range(K)], dim=-1).movedim(-1, 0) for x in grads]
+    mb = [torch.stack([m + k for k in range(K)], dim=1) for m in master]
+    pb = [m.movedim(1, 0).half() for m in mb]
+    tb = [torch.zeros(K, *m.shape) for m in master]
+    s, started = _scalars()
+    lr = s.pop("lr")
+
+    def one(g, m, t, p, inv, apply, st):
+        return ops.sgd_step(g, m, t, p, [True] * 3, inv, s["clip_div"], s["clip_mul"], lr, apply,
+                            None, st, **SGD_FLAGS[0], members=1)  # fmt: skip
+
+    inv = torch.tensor([[2.0**-7], [1.0], [2.0**-3]])
+    apply = torch.tensor([[True], [False], [True]])
+    st = torch.tensor([[True]] * K)
+    out = torch.vmap(one, in_dims=(0, 1, 0, 0, 0, 0, 0))(gb, mb, tb, pb, inv, apply, st)
+    for k in range(K):
+        def member(xs, pick):
+            return [pick(x).contiguous() for x in xs]
+
+        alone = one(member(gb, lambda x: x[k]), member(mb, lambda m: m[:, k]),
+                    member(tb, lambda t: t[k]), member(pb, lambda p: p[k]), inv[k], apply[k],
+                    st[k])  # fmt: skip
+        for batched, single in zip(out[0], alone[0]):
+            assert torch.equal(bits(batched[k]), bits(single))
+        assert bool(out[3][k]) == bool(alone[3])
