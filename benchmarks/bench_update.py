@@ -412,7 +412,7 @@ def _default_path() -> str:
 
 def kernel_build_seconds() -> float:
     """Seconds to compile the CPU kernel from scratch (into a throw-away cache folder)."""
-    from functional_fp16 import cpu_kernel
+    from functional_fp16._kernels import cpu as cpu_kernel
 
     old = os.environ.get("FUNCTIONAL_FP16_CACHE")
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,6 +49,16 @@ def test_triton_steps_match_the_c_kernel_under_the_interpreter():
     assert proc.stdout.rstrip().endswith("ALL OK"), proc.stdout
 
 
+def test_kernels_compile_for_sm90_with_the_intended_arithmetic():
+    """Without a GPU: the CUDA compilation (to PTX and cubin) and the instructions it emits."""
+    pytest.importorskip("triton")
+    proc = _run(False, "--compile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "SKIP" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.rstrip().endswith("COMPILED OK"), proc.stdout
+
+
 def test_triton_steps_refuse_cpu_tensors_without_the_interpreter():
     pytest.importorskip("triton")
     proc = _run(False, "--refuse-cpu")
@@ -111,6 +121,10 @@ def _check_fma_model():
     z = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
     z[::3] = -(x[::3] * y[::3])  # cancellations: the product's rounding error is the result
     z[1::7] = 0.0
+    # x * y a float32 tie (1 + 2^-11 + 2^-24) and z far below a float64 ulp: rounding the
+    # float64 sum to nearest first would round back to the tie, then to even (wrongly)
+    x[:4] = y[:4] = 1.0 + 2.0**-12
+    z[:4] = [2.0**-80, -(2.0**-80), 2.0**-100, -(2.0**-100)]
     got = _fma32(x, y, z)
     want = np.array([libm.fmaf(a, b, c) for a, b, c in zip(x, y, z)], dtype=np.float32)
     assert np.array_equal(got.view(np.int32), want.view(np.int32)), "the fma model is wrong"
@@ -142,17 +156,22 @@ def _patch_interpreter():
     builder.cast_impl = cast_rn
 
 
-# The leaves: (shape, gradient dtype, working-copy dtype or "master"); with G = 3
-# the groups are leaves {0, 1}, {2, 3}, {4, 5}, and group 1 is skipped.
+# The leaves: (shape, gradient dtype, working-copy dtype or "master"). With G = 3
+# the groups are leaves {0, 1, 2}, {3, 4, 5}, {6, 7, 8}, and group 1 is skipped.
+# Leaves 0, 2 and 8 form one class (one launch across two groups); leaves 5 and
+# 6 differ only in alignment.
 LEAVES = [
     ((300,), "float16", "float16"),
     ((45,), "float16", "float32"),
+    ((64,), "float16", "float16"),
     ((2, 3, 5, 4), "bfloat16", "bfloat16"),  # channels-last
     ((77,), "float32", "master"),
+    ((33,), "bfloat16", "float16"),
     ((130,), "bfloat16", "float16"),
     ((0,), "float16", "float16"),  # empty
+    ((20,), "float16", "float16"),
 ]
-UNALIGNED = 4  # this leaf's gradient starts 2 bytes past a 16-byte boundary
+UNALIGNED = 6  # this leaf's gradient starts 2 bytes past a 16-byte boundary
 
 
 def _bits(t):
@@ -184,8 +203,9 @@ class _State:
         self.n_groups = n_groups
         self.grads = [randn(s, g, 300.0) for s, g, _ in LEAVES]
         self.master = [randn(s) for s, _, _ in LEAVES]
+        # a working copy not exactly fl(master), so that a skipped group must copy it
         self.params = [
-            m if p == "master" else m.to(getattr(torch, p))
+            m if p == "master" else (m * 1.01).to(getattr(torch, p))
             for m, (_, _, p) in zip(self.master, LEAVES)
         ]
         self.moments = {name: [randn(s).abs() for s, _, _ in LEAVES] for name in moments}
@@ -211,8 +231,8 @@ class _State:
             return {f"{k}_out": inputs[k] for k in names}
         out = {f"{k}_out": [torch.full_like(x, float("nan")) for x in inputs[k]] for k in names}
         for i, (_, _, p) in enumerate(LEAVES):
-            if p == "master":
-                out["params_out"][i] = out["master_out"][i]
+            if p == "master":  # a view: the same memory as another tensor object
+                out["params_out"][i] = out["master_out"][i][...]
         return out
 
 
@@ -223,17 +243,17 @@ def _unaligned(x):
     return torch.cat([x.new_zeros(1), x])[1:]
 
 
-def _group_scalars(n_groups: int, skip: bool) -> dict:
+def _group_scalars(n_groups: int, clip: bool = True, inv: bool = True) -> dict:
+    """Per-group scalars; with three groups the middle one is skipped."""
     import torch
 
     f32 = torch.float32
-    inv = torch.tensor([2.0**-8, 2.0**-9, 2.0**-10][:n_groups], dtype=f32)
     return dict(
-        inv=inv,
-        clip_div=torch.tensor([1.5, 2.0, 3.25][:n_groups], dtype=f32),
-        clip_mul=torch.tensor([1.0, 0.75, 1.0][:n_groups], dtype=f32),
+        inv=torch.tensor([2.0**-8, 2.0**-9, 2.0**-10][:n_groups], dtype=f32) if inv else None,
+        clip_div=torch.tensor([1.5, 2.0, 3.25][:n_groups], dtype=f32) if clip else None,
+        clip_mul=torch.tensor([1.0, 0.75, 1.0][:n_groups], dtype=f32) if clip else None,
         lr=torch.tensor([-0.05, -0.02, -0.1][:n_groups], dtype=f32),
-        apply=torch.tensor([True, not skip, True][:n_groups]),
+        apply=torch.tensor([True, False, True][:n_groups] if n_groups == 3 else [True]),
     )
 
 
@@ -278,59 +298,56 @@ def _compare_step(cpu, ts, entry: str, state: _State, scalars: dict, hyper: dict
                     assert got.is_contiguous(memory_format=torch.channels_last)
 
 
+SGD_CASES = [
+    # n_groups, clip, inv, started, weight_decay, momentum, dampening, nesterov
+    (1, False, True, [True], 0.0, 0.9, 0.0, 0),
+    (1, True, True, [False], 1e-2, 0.9, 0.0, 0),
+    (3, True, True, [True, False, True], 1e-2, 0.8, 0.3, 1),
+    (3, False, False, [False, True, True], 0.0, 0.8, 0.3, 0),
+    (3, True, False, None, 1e-3, 0.0, 0.0, 0),
+    (1, False, True, None, 0.0, 0.0, 0.0, 0),
+]
+
+ADAM_CASES = [
+    # n_groups, clip, inv, b1, b2, l2, decoupled
+    (3, True, True, 0.9, 0.999, 1e-2, 0.0),
+    (1, False, False, 0.3, 0.99, 0.0, 1e-2),
+    (3, False, True, 0.9, 0.95, 0.0, 0.0),
+]
+
+
 def _check_sgd(cpu, ts) -> None:
     import torch
 
-    take = float(torch.tensor(1.0 - 0.3, dtype=torch.float32))
-    cases = [
-        # (n_groups, skip, started, clip, inv, hyper)
-        (1, False, [True], False, True, dict(weight_decay=0.0, momentum=0.9, nesterov=0)),
-        (1, False, [False], True, True, dict(weight_decay=1e-2, momentum=0.9, nesterov=0)),
-        (3, True, [True, False, True], True, True, dict(weight_decay=1e-2, momentum=0.8,
-                                                        nesterov=1)),
-        (3, True, [False, True, True], False, False, dict(weight_decay=0.0, momentum=0.8,
-                                                          nesterov=0)),
-        (3, True, None, True, False, dict(weight_decay=1e-3, momentum=0.0, nesterov=0)),
-        (1, False, None, False, True, dict(weight_decay=0.0, momentum=0.0, nesterov=0)),
-    ]
-    for seed, (n_groups, skip, started, clip, inv, hyper) in enumerate(cases):
-        state = _State(seed, n_groups, ("trace",) if hyper["momentum"] else ())
-        scalars = _group_scalars(n_groups, skip)
-        if not clip:
-            scalars["clip_div"] = scalars["clip_mul"] = None
-        if not inv:
-            scalars["inv"] = None
+    for seed, case in enumerate(SGD_CASES):
+        n_groups, clip, inv, started, weight_decay, momentum, dampening, nesterov = case
+        state = _State(seed, n_groups, ("trace",) if momentum else ())
+        scalars = _group_scalars(n_groups, clip, inv)
         scalars["started"] = None if started is None else torch.tensor(started)
-        hyper = dict(hyper, take_started=take if hyper["momentum"] == 0.8 else 1.0)
+        hyper = dict(
+            weight_decay=weight_decay,
+            momentum=momentum,
+            take_started=1.0 - dampening,
+            nesterov=nesterov,
+        )
         _compare_step(cpu, ts, "sgd_update", state, scalars, hyper)
-        print("ok sgd", n_groups, started, clip, inv, hyper)
+        print("ok sgd", case)
 
 
 def _check_adam(cpu, ts) -> None:
     import torch
 
-    def f32(x):
-        return float(torch.tensor(x, dtype=torch.float32))
-
-    cases = [
-        # (n_groups, skip, clip, inv, b1, b2, l2, decoupled)
-        (3, True, True, True, 0.9, 0.999, 1e-2, 0.0),
-        (1, False, False, False, 0.3, 0.99, 0.0, 1e-2),
-        (3, True, False, True, 0.9, 0.95, 0.0, 0.0),
-    ]
-    for seed, (n_groups, skip, clip, inv, b1, b2, l2, decoupled) in enumerate(cases):
+    for seed, case in enumerate(ADAM_CASES):
+        n_groups, clip, inv, b1, b2, l2, decoupled = case
         state = _State(100 + seed, n_groups, ("mu", "nu"))
-        scalars = _group_scalars(n_groups, skip)
-        if not clip:
-            scalars["clip_div"] = scalars["clip_mul"] = None
-        if not inv:
-            scalars["inv"] = None
-        t = torch.tensor([3.0, 1.0, 10.0][:n_groups], dtype=torch.float64)
+        scalars = _group_scalars(n_groups, clip, inv)
+        t = torch.tensor([3.0, 1.0, 10.0][:n_groups], dtype=torch.float64)  # step counts
         scalars["inv_c1"] = (1.0 / (1.0 - b1**t)).float()
         scalars["sqrt_c2"] = torch.sqrt(1.0 - b2**t).float()
-        hyper = dict(l2=l2, w=f32(1.0 - b1), b2=b2, c2=1.0 - b2, eps=1e-8, decoupled=decoupled)
+        w = float(torch.tensor(1.0 - b1, dtype=torch.float32))
+        hyper = dict(l2=l2, w=w, b2=b2, c2=1.0 - b2, eps=1e-8, decoupled=decoupled)
         _compare_step(cpu, ts, "adam_update", state, scalars, hyper)
-        print("ok adam", n_groups, clip, inv, hyper)
+        print("ok adam", case)
 
 
 def _check_grad_stats(cpu, ts) -> None:
@@ -339,13 +356,18 @@ def _check_grad_stats(cpu, ts) -> None:
     import torch
 
     n_classes = len({(g, i == UNALIGNED) for i, (s, g, _) in enumerate(LEAVES) if 0 not in s})
-    for n_groups, inv, special in ((1, True, None), (3, False, None), (3, True, "inf"),
-                                   (3, True, "nan"), (1, False, "nan")):
+    for n_groups, inv, special in (
+        (1, True, None),
+        (3, False, None),
+        (3, True, "inf"),
+        (3, True, "nan"),
+        (1, False, "nan"),
+    ):
         state = _State(7, n_groups, ())
         grads = state.inputs()["grads"]
-        if special:  # in leaves 0 (group 0) and 4 (group 2 of 3)
-            grads[0][5] = grads[4][100] = float(special)
-        kw = dict(grads=grads, inv=_group_scalars(n_groups, False)["inv"] if inv else None)
+        if special:  # in leaves 0 (group 0) and 6 (group 2 of 3)
+            grads[0][5] = grads[6][100] = float(special)
+        kw = dict(grads=grads, inv=_group_scalars(n_groups, inv=inv)["inv"])
         for sum_squares in (0, 1):
             results = []
             for kernel in ("c", "triton"):
@@ -362,8 +384,9 @@ def _check_grad_stats(cpu, ts) -> None:
                 results.append((peak, sq))
             (c_peak, c_sq), (t_peak, t_sq) = results
             assert _same_bits(t_peak, c_peak), (t_peak, c_peak)
-            for want, got in zip(c_sq.tolist() if sum_squares else [],
-                                 t_sq.tolist() if sum_squares else []):
+            for want, got in zip(
+                c_sq.tolist() if sum_squares else [], t_sq.tolist() if sum_squares else []
+            ):
                 if math.isfinite(want):
                     assert abs(got - want) <= 1e-12 * abs(want), (got, want)
                 else:
@@ -371,23 +394,54 @@ def _check_grad_stats(cpu, ts) -> None:
         print("ok grad_stats", n_groups, inv, special)
 
 
+def _check_no_leaves(cpu, ts) -> None:
+    """No leaves: the statistics are zeros, and an update launches nothing."""
+    import torch
+
+    peaks = [torch.full((2,), -1.0) for _ in range(2)]
+    sums = [torch.full((2,), -1.0, dtype=torch.float64) for _ in range(2)]
+    kw = dict(grads=[], inv=None, sum_squares=1)
+    cpu.call("grad_stats", n_groups=2, threads=1, peak_out=peaks[0], sum_sq_out=sums[0], **kw)
+    ts.grad_stats(n_groups=2, peak_out=peaks[1], sum_sq_out=sums[1], **kw)
+    assert _same_bits(peaks[0], peaks[1]) and torch.equal(sums[0], sums[1])
+    assert peaks[1].tolist() == [0.0, 0.0] and sums[1].tolist() == [0.0, 0.0]
+    before = ts.launch_counts["sgd_update"]
+    none = dict(grads=[], master=[], params=[], master_out=[], params_out=[])
+    none.update(trace=None, trace_out=None, started=None, **_group_scalars(1, False, False))
+    ts.sgd_update(n_groups=1, weight_decay=0.0, momentum=0.0, take_started=1.0, nesterov=0, **none)
+    assert ts.launch_counts["sgd_update"] == before
+    print("ok no leaves")
+
+
+def _expect_error(ts, call, needle: str, error: type) -> None:
+    """``call()`` raises ``error`` naming ``needle``, and launches nothing."""
+    before = sum(ts.launch_counts.values())
+    try:
+        call()
+    except error as err:
+        assert needle in str(err), (needle, str(err))
+    else:
+        raise AssertionError(f"no {error.__name__} for a bad {needle}")
+    assert sum(ts.launch_counts.values()) == before, f"launched with a bad {needle}"
+
+
 def _check_bad_inputs(ts) -> None:
     import torch
 
     state = _State(3, 3, ("trace",))
     inputs = state.inputs()
-    good = dict(**inputs, **state.outputs(inputs, False), **_group_scalars(3, True))
-    good.update(started=torch.tensor([True] * 3), weight_decay=0.0, momentum=0.9,
-                take_started=1.0, nesterov=0)
+    good = dict(n_groups=3, **inputs, **state.outputs(inputs, False), **_group_scalars(3))
+    good.update(started=torch.tensor([True] * 3), weight_decay=0.0, momentum=0.9)
+    good.update(take_started=1.0, nesterov=0)
 
     def cut(name, i, value):
         return [value if j == i else x for j, x in enumerate(good[name])]
 
-    bad = [
+    bad_sgd = [
         ("master", dict(master=good["master"][:-1]), ValueError),
         ("master[0]", dict(master=cut("master", 0, good["master"][0].half())), TypeError),
         ("params[1]", dict(params=cut("params", 1, torch.zeros(44))), ValueError),
-        ("master[2]", dict(master=cut("master", 2, good["master"][2].contiguous())), ValueError),
+        ("master[3]", dict(master=cut("master", 3, good["master"][3].contiguous())), ValueError),
         ("grads[0]", dict(grads=cut("grads", 0, torch.zeros(600).half()[::2])), ValueError),
         ("lr", dict(lr=torch.zeros(4)), ValueError),
         ("lr", dict(lr=torch.zeros(3, dtype=torch.float64)), TypeError),
@@ -399,30 +453,17 @@ def _check_bad_inputs(ts) -> None:
         ("params_out[0]", dict(params_out=cut("params_out", 0, torch.zeros(300))), TypeError),
         ("groups", dict(n_groups=4), ValueError),
     ]
-    for needle, change, error in bad:
-        kw = dict(good, n_groups=3)
-        kw.update(change)
-        before = sum(ts.launch_counts.values())
-        try:
-            ts.sgd_update(**kw)
-        except error as err:
-            assert needle in str(err), (needle, str(err))
-        else:
-            raise AssertionError(f"no {error.__name__} for a bad {needle}")
-        assert sum(ts.launch_counts.values()) == before, f"launched with a bad {needle}"
-    peak = torch.zeros(3)
-    for needle, kw, error in [
-        ("sum_sq_out", dict(sum_squares=1, peak_out=peak, sum_sq_out=None), TypeError),
-        ("peak_out", dict(sum_squares=0, peak_out=peak.double(), sum_sq_out=None), TypeError),
-        ("inv", dict(inv=torch.ones(1), sum_squares=0, peak_out=peak, sum_sq_out=None),
-         ValueError),
-    ]:
-        try:
-            ts.grad_stats(**dict(dict(n_groups=3, grads=good["grads"], inv=None), **kw))
-        except error as err:
-            assert needle in str(err), (needle, str(err))
-        else:
-            raise AssertionError(f"no {error.__name__} for a bad {needle}")
+    for needle, change, error in bad_sgd:
+        _expect_error(ts, lambda: ts.sgd_update(**dict(good, **change)), needle, error)
+    stats = dict(n_groups=3, grads=good["grads"], inv=None, sum_squares=0)
+    stats.update(peak_out=torch.zeros(3), sum_sq_out=None)
+    bad_stats = [
+        ("sum_sq_out", dict(sum_squares=1), TypeError),
+        ("peak_out", dict(peak_out=torch.zeros(3, dtype=torch.float64)), TypeError),
+        ("inv", dict(inv=torch.ones(1)), ValueError),
+    ]
+    for needle, change, error in bad_stats:
+        _expect_error(ts, lambda: ts.grad_stats(**dict(stats, **change)), needle, error)
     print("ok bad inputs")
 
 
@@ -433,13 +474,81 @@ def _main_interpreted() -> None:
     cpu, ts = _import_kernels()
     assert cpu.available(), cpu.unavailable_reason()
     _check_bad_inputs(ts)
+    _check_no_leaves(cpu, ts)
     ts.BLOCK, ts.CHUNK = 1024, 32768  # the defaults: every leaf in one chunk and one step
     _check_sgd(cpu, ts)
     ts.BLOCK, ts.CHUNK = 32, 64  # several chunks per leaf, two steps per chunk
     _check_sgd(cpu, ts)
     _check_adam(cpu, ts)
     _check_grad_stats(cpu, ts)
+    ts.BLOCK, ts.CHUNK = 8, 16  # more chunks per group than the reduction's block
+    _check_grad_stats(cpu, ts)
     print("ALL OK")
+
+
+def _main_compile() -> None:
+    """Compiles each kernel for sm_90 (H100/H200) without a GPU and reads its PTX."""
+    import re
+
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+        from triton.compiler import ASTSource
+    except ImportError as err:
+        print("SKIP: no NVIDIA backend in triton:", err)
+        return
+    _, ts = _import_kernels()
+    types = {"leaves": "*i64", "chunks": "*i64", "bounds": "*i64", "apply_ptr": "*i1"}
+    types.update(started_ptr="*i1", sq_part="*fp64", sq_out="*fp64")
+
+    def ptx(kernel, **constexprs) -> str:
+        sig = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                sig[name] = "constexpr"
+            else:
+                fp32 = "*fp32" if name.endswith(("_ptr", "_part", "_out")) else "fp32"
+                sig[name] = types.get(name, fp32)
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+        options = {"enable_fp_fusion": False}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    def count(text: str, pattern: str) -> int:
+        return len(re.findall(pattern, text))
+
+    sizes = dict(CHUNK=ts.CHUNK, BLOCK=ts.BLOCK)
+    f16, bf16 = tl.float16, tl.bfloat16
+    for aligned in (False, True):
+        stats = ptx(ts._stats_kernel, G_TY=f16, ALIGNED=aligned, HAS_INV=True, SUM_SQ=True, **sizes)
+        sgd = ptx(
+            ts._sgd_kernel,
+            **dict(G_TY=f16, P_TY=bf16, ALIGNED=aligned, HAS_INV=True, CLIP=True, DECAY=True),
+            **dict(MOMENTUM=True, STARTED=True, NESTEROV=True, P_IS_MASTER=False, **sizes),
+        )
+        adam = ptx(
+            ts._adam_kernel,
+            **dict(G_TY=bf16, P_TY=f16, ALIGNED=aligned, HAS_INV=True, CLIP=True, L2=True),
+            **dict(DECOUPLED=True, SMALL_W=False, P_IS_MASTER=False, **sizes),
+        )
+        for text in (stats, sgd, adam):  # vector loads exactly where the class is aligned
+            assert (count(text, r"ld\.global(\.\w+)*\.v\d") > 0) == aligned
+        for text in (sgd, adam):  # only explicit roundings; no approximate division or root
+            assert count(text, r"\b(mul|add|sub)\.f32") == 0
+            assert count(text, r"\.(approx|full)\.f32") == 0
+        # per element, SGD: one clip division, fma for decay, Nesterov and the step, and
+        # the momentum sum b*k + u*t as two products and one add
+        assert count(sgd, r"fma\.rn\.f32") == 3 * count(sgd, r"div\.rn\.f32")
+        assert count(sgd, r"add\.rn\.f32") == count(sgd, r"div\.rn\.f32")
+        assert count(sgd, r"cvt\.rn\.bf16\.f32") > 0
+        # Adam: fma for L2, lerp, v', decoupled decay and step; one root, two divisions
+        assert count(adam, r"fma\.rn\.f32") == 5 * count(adam, r"sqrt\.rn\.f32") > 0
+        assert count(adam, r"div\.rn\.f32") == 3 * count(adam, r"sqrt\.rn\.f32")
+        assert count(stats, r"\.f64") > 0
+    ptx(ts._group_reduce_kernel, SUM_SQ=True, BLOCK=ts.BLOCK)
+    print("COMPILED OK")
 
 
 def _main_refuse_cpu() -> None:
@@ -450,8 +559,9 @@ def _main_refuse_cpu() -> None:
     assert ts.available() == torch.cuda.is_available()
     g = [torch.zeros(4, dtype=torch.float16)]
     try:
-        ts.grad_stats(n_groups=1, grads=g, inv=None, sum_squares=0,
-                      peak_out=torch.zeros(1), sum_sq_out=None)
+        ts.grad_stats(
+            n_groups=1, grads=g, inv=None, sum_squares=0, peak_out=torch.zeros(1), sum_sq_out=None
+        )
     except ValueError as err:
         assert "grads[0]" in str(err) and "cuda" in str(err), str(err)
     else:
@@ -460,7 +570,6 @@ def _main_refuse_cpu() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--refuse-cpu"]:
-        _main_refuse_cpu()
-    else:
-        _main_interpreted()
+    {"--refuse-cpu": _main_refuse_cpu, "--compile": _main_compile}.get(
+        sys.argv[1] if len(sys.argv) > 1 else "", _main_interpreted
+    )()
