@@ -26,7 +26,8 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._finite import grads_finite
-from functional_fp16._fused import ops, steps
+from functional_fp16._fused import op_library, steps
+from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.update import dispatch
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compile
 def kernel(request, monkeypatch):
     """Runs each test with the C kernel and with the op's plain PyTorch kernel."""
     if request.param == "generic":
-        monkeypatch.setattr(ops, "kernel_for", lambda device: "generic")
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
         monkeypatch.setattr(dispatch, "_warned", {"no kernel for cpu", None})
     return request.param
 
@@ -218,7 +219,7 @@ def test_kernel_finite_decision_matches_grads_finite(dtype, n, value):
         g[n // 2] = value
     for inv in (torch.tensor(1.0), torch.tensor(2.0**-10), torch.tensor(2.0**100), None):
         one = None if inv is None else inv.reshape(1)
-        peak, _ = ops.grad_stats([g, torch.ones(3, dtype=dtype)], one, 1, 1, False)
+        peak, _ = grad_stats([g, torch.ones(3, dtype=dtype)], one, 1, 1, False)
         mine = torch.isfinite(peak if inv is None else peak * inv)[0]
         assert bool(mine) == bool(grads_finite([g], inv))
 
@@ -226,7 +227,7 @@ def test_kernel_finite_decision_matches_grads_finite(dtype, n, value):
 def test_kernel_sum_of_squares_matches_global_norm():
     g = [(torch.randn(n) * 300).half() for n in (1, 17, 70_001)]
     inv = torch.tensor(2.0**-8)
-    _, sq = ops.grad_stats(g, inv.reshape(1), 1, 1, True)
+    _, sq = grad_stats(g, inv.reshape(1), 1, 1, True)
     expected = ff.global_norm([x.float() * inv for x in g])
     assert torch.equal(sq[0].sqrt().float(), expected)
 

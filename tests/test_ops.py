@@ -15,7 +15,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import functional_fp16 as ff
-from functional_fp16._fused import ops
+from functional_fp16._fused.adam import adam_step, adam_step_
+from functional_fp16._fused.op_library import grad_stats
+from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._tree import tree_leaves
 from tests.helpers import bits
@@ -69,9 +71,9 @@ def test_opcheck_sgd(param_dtype, flags, skip, clip):
     s, started = _scalars(skip, clip)
     args = (grads, master, trace, own, separate)
     kwargs = dict(**s, started=started if hyper["momentum"] else None, **hyper, members=1)
-    torch.library.opcheck(ops.sgd_step, args, kwargs)
+    torch.library.opcheck(sgd_step, args, kwargs)
     copies = ([m.clone() for m in master], [t.clone() for t in trace], [p.clone() for p in own])
-    torch.library.opcheck(ops.sgd_step_, (grads, *copies, separate), kwargs)
+    torch.library.opcheck(sgd_step_, (grads, *copies, separate), kwargs)
 
 
 @pytest.mark.parametrize("param_dtype", DTYPES)
@@ -95,15 +97,15 @@ def test_opcheck_adam(param_dtype, decay, skip):
         decoupled=1e-2 if decay == "decoupled" else 0.0,
         members=1,
     )
-    torch.library.opcheck(ops.adam_step, (grads, master, mu, nu, own, separate), kwargs)
+    torch.library.opcheck(adam_step, (grads, master, mu, nu, own, separate), kwargs)
     copies = [[x.clone() for x in xs] for xs in (master, mu, nu, own)]
-    torch.library.opcheck(ops.adam_step_, (grads, *copies, separate), kwargs)
+    torch.library.opcheck(adam_step_, (grads, *copies, separate), kwargs)
 
 
 @pytest.mark.parametrize("sum_squares", [False, True])
 def test_opcheck_grad_stats(sum_squares):
     grads, _, _ = _leaves(torch.float16)
-    torch.library.opcheck(ops.grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares))
+    torch.library.opcheck(grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares))
 
 
 def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs():
@@ -112,7 +114,7 @@ def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs():
     master[0][0, 0] = -0.0
     before = [bits(x).clone() for x in [*master, *trace, *params]]
     s, started = _scalars(skip=True)
-    out = ops.sgd_step(grads, master, trace, params, [True] * 3, **s, started=started,
+    out = sgd_step(grads, master, trace, params, [True] * 3, **s, started=started,
                        **SGD_FLAGS[0], members=1)  # fmt: skip
     assert not bool(out[3][0])
     for new, old in zip([*out[0], *out[1], *out[2]], before):
@@ -146,7 +148,7 @@ def test_bad_arguments_raise_in_python_before_any_kernel(change, message, monkey
                 members=1)  # fmt: skip
     change(args)
     with pytest.raises((TypeError, ValueError), match=message):
-        ops.sgd_step(**args)
+        sgd_step(**args)
     assert not calls
 
 
@@ -271,7 +273,7 @@ def test_vmap_of_the_op_with_a_shared_learning_rate_and_non_leading_batch_dim():
     lr = s.pop("lr")
 
     def one(g, m, t, p, inv, apply, st):
-        return ops.sgd_step(g, m, t, p, [True] * 3, inv, s["clip_div"], s["clip_mul"], lr, apply,
+        return sgd_step(g, m, t, p, [True] * 3, inv, s["clip_div"], s["clip_mul"], lr, apply,
                             None, st, **SGD_FLAGS[0], members=1)  # fmt: skip
 
     inv = torch.tensor([[2.0**-7], [1.0], [2.0**-3]])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._fused.sgd_plan import replace_at, sgd_plan, state_at
+from functional_fp16._fused.chains import replace_at, state_at
+from functional_fp16._fused.sgd import sgd_plan
 
 
 def test_sgd_declares_its_hyperparameters():

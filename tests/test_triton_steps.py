@@ -49,6 +49,15 @@ def test_triton_steps_match_the_c_kernel_under_the_interpreter():
     assert proc.stdout.rstrip().endswith("ALL OK"), proc.stdout
 
 
+def test_fp16_update_through_the_triton_kernel_equals_the_c_kernel():
+    """End to end under the interpreter: the fused op's CUDA path (``kernel_for`` made to
+    answer ``"triton"``), plain and vmapped, is bitwise the C path."""
+    pytest.importorskip("triton")
+    proc = _run(True, "--end-to-end")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("END TO END OK"), proc.stdout
+
+
 def test_kernels_compile_for_sm90_with_the_intended_arithmetic():
     """Without a GPU: the CUDA compilation (to PTX and cubin) and the instructions it emits."""
     pytest.importorskip("triton")
@@ -177,7 +186,8 @@ UNALIGNED = 6  # this leaf's gradient starts 2 bytes past a 16-byte boundary
 def _bits(t):
     import torch
 
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().reshape(-1).view(views[t.element_size()])
 
 
 def _same_bits(a, b) -> bool:
@@ -569,7 +579,67 @@ def _main_refuse_cpu() -> None:
     print("REFUSED OK")
 
 
+def _main_end_to_end() -> None:
+    """fp16_update with the Triton kernels (on CPU tensors) against the C kernel, bitwise."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _patch_interpreter()
+    import torch
+
+    import functional_fp16 as ff
+    from functional_fp16._fused import op_library
+    from functional_fp16._tree import tree_leaves
+
+    txs = {
+        "sgd": ff.sgd(0.1, momentum=0.9, weight_decay=1e-3),
+        "clip-nesterov": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1, 0.9, nesterov=True)),
+        "adamw": ff.adamw(1e-2, weight_decay=0.1),
+    }
+    real = op_library.kernel_for
+
+    def run(kernel, fn, *args):
+        op_library.kernel_for = (lambda device: "triton") if kernel == "triton" else real
+        try:
+            return fn(*args)
+        finally:
+            op_library.kernel_for = real
+
+    g = torch.Generator().manual_seed(0)
+
+    def params(k):
+        return {
+            "c": torch.randn(3, 2, 3, 3, generator=g).to(memory_format=torch.channels_last),
+            "w": torch.randn(40, generator=g),
+            "s": torch.randn((), generator=g),
+        }
+
+    for name, tx in txs.items():
+        members = [ff.fp16_init(params(k), tx) for k in range(2)]
+        stacked = ff.tree_stack(members)
+        for step in range(3):
+            grads = [
+                {k: (torch.randn(v.shape, generator=g) * 50).half() for k, v in m.params.items()}
+                for m in members
+            ]
+            if step == 1:
+                grads[1]["w"][3] = float("inf")
+            vm = torch.func.vmap(ff.fp16_update)
+            new_t = run("triton", lambda: [ff.fp16_update(m, x) for m, x in zip(members, grads)])
+            new_c = run("c", lambda: [ff.fp16_update(m, x) for m, x in zip(members, grads)])
+            st_t = run("triton", vm, stacked, ff.tree_stack(grads))
+            for a, b in zip(tree_leaves(new_t), tree_leaves(new_c)):
+                assert _same_bits(a, b), (name, step)
+            for a, b in zip(tree_leaves(st_t), tree_leaves(ff.tree_stack(new_c))):
+                assert _same_bits(a, b), (name, step, "vmap")
+            members, stacked = new_c, st_t
+        print("ok", name)
+    print("END TO END OK")
+
+
 if __name__ == "__main__":
-    {"--refuse-cpu": _main_refuse_cpu, "--compile": _main_compile}.get(
+    {
+        "--refuse-cpu": _main_refuse_cpu,
+        "--compile": _main_compile,
+        "--end-to-end": _main_end_to_end,
+    }.get(
         sys.argv[1] if len(sys.argv) > 1 else "", _main_interpreted
     )()

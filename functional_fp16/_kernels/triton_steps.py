@@ -32,29 +32,34 @@ its input, bit for bit. :func:`grad_stats` computes per group
 
 **Multi-tensor launches.** Leaf ``l`` of ``L`` belongs to group
 ``l // (L // G)``; per-group scalars are ``(G,)`` device tensors read by the
-kernel (no host read of any value). The leaves are sorted into classes by
-what the kernel is compiled for (gradient dtype, working-copy dtype, whether
-the working copy is the master), and each class runs as ONE launch over all
-its leaves. The host builds, per class, an ``int64`` table: one row per leaf
-(the data address of each of its tensors, its length, its group) followed by
-one row per chunk of at most :data:`CHUNK` elements (leaf row, first element,
-and for the statistics the chunk's slot in leaf order); program ``i`` works
-on chunk ``i`` in steps of :data:`BLOCK` elements, turning the addresses into
-typed pointers with ``tl.load(row + k).to(tl.pointer_type(dtype))``. Triton's
-interpreter implements that cast as a bit cast of the address and loads
-through raw addresses, so the same source runs under ``TRITON_INTERPRET=1``
-on CPU tensors. Empty leaves have no rows. All classes' tables go to the
-device in one copy per call: on CUDA a pinned host tensor copied with
-``non_blocking=True`` (no host sync; PyTorch's pinned-memory allocator keeps
-the buffer until the copy has run). While a CUDA graph is being captured the
-pinned buffer is also kept alive for the life of the process, since every
-replay copies from it again. :func:`grad_stats` writes one partial result per
-chunk (slots in leaf order, so a group's slots are contiguous) and a second,
-one-program-per-group kernel reduces them in a fixed order (deterministic).
+kernel by group index (no host read of any value). The non-empty leaves are
+sorted into classes by what the kernel is compiled for (gradient dtype,
+working-copy dtype, whether the working copy is the master, and whether all
+of the leaf's addresses are 16-byte aligned), and each class runs as ONE
+launch over all its leaves. For each class the host builds an ``int64``
+table: one row per leaf (the data address of each of its tensors, its
+numel, its group) followed by one row per chunk of at most :data:`CHUNK`
+elements (its leaf's row, its first element and, for the statistics, its
+slot). Program ``i`` takes chunk ``i``, turns the addresses into typed
+pointers with ``tl.load(row + k).to(tl.pointer_type(dtype))`` and walks the
+chunk in unmasked blocks of :data:`BLOCK` elements (vector loads where the
+class is aligned, hinted with ``tl.multiple_of``) and one masked tail.
+Triton's interpreter implements that cast as a bit cast and loads through raw
+addresses, so the same source runs under ``TRITON_INTERPRET=1`` on CPU
+tensors. All the classes' tables of a call reach the device in one copy: a
+pinned host tensor copied with ``non_blocking=True`` (no host sync; PyTorch
+records the copy on the pinned block, which is not reused before the copy
+has run). A copy made while a CUDA graph is being captured is replayed from
+the same pinned memory, so that memory (and the device table) is then kept
+for the life of the process. :func:`grad_stats` writes one partial result
+per chunk, in slots numbered in leaf order so that a group's slots are
+contiguous, and a second kernel with one program per group reduces them in a
+fixed order (deterministic).
 
 Nothing here has run on a GPU: the kernels' logic and arithmetic are verified
-only under ``TRITON_INTERPRET=1`` on CPU tensors (``tests/test_triton_steps.py``),
-and the CUDA-only parts (compilation, the pinned copy, graph capture) are not.
+under ``TRITON_INTERPRET=1`` on CPU tensors and their CUDA compilation only
+offline (PTX for sm_90), so launches, the pinned copy and graph capture are
+untested.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._kernels.signatures import SIGNATURES, Arg
+from functional_fp16._kernels.signatures import SIGNATURES, Arg, dense
 
 __all__ = ["available", "unavailable_reason", "grad_stats", "sgd_update", "adam_update"]
 
@@ -86,18 +91,22 @@ _DEVICE_TYPE = "cpu" if _INTERPRET else "cuda"  # the interpreter reads CPU memo
 BLOCK = 1024
 """Elements per step of a program (a power of two)."""
 CHUNK = 32 * BLOCK
-"""Elements per program at most: one table row per chunk (a multiple of :data:`BLOCK`)."""
+"""Elements per program at most, one table row each (a power of two, at least :data:`BLOCK`)."""
 
 launch_counts: Counter[str] = Counter()
 """Kernel launches so far, by kernel name (for tests and profiling)."""
 
-_GRAPH_TABLES: list[torch.Tensor] = []  # pinned tables copied inside a CUDA graph capture
+_GRAPH_TABLES: list[torch.Tensor] = []  # tables copied inside a CUDA graph capture: kept
 
-_TRITON_DTYPES = {} if tl is None else {
-    torch.float32: tl.float32,
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-}
+_TRITON_DTYPES = (
+    {}
+    if tl is None
+    else {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+    }
+)
 
 
 def available() -> bool:
@@ -444,12 +453,6 @@ def _launch(name: str, kernel: Any, grid: int, *args: Any, **constexprs: Any) ->
 # ---------------------------------------------------------------------------
 
 
-def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or (
-        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
-    )
-
-
 class _Checker:
     """Checks one call's arguments against an entry point's declaration, naming the culprit."""
 
@@ -500,8 +503,8 @@ class _Checker:
             self._on_device(name, t)
             if t.dtype not in arg.dtypes:
                 self.fail(f"{name} has dtype {t.dtype}, expected one of {arg.dtypes}", TypeError)
-            if not _dense(t):
-                self.fail(f"{name} is not dense (contiguous or channels-last)")
+            if not dense(t):
+                self.fail(f"{name} is not dense (it must cover its storage span exactly)")
             if ref is not None and (t.shape != ref[i].shape or t.stride() != ref[i].stride()):
                 self.fail(
                     f"{name} has shape {tuple(t.shape)} and strides {t.stride()}, but "
@@ -582,13 +585,15 @@ class _Tables:
         return self.size - values.numel(), values.numel()
 
     def to(self, device: torch.device) -> torch.Tensor:
+        """The concatenated table on ``device``, copied without a host sync."""
         host = torch.cat(self.parts) if self.parts else torch.zeros(1, dtype=torch.int64)
         if device.type != "cuda":
             return host
         host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
         if torch.cuda.is_current_stream_capturing():
-            _GRAPH_TABLES.append(host)  # every replay copies from it again
-        return host.to(device, non_blocking=True)
+            _GRAPH_TABLES.extend((host, table))  # every replay copies from ``host`` again
+        return table
 
 
 class _Class:
@@ -602,7 +607,6 @@ class _Class:
     def views(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (a, n), (b, k) = self.leaves, self.chunks
         return table[a : a + n], table[b : b + k]
-
 
 
 def _classes(
@@ -650,7 +654,9 @@ def _on(device: torch.device) -> Any:
 
 def _sizes() -> dict[str, int]:
     if BLOCK & (BLOCK - 1) or CHUNK & (CHUNK - 1) or CHUNK < BLOCK:
-        raise ValueError(f"BLOCK ({BLOCK}) and CHUNK ({CHUNK}) must be powers of two, BLOCK <= CHUNK")
+        raise ValueError(
+            f"BLOCK ({BLOCK}) and CHUNK ({CHUNK}) must be powers of two, BLOCK <= CHUNK"
+        )
     return {"CHUNK": CHUNK, "BLOCK": BLOCK}
 
 
@@ -685,7 +691,7 @@ def grad_stats(
         check.fail("sum_sq_out is required with sum_squares", TypeError)
     sizes = _sizes()
     n_leaves = len(grads)
-    per_group = max(1, n_leaves // n_groups)
+    per_group = n_leaves // n_groups
     first = [0]  # each leaf's first slot, in leaf order: a group's slots are contiguous
     for g in grads:
         first.append(first[-1] + -(-g.numel() // CHUNK))
@@ -793,7 +799,7 @@ def sgd_update(
     if not has_momentum:
         roles[2] = roles[5] = None
     tables = _Tables()
-    classes = _classes(tables, roles, keys, max(1, len(grads) // n_groups))
+    classes = _classes(tables, roles, keys, len(grads) // n_groups)
     if not classes:
         return
     table = tables.to(check.device)
@@ -897,7 +903,7 @@ def adam_update(
     keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
     roles = [grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out]
     tables = _Tables()
-    classes = _classes(tables, roles, keys, max(1, len(grads) // n_groups))
+    classes = _classes(tables, roles, keys, len(grads) // n_groups)
     if not classes:
         return
     table = tables.to(check.device)

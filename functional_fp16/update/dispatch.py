@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused import ops
+from functional_fp16._fused.op_library import kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._tree import tree_leaves
@@ -60,9 +60,7 @@ class Route(NamedTuple):
 
 def _fused_runner(fp):
     def run(state, grads, decision, donate):
-        return fused_update(
-            state, grads, fp, loss_ok=decision.require, decide=decision.agree, donate=donate
-        )
+        return fused_update(state, grads, fp, decision, donate)
 
     return run
 
@@ -100,7 +98,7 @@ def route(state, impl: str = "auto") -> Route:
             kernel = None  # under torch.compile the op picks its kernel when it runs
             if not torch.compiler.is_compiling():
                 device = tree_leaves(state.master)[0].device
-                kernel = ops.kernel_for(device)
+                kernel = kernel_for(device)
                 if kernel == "generic":
                     _warn_generic(device)
             return Route("fused", kernel, _fused_runner(fp), batches=True)

@@ -14,7 +14,7 @@ roundings. What changes is how the work is organised:
   reduction instead of ``isfinite(x).all()`` (about 20x faster on the CPU);
   see :func:`grads_finite`.
 * For a chain that declares itself an SGD step without clipping
-  (:func:`~functional_fp16._fused.sgd_plan.sgd_plan`), the chain
+  (:func:`~functional_fp16._fused.sgd.sgd_plan`), the chain
   runs as a specialised multi-tensor sequence on exactly negated operands, and
   a skipped step is made a no-op by zeroing the negated terms bitwise instead
   of selecting with ``torch.where`` (two to three times the cost of an add).
@@ -53,7 +53,8 @@ from functional_fp16.loss_scale import (
     unscale_factor,
 )
 from functional_fp16.sgd import ScaleByScheduleState, TraceState
-from functional_fp16._fused.sgd_plan import SGDPlan, replace_at, sgd_plan, state_at, state_fits
+from functional_fp16._fused.chains import replace_at, state_at
+from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
 
 __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
 

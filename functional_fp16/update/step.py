@@ -125,7 +125,7 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
 
     Returns one of:
 
-    * ``"fused"`` — one call of the fused op (:mod:`functional_fp16._fused.ops`):
+    * ``"fused"`` — one call of the fused op (:mod:`functional_fp16._fused.op_library`):
       the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
       or after ``clip_by_global_norm`` or ``add_decayed_weights``) or Adam chain
       (:func:`~functional_fp16.adam`, :func:`~functional_fp16.adamw`, the same

@@ -1,0 +1,243 @@
+r"""The fused Adam/AdamW step: its plan, its ``torch.library`` ops and its plain PyTorch kernel.
+
+:func:`adam_plan`
+reads the transforms' declared ``spec`` only, never code, and returns the
+hyperparameters of the single-pass kernel when the chain, flattened, has the
+form::
+
+    [clip_by_global_norm(c)]  [add_decayed_weights(wd)]  scale_by_adam(b1, b2, eps)
+        [add_decayed_weights(wd)]  scale_by_learning_rate(lr)
+
+(brackets: optional; a weight decay of 0 is dropped). The decay before
+``scale_by_adam`` is ``torch.optim.Adam``'s L2 term, added to the gradient;
+the one after it is AdamW's decoupled decay. ``eps_root`` must be 0 (the
+kernel computes torch's denominator). Anything else returns ``None`` and runs
+as written.
+
+Per element, with :math:`u` the unscaled (clipped) gradient, :math:`w =
+\operatorname{fl}_{32}(1 - \beta_1)` and :math:`c = 1 - \beta_2`, the ops compute
+
+.. math::
+    u &\leftarrow \operatorname{fma}(m, \lambda_2, u), \qquad
+    a' = \operatorname{lerp}(a, u, w), \qquad
+    v' = \operatorname{addcmul}(\operatorname{fl}(v \beta_2), u, u, c) \\
+    \sigma &= \frac{a'}{\sqrt{v'} / \sqrt{1 - \beta_2^t} + \epsilon}\,
+              \frac{1}{1 - \beta_1^t}, \qquad
+    \sigma \leftarrow \operatorname{fma}(m, \lambda_d, \sigma), \qquad
+    m' = \operatorname{fma}(\sigma, \mathrm{lr}, m)
+
+as ``torch.optim.Adam``/``AdamW`` compute it: the moments bitwise (the
+contractions of torch's CPU ``lerp`` and ``addcmul``), the bias corrections as
+float32 factors made in float64 on the device, the master within one ulp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_fp16._fused import op_library
+from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_at
+from functional_fp16._fused.op_library import StepSpec, define_step, f32
+from functional_fp16._fused.steps import Fusable, register
+from functional_fp16._tree import tree_flatten, tree_unflatten
+from functional_fp16.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
+from functional_fp16.base import GradientTransformation, saturating_increment
+from functional_fp16.clipping import ClipSpec
+from functional_fp16.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
+
+__all__ = ["AdamPlan", "adam_plan", "adam_state_fits", "adam_step", "adam_step_"]
+
+
+class AdamPlan(NamedTuple):
+    """The hyperparameters of a fusable Adam chain, and where its state lives."""
+
+    max_norm: float | None  # None: no clipping
+    l2_decay: float  # torch.optim.Adam's weight_decay, added to the gradient
+    b1: float
+    b2: float
+    eps: float
+    decoupled_decay: float  # AdamW's weight decay, added to the Adam direction
+    learning_rate: float | Callable[[torch.Tensor], torch.Tensor]
+    sign: float  # -1.0 to descend
+    adam_path: Path
+    lr_path: Path
+
+
+_ORDER = (ClipSpec, DecaySpec, AdamSpec, DecaySpec, LearningRateSpec)
+
+
+def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
+    parts = [(s, p) for s, p in parts if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)]
+    slots: list[tuple[Any, Path] | None] = [None] * len(_ORDER)
+    position = 0
+    for spec, path in parts:
+        while position < len(_ORDER) and type(spec) is not _ORDER[position]:
+            position += 1
+        if position == len(_ORDER):  # out of order, twice, or unknown
+            return None
+        slots[position] = (spec, path)
+        position += 1
+    clip, l2, adam, decoupled, lr = slots
+    if adam is None or lr is None or adam[0].eps_root != 0.0:
+        return None
+    spec: AdamSpec = adam[0]
+    return AdamPlan(
+        max_norm=clip[0].max_norm if clip else None,
+        l2_decay=l2[0].weight_decay if l2 else 0.0,
+        b1=spec.b1,
+        b2=spec.b2,
+        eps=spec.eps,
+        decoupled_decay=decoupled[0].weight_decay if decoupled else 0.0,
+        learning_rate=lr[0].learning_rate,
+        sign=lr[0].sign,
+        adam_path=adam[1],
+        lr_path=lr[1],
+    )
+
+
+_adam_plan = cached_plan(_read)
+
+
+def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
+    """The :class:`AdamPlan` of ``tx``, or ``None`` if it is not a fusable Adam chain.
+
+    Read from the transforms' declared ``spec`` only, cached by its value.
+    """
+    return _adam_plan(tx)
+
+
+def adam_state_fits(plan: AdamPlan, opt_state: Any, master_spec: Any) -> bool:
+    """Whether ``opt_state`` has the plan's layout, its moments shaped like the master."""
+    try:
+        adam = state_at(opt_state, plan.adam_path)
+        if not isinstance(adam, ScaleByAdamState):
+            return False
+        if tree_flatten(adam.mu)[1] != master_spec or tree_flatten(adam.nu)[1] != master_spec:
+            return False
+        if callable(plan.learning_rate):
+            if not isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState):
+                return False
+    except (TypeError, IndexError, KeyError, AttributeError):
+        return False
+    return True
+
+
+def adam_buffers(plan: AdamPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:
+    """The first and second moments, or ``None`` for another layout."""
+    if not adam_state_fits(plan, opt_state, master_spec):
+        return None
+    adam = state_at(opt_state, plan.adam_path)
+    return [tree_flatten(adam.mu)[0], tree_flatten(adam.nu)[0]]
+
+
+# ---------------------------------------------------------------------------
+# The ops.
+# ---------------------------------------------------------------------------
+
+
+def _kernel_args(a: dict, used: list[str]) -> dict:
+    """The op's arguments as the kernel entry ``adam_update`` takes them."""
+    del used
+    names = ("grads", "master", "mu", "nu", "params", "master_out", "mu_out", "nu_out")
+    names += ("params_out", "inv", "clip_div", "clip_mul", "lr", "inv_c1", "sqrt_c2", "l2")
+    return dict(
+        {n: a[n] for n in names},
+        w=f32(1.0 - a["b1"]),  # torch.lerp's weight, rounded once to float32
+        b2=a["b2"],
+        c2=1.0 - a["b2"],  # addcmul's value, rounded once to float32 by the kernel
+        eps=a["eps"],
+        decoupled=a["decoupled"],
+    )
+
+
+def _generic(*, members, grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out,
+             inv, clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps,
+             decoupled) -> None:  # fmt: skip
+    """The plain PyTorch kernel: one leaf of one member at a time (bitwise the C one on the CPU)."""
+    c2 = f32(c2)
+    results = []
+    for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
+        m = op_library.member(master[leaf], b, members)
+        u = op_library.unscaled(op_library.member(grads[leaf], b, members), inv, clip_div,
+                                clip_mul, k)  # fmt: skip
+        if l2 != 0.0:
+            u = torch.add(u, m, alpha=l2)
+        na = torch.lerp(op_library.member(mu[leaf], b, members), u, w)
+        nv = torch.addcmul(op_library.member(nu[leaf], b, members) * b2, u, u, value=c2)
+        step = na / (sqrt_rn(nv) / sqrt_c2[k] + eps) * inv_c1[k]
+        if decoupled != 0.0:
+            step = torch.add(step, m, alpha=decoupled)
+        results.append((b, leaf, k, torch.addcmul(m, step, lr[k]), na, nv))
+    for b, leaf, k, nm, na, nv in results:
+        op_library.write_member(b, leaf, members, apply[k], {"master": nm, "mu": na, "nu": nv},
+                                master=master, mu=mu, nu=nu, params=params,
+                                master_out=master_out, mu_out=mu_out, nu_out=nu_out,
+                                params_out=params_out)  # fmt: skip
+
+
+SPEC = StepSpec(
+    name="adam_step",
+    states=("mu", "nu"),
+    scalars=("inv_c1", "sqrt_c2"),
+    bool_scalars=(),
+    hyper=(("l2", "float"), ("b1", "float"), ("b2", "float"), ("eps", "float"),
+           ("decoupled", "float")),  # fmt: skip
+    entry="adam_update",
+    check=lambda op, a: _require_corrections(op, a),
+    kernel_args=_kernel_args,
+    generic=_generic,
+)
+
+
+def _require_corrections(op: str, a: dict) -> list[str]:
+    for name in ("inv_c1", "sqrt_c2"):
+        if a[name] is None:
+            op_library.fail(op, f"{name} is required", TypeError)
+    return ["mu", "nu"]
+
+
+adam_step, adam_step_ = define_step(
+    SPEC,
+    r"""One fused Adam/AdamW step into fresh tensors: ``(master', mu', nu', params', finite)``.
+
+    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.op_library`
+    for the conventions; ``inv_c1`` and ``sqrt_c2`` are the bias corrections per group.
+    """,
+)
+
+
+# ---------------------------------------------------------------------------
+# The step of a state.
+# ---------------------------------------------------------------------------
+
+
+def _step(state, plan: AdamPlan, grads, masters, own, common: dict[str, Any], donate: bool):
+    adam: ScaleByAdamState = state_at(state.opt_state, plan.adam_path)
+    mu, moment_spec = tree_flatten(adam.mu)
+    nu = tree_flatten(adam.nu)[0]
+    count = saturating_increment(adam.count)
+    inv_c1, sqrt_c2 = bias_corrections(count, plan.b1, plan.b2)
+    hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
+    hyper.update(decoupled=plan.decoupled_decay)
+    hyper.update(inv_c1=inv_c1.reshape(1), sqrt_c2=sqrt_c2.reshape(1))
+    if donate:
+        finite = adam_step_(grads, masters, mu, nu, own, **common, **hyper)
+        m_out, mu_out, nu_out, p_new = masters, mu, nu, own
+    else:
+        m_out, mu_out, nu_out, p_new, finite = adam_step(grads, masters, mu, nu, own, **common,
+                                                         **hyper)  # fmt: skip
+    flag = finite.reshape(())
+    new_adam = ScaleByAdamState(
+        count=torch.where(flag, count, adam.count),
+        mu=tree_unflatten(moment_spec, list(mu_out)),
+        nu=tree_unflatten(moment_spec, list(nu_out)),
+    )
+    opt_state = replace_at(state.opt_state, plan.adam_path, new_adam)
+    return opt_state, list(m_out), list(p_new), finite
+
+
+register(Fusable("adam", adam_plan, adam_buffers, _step))

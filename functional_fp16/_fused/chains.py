@@ -1,0 +1,94 @@
+"""Reading chains of declared transforms: the machinery every fused plan shares.
+
+Every transform of the library declares what it computes in its ``spec``
+(:class:`~functional_fp16.base.ChainSpec` and the parts' own specs). A fused
+plan flattens a chain into ``(spec, state path)`` pairs with :func:`chain_parts`
+and accepts or refuses the parts' types; :func:`cached_plan` caches its answer
+by the specs' values. :func:`state_at` and :func:`replace_at` read and replace
+the inner state of a part in the nested tuple a chain's state is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from functional_fp16.base import ChainSpec, GradientTransformation
+
+__all__ = ["Path", "chain_parts", "cached_plan", "state_at", "replace_at"]
+
+Path = tuple[int, ...]
+
+
+def chain_parts(spec: Any, path: Path = ()) -> list[tuple[Any, Path]] | None:
+    """A declared chain flattened into ``(spec, state path)`` pairs; ``None`` if a part is undeclared.
+
+    Shared by every fused plan: a plan then accepts or refuses the parts' types.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, ChainSpec):
+        return [(spec, path)]
+    out: list[tuple[Any, Path]] = []
+    for i, part in enumerate(spec.parts):
+        inner = chain_parts(part, path + (i,))
+        if inner is None:
+            return None
+        out.extend(inner)
+    return out
+
+
+def _typed(spec: Any) -> Any:
+    """``spec`` as a hashable key that tells specs of equal values but other types apart."""
+    if isinstance(spec, tuple):
+        return (type(spec), tuple(_typed(x) for x in spec))
+    return (type(spec), spec)
+
+
+def cached_plan(read: Callable[[list[tuple[Any, Path]]], Any]) -> Callable[..., Any]:
+    """Turns ``read(parts)`` into ``plan(tx)``: the plan of ``tx``'s declared ``spec``.
+
+    Cached by the spec's value (specs are tuples of hyperparameters), never by
+    object identity; a spec that cannot be hashed is read every time.
+    ``plan(tx)`` returns ``None`` for a transform with an undeclared part.
+    """
+
+    @functools.lru_cache(maxsize=256)
+    def of_key(key: Any, spec: Any) -> Any:
+        del key  # the cache's key; ``spec`` rides along (equal keys, equal specs)
+        parts = chain_parts(spec)
+        return read(parts) if parts else None
+
+    def plan(tx: GradientTransformation) -> Any:
+        spec = getattr(tx, "spec", None)
+        if torch.compiler.is_compiling():  # traced once per graph: no cache needed
+            parts = chain_parts(spec)
+            return read(parts) if parts else None
+        try:
+            key = _typed(spec)
+            hash(key)
+        except TypeError:  # an unhashable hyperparameter: read it every time
+            parts = chain_parts(spec)
+            return read(parts) if parts else None
+        return of_key(key, spec)
+
+    return plan
+
+
+def state_at(state: Any, path: Path) -> Any:
+    """The inner state at ``path`` of a nested chain state."""
+    for i in path:
+        state = state[i]
+    return state
+
+
+def replace_at(state: Any, path: Path, value: Any) -> Any:
+    """A copy of the nested chain state with the inner state at ``path`` replaced."""
+    if not path:
+        return value
+    parts = list(state)
+    parts[path[0]] = replace_at(state[path[0]], path[1:], value)
+    return tuple(parts)

@@ -1,0 +1,275 @@
+r"""The fused SGD step: its plan, its ``torch.library`` ops and its plain PyTorch kernel.
+
+:func:`sgd_plan` reads the transforms' declared specs, never code, and
+returns the hyperparameters of the single-pass kernel when the chain,
+flattened, has the form::
+
+    [clip_by_global_norm(c)]  [add_decayed_weights(wd)]  [trace(mu, ...)]  scale_by_learning_rate(lr)
+
+(brackets: optional; parts with a coefficient of 0 pass their input through
+and are dropped; ``identity()`` is an empty chain). Anything else, including
+any transform without a spec, returns ``None`` and runs as written.
+
+Per element, with :math:`u = \operatorname{fl}_{32}(g)\, s^{-1}` (then
+``(u / clip_div) * clip_mul`` when clipping), the ops compute
+
+.. math::
+    u &\leftarrow \operatorname{fma}(m, \lambda, u), \qquad
+    b' = \operatorname{fl}(b \mu) + \operatorname{fl}(u (1 - d))
+         \quad (b' = u \text{ before momentum has started}) \\
+    v &= \operatorname{fma}(b', \mu, u) \text{ (Nesterov) or } b', \qquad
+    m' = \operatorname{fma}(v, \mathrm{lr}, m), \qquad p' = \operatorname{fl}_{16}(m')
+
+``torch.optim.SGD``'s arithmetic, multiply-adds contracted as its vectorised
+kernels contract them: within one ulp of the reference chain's master per
+step; the momentum and every decision bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_fp16._fused import op_library
+from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_at
+from functional_fp16._fused.op_library import StepSpec, define_step, f32
+from functional_fp16._fused.steps import Fusable, register
+from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16._tree import tree_flatten, tree_unflatten
+from functional_fp16.clipping import ClipSpec
+from functional_fp16.sgd import (
+    DecaySpec,
+    LearningRateSpec,
+    ScaleByScheduleState,
+    TraceSpec,
+    TraceState,
+)
+
+__all__ = ["SGDPlan", "sgd_plan", "state_fits", "sgd_step", "sgd_step_"]
+
+
+class SGDPlan(NamedTuple):
+    """The hyperparameters of a fusable chain, and where its state lives.
+
+    ``trace_path`` and ``lr_path`` index into the (nested tuple) optimiser
+    state; ``trace_path`` is ``None`` without momentum.
+    """
+
+    max_norm: float | None  # None: no clipping
+    weight_decay: float  # 0.0: no decay
+    momentum: float  # 0.0: no momentum
+    nesterov: bool
+    dampening: float
+    learning_rate: float | Callable[[torch.Tensor], torch.Tensor]
+    sign: float  # -1.0 to descend
+    trace_path: Path | None
+    lr_path: Path
+
+
+def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
+    # Pass-through parts change nothing; drop them.
+    parts = [
+        (s, p)
+        for s, p in parts
+        if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)
+        and not (isinstance(s, TraceSpec) and s.decay == 0.0)
+    ]
+    order = (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)
+    found: dict[type, tuple[Any, Path]] = {}
+    rank = -1
+    for spec, path in parts:
+        if type(spec) not in order:  # a declared transform the SGD kernel does not run
+            return None
+        r = order.index(type(spec))
+        if r <= rank:  # out of order, or twice
+            return None
+        rank = r
+        found[type(spec)] = (spec, path)
+    if LearningRateSpec not in found or parts[-1][0] is not found[LearningRateSpec][0]:
+        return None
+    clip = found.get(ClipSpec, (None, None))[0]
+    decay = found.get(DecaySpec, (None, None))[0]
+    trace, trace_path = found.get(TraceSpec, (None, None))
+    lr, lr_path = found[LearningRateSpec]
+    return SGDPlan(
+        max_norm=clip.max_norm if clip is not None else None,
+        weight_decay=decay.weight_decay if decay is not None else 0.0,
+        momentum=trace.decay if trace is not None else 0.0,
+        nesterov=trace.nesterov if trace is not None else False,
+        dampening=trace.dampening if trace is not None else 0.0,
+        learning_rate=lr.learning_rate,
+        sign=lr.sign,
+        trace_path=trace_path,
+        lr_path=lr_path,
+    )
+
+
+_sgd_plan = cached_plan(_read)
+
+
+def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
+    """The :class:`SGDPlan` of ``tx``, or ``None`` if it is not a fusable SGD chain.
+
+    Read from the transforms' declared ``spec`` only, cached by its value.
+    """
+    return _sgd_plan(tx)
+
+
+def state_fits(plan: SGDPlan, opt_state: Any, master_spec: Any) -> bool:
+    """Whether ``opt_state`` has the plan's layout, its momentum shaped like the master."""
+    try:
+        if plan.trace_path is not None:
+            trace = state_at(opt_state, plan.trace_path)
+            if not isinstance(trace, TraceState) or tree_flatten(trace.trace)[1] != master_spec:
+                return False
+        if callable(plan.learning_rate):
+            if not isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState):
+                return False
+    except (TypeError, IndexError, KeyError):
+        return False
+    return True
+
+
+def sgd_buffers(plan: SGDPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:
+    """The momentum tensors (``[]`` without momentum), or ``None`` for another layout."""
+    if not state_fits(plan, opt_state, master_spec):
+        return None
+    if plan.trace_path is None:
+        return []
+    return [tree_flatten(state_at(opt_state, plan.trace_path).trace)[0]]
+
+
+# ---------------------------------------------------------------------------
+# The ops.
+# ---------------------------------------------------------------------------
+
+
+def _check(op: str, a: dict) -> list[str]:
+    if a["momentum"] != 0.0:
+        if a["started"] is None:
+            op_library.fail(op, "started is required with momentum", TypeError)
+        return ["trace"]
+    return []
+
+
+def _kernel_args(a: dict, used: list[str]) -> dict:
+    """The op's arguments as the kernel entry ``sgd_update`` takes them."""
+    on = "trace" in used
+    return dict(
+        grads=a["grads"],
+        master=a["master"],
+        trace=a["trace"] if on else None,
+        params=a["params"],
+        master_out=a["master_out"],
+        trace_out=a["trace_out"] if on else None,
+        params_out=a["params_out"],
+        inv=a["inv"],
+        clip_div=a["clip_div"],
+        clip_mul=a["clip_mul"],
+        lr=a["lr"],
+        started=a["started"] if on else None,
+        weight_decay=a["weight_decay"],
+        momentum=a["momentum"],
+        take_started=1.0 - a["dampening"],  # rounded once to float32 by the kernel
+        nesterov=a["nesterov"],
+    )
+
+
+def _undo(kw: dict, finite: Tensor, groups: int, members: int) -> None:
+    """Copies the old state over a speculative step's outputs in the groups that skip."""
+    keep = {k: kw[k] for k in ("master", "trace", "params", "master_out", "trace_out")}
+    c_kernel.call("keep_unless", n_groups=groups, members=members, params_out=kw["params_out"],
+                  apply=finite, threads=torch.get_num_threads(), **keep)  # fmt: skip
+
+
+def _generic(*, members, grads, master, trace, params, master_out, trace_out, params_out, inv,
+             clip_div, clip_mul, lr, apply, started, weight_decay, momentum, take_started,
+             nesterov) -> None:  # fmt: skip
+    """The plain PyTorch kernel: one leaf of one member at a time.
+
+    ``torch.add(..., alpha=)`` and ``addcmul`` are the multiply-adds the C
+    kernel contracts (on the CPU they are fused there too), so on the CPU it
+    agrees with the C kernel bit for bit.
+    """
+    take = f32(take_started)
+    results = []
+    for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
+        m = op_library.member(master[leaf], b, members)
+        u = op_library.unscaled(op_library.member(grads[leaf], b, members), inv, clip_div,
+                                clip_mul, k)  # fmt: skip
+        if weight_decay != 0.0:
+            u = torch.add(u, m, alpha=weight_decay)
+        v = nb = None
+        v = u
+        if momentum != 0.0:
+            on = started[k]
+            keep = torch.where(on, momentum, 0.0).float()
+            old = op_library.member(trace[leaf], b, members)
+            nb = old * keep + u * torch.where(on, take, 1.0).float()
+            v = torch.add(u, nb, alpha=momentum) if nesterov else nb
+        results.append((b, leaf, k, torch.addcmul(m, v, lr[k]), nb))
+    # Every new value is computed before any output is written (donation).
+    for b, leaf, k, nm, nb in results:
+        new = {"master": nm, "trace": nb}
+        op_library.write_member(b, leaf, members, apply[k], new, master=master, trace=trace,
+                                params=params, master_out=master_out, trace_out=trace_out,
+                                params_out=params_out)  # fmt: skip
+
+
+SPEC = StepSpec(
+    name="sgd_step",
+    states=("trace",),
+    scalars=("started",),
+    bool_scalars=("started",),
+    hyper=(("weight_decay", "float"), ("momentum", "float"), ("dampening", "float"),
+           ("nesterov", "bool")),  # fmt: skip
+    entry="sgd_update",
+    check=_check,
+    kernel_args=_kernel_args,
+    generic=_generic,
+    c_extra={"peak_out": None},
+    undo=_undo,
+)
+
+sgd_step, sgd_step_ = define_step(
+    SPEC,
+    r"""One fused SGD step into fresh tensors: ``(master', trace', params', finite)``.
+
+    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.op_library`
+    for the conventions. ``trace`` is empty without momentum (and so is ``trace'``).
+    """,
+)
+
+
+# ---------------------------------------------------------------------------
+# The step of a state.
+# ---------------------------------------------------------------------------
+
+
+def _step(state, plan: SGDPlan, grads, masters, own, common: dict[str, Any], donate: bool):
+    old = state_at(state.opt_state, plan.trace_path) if plan.trace_path is not None else None
+    trace, trace_spec = tree_flatten(old.trace) if old is not None else ([], None)
+    hyper = dict(weight_decay=plan.weight_decay, momentum=plan.momentum)
+    hyper.update(dampening=plan.dampening, nesterov=plan.nesterov)
+    started = old.initialized.reshape(1) if old is not None else None
+    args = (grads, masters, trace, own)
+    if donate:
+        finite = sgd_step_(*args, started=started, **common, **hyper)
+        m_out, t_out, p_new = masters, trace, own
+    else:
+        m_out, t_out, p_new, finite = sgd_step(*args, started=started, **common, **hyper)
+    opt_state = state.opt_state
+    if old is not None:
+        flag = finite.reshape(())
+        new_trace = TraceState(
+            trace=tree_unflatten(trace_spec, list(t_out)),
+            initialized=torch.where(flag, torch.ones_like(old.initialized), old.initialized),
+        )
+        opt_state = replace_at(opt_state, plan.trace_path, new_trace)
+    return opt_state, list(m_out), list(p_new), finite
+
+
+register(Fusable("sgd", sgd_plan, sgd_buffers, _step))
