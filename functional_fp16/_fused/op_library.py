@@ -125,6 +125,8 @@ def _check_group(op: str, name: str, x: Tensor | None, groups: int, dtype, devic
 
 
 def _check_grads(op: str, grads: list[Tensor], members: int) -> None:
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        fail(op, f"members must be a positive int, got {members!r}", TypeError)
     if not grads:
         fail(op, "grads is empty")
     for i, g in enumerate(grads):
@@ -152,7 +154,7 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     own = [g for g, s in zip(grads, a["separate"]) if s]
     _check_list(op, "params", a["params"], own, STORED)
     lr = a["lr"]
-    if lr.dim() != 1 or lr.numel() % members or len(grads) % max(1, lr.numel() // members):
+    if lr.dim() != 1 or lr.numel() < 1 or lr.numel() % members or len(grads) % (lr.numel() // members):
         fail(
             op,
             f"lr has shape {tuple(lr.shape)}: expected one entry per group, {members} member(s) "

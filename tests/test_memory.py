@@ -1,0 +1,58 @@
+"""Output buffers of the pure CPU steps (``functional_fp16._fused.memory``).
+
+The pool reuses a dropped state's storages only when nothing else refers to
+them, which it asks ``storage_use_count``: the one place that uses a private
+torch function. These tests fail loudly if a torch release removes it or
+changes what it counts, and show the public fallback still works.
+"""
+
+import gc
+
+import torch
+
+from functional_fp16._fused import memory
+
+
+def test_the_private_use_count_probe_still_exists_and_counts_owners():
+    assert hasattr(torch._C, "_storage_Use_Count"), (
+        "torch._C._storage_Use_Count is gone in this torch release: the CPU output pool "
+        "now allocates plainly (correct, but pure CPU steps page-fault again); "
+        "update functional_fp16/_fused/memory.py"
+    )
+    st = torch.UntypedStorage(1 << 20)
+    assert memory.storage_use_count(st) == 1
+    t = torch.empty(0, dtype=torch.float32).set_(st, 0, (1 << 18,), (1,))
+    view = t[10:20]
+    assert memory.storage_use_count(st) >= 2
+    del t
+    gc.collect()
+    assert memory.storage_use_count(st) >= 2  # the view still holds it
+    del view
+    gc.collect()
+    assert memory.storage_use_count(st) == 1
+
+
+def test_a_storage_is_reused_only_after_every_view_is_gone():
+    pool = memory.BufferPool(min_bytes=1024)
+    like = torch.empty(100_000)
+    (a,) = pool.empty_like([like], [torch.float32])
+    ptr = a.untyped_storage().data_ptr()
+    view = a[:5]
+    del a
+    (b,) = pool.empty_like([like], [torch.float32])
+    b_ptr = b.untyped_storage().data_ptr()
+    assert b_ptr != ptr  # the view keeps the old one alive
+    del view, b
+    gc.collect()
+    (c,) = pool.empty_like([like], [torch.float32])
+    assert c.untyped_storage().data_ptr() in (ptr, b_ptr)  # a dropped storage, reused
+
+
+def test_without_the_probe_the_pool_allocates_plainly(monkeypatch):
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert memory.storage_use_count(torch.UntypedStorage(8)) is None
+    pool = memory.BufferPool(min_bytes=0)
+    like = torch.empty(3, 4).t()
+    (x,) = pool.empty_like([like], [torch.float16])
+    assert x.shape == like.shape and x.stride() == like.stride() and x.dtype == torch.float16
+    assert not pool._held  # nothing is tracked without the probe
