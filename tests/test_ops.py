@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import functional_fp16 as ff
 from functional_fp16._fused.adam import adam_step, adam_step_
+from functional_fp16._fused import op_library
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
@@ -108,14 +109,28 @@ def test_opcheck_grad_stats(sum_squares):
     torch.library.opcheck(grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares))
 
 
-def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs():
+@pytest.mark.parametrize("kernel", ["c", "generic"])
+@pytest.mark.parametrize("decided", [False, True])
+def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs(
+    kernel, decided, monkeypatch
+):
+    """Skipped by the op's own check (a NaN gradient: the C kernel's speculative step is
+    undone) or by a given decision; -0.0 and NaN payloads in every state tensor."""
+    if kernel == "generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
     grads, master, params = _leaves(torch.float16)
     trace = [torch.randn_like(m) for m in master]
-    master[0][0, 0] = -0.0
+    for x in [*master, *trace, *params]:
+        x[(0,) * x.dim()] = -0.0
+        x[(0,) * (x.dim() - 1) + (1,)] = float("nan")
+    if not decided:
+        grads[1][3] = float("nan")
     before = [bits(x).clone() for x in [*master, *trace, *params]]
-    s, started = _scalars(skip=True)
+    s, started = _scalars(skip=decided)
+    if not decided:
+        s["apply"] = None
     out = sgd_step(grads, master, trace, params, [True] * 3, **s, started=started,
-                       **SGD_FLAGS[0], members=1)  # fmt: skip
+                   **SGD_FLAGS[1], members=1)  # fmt: skip
     assert not bool(out[3][0])
     for new, old in zip([*out[0], *out[1], *out[2]], before):
         assert torch.equal(bits(new), old)
@@ -130,12 +145,13 @@ def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs():
         (lambda a: a.__setitem__("master", [m.half() for m in a["master"]]), "master.0. has dtype"),
         (lambda a: a.__setitem__("lr", torch.tensor([-0.1, -0.1])), "lr has shape"),
         (lambda a: a.__setitem__("apply", torch.tensor([1.0])), "apply must be torch.bool"),
-        (lambda a: a.__setitem__("inv", torch.tensor(0.5)), "inv must have shape"),
+        (lambda a: a.__setitem__("inv", torch.tensor(0.5)), r"inv must be contiguous of shape \(1,\)"),
         (lambda a: a.__setitem__("separate", [True]), "separate has 1 flags"),
         (lambda a: a.__setitem__("started", None), "started is required"),
         (lambda a: a.__setitem__("clip_mul", torch.tensor([1.0])), "given together"),
         (lambda a: a.__setitem__("grads", [g.t() for g in a["grads"][:1]] + a["grads"][1:]),
-         r"shape|strides"),
+         r"master\[0\] has shape \(7, 5\).*grads\[0\] has \(5, 7\)"),
+        (lambda a: a.__setitem__("members", 0), "members must be a positive int"),
     ],
 )
 def test_bad_arguments_raise_in_python_before_any_kernel(change, message, monkeypatch):
@@ -192,27 +208,33 @@ def test_compiled_update_runs_the_kernel_without_breaks_or_recompiles(
 
     scales = set()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        _run_compiled(step, state, eager, params, g, donate, scales)
+        compiled_calls = _run_compiled(step, state, eager, params, g, donate, scales,
+                                       count_kernel_calls)  # fmt: skip
     assert len(scales) >= 3  # skipped steps and growth both moved the scale
     assert counters["stats"]["unique_graphs"] == 1
-    update_calls = [c for c in count_kernel_calls if c in ("sgd_update", "adam_update")]
+    update_calls = [c for c in compiled_calls if c in ("sgd_update", "adam_update")]
     assert len(update_calls) == 20  # the kernel ran on every compiled step
     torch._dynamo.reset()
 
 
-def _run_compiled(step, state, eager, params, g, donate, scales):
+def _run_compiled(step, state, eager, params, g, donate, scales, calls):
+    """20 compiled steps, each checked against the eager one; the compiled steps' kernel calls."""
+    compiled_calls = []
     for i in range(20):
         grads = {k: (torch.randn(v.shape, generator=g) * 50).half() for k, v in params.items()}
         if i in (4, 11):
             grads["w"][0, 0] = float("inf")
         loss = torch.tensor(float("nan") if i == 15 else 1.0)
-        eager = ff.fp16_update(eager, grads, loss=loss, impl="reference")
+        # the same kernel as eager mode, so bitwise the eager default update
+        eager = ff.fp16_update(eager, grads, loss=loss)
         copy = ff._tree.tree_map(torch.clone, state) if donate else state
+        before = len(calls)
         state = step(copy, grads, loss)
+        compiled_calls += calls[before:]
         scales.add(float(state.loss_scale.loss_scale))
-        assert torch.equal(state.grads_finite, eager.grads_finite)
-        assert torch.equal(state.loss_scale.loss_scale, eager.loss_scale.loss_scale)
-        assert torch.equal(state.step, eager.step)
+        for a, b in zip(tree_leaves(state), tree_leaves(eager)):
+            assert torch.equal(bits(a), bits(b))
+    return compiled_calls
 
 
 # ---------------------------------------------------------------------------
@@ -287,6 +309,118 @@ def test_vmap_of_the_op_with_a_shared_learning_rate_and_non_leading_batch_dim():
         alone = one(member(gb, lambda x: x[k]), member(mb, lambda m: m[:, k]),
                     member(tb, lambda t: t[k]), member(pb, lambda p: p[k]), inv[k], apply[k],
                     st[k])  # fmt: skip
-        for batched, single in zip(out[0], alone[0]):
-            assert torch.equal(bits(batched[k]), bits(single))
+        for batched_list, single_list in zip(out[:3], alone[:3]):
+            for batched, single in zip(batched_list, single_list):
+                assert torch.equal(bits(batched[k]), bits(single))
         assert bool(out[3][k]) == bool(alone[3])
+
+
+def test_nested_vmap_is_bitwise_the_members_alone():
+    tx = ff.sgd(0.1, momentum=0.9)
+    outer, inner = 2, 3
+    members = [[ff.fp16_init(_member(3 * i + j), tx) for j in range(inner)] for i in range(outer)]
+    g = torch.Generator().manual_seed(5)
+    grads = [
+        [{k: (torch.randn(v.shape, generator=g) * 30).half() for k, v in m.params.items()}
+         for m in row]
+        for row in members
+    ]  # fmt: skip
+    grads[1][2]["w"][0, 0] = float("inf")
+    stacked = ff.tree_stack([ff.tree_stack(row) for row in members])
+    stacked_grads = ff.tree_stack([ff.tree_stack(row) for row in grads])
+    new = torch.func.vmap(torch.func.vmap(ff.fp16_update))(stacked, stacked_grads)
+    for i, row in enumerate(ff.tree_unstack(new)):
+        for j, mine in enumerate(ff.tree_unstack(row)):
+            alone = ff.fp16_update(members[i][j], grads[i][j])
+            for a, b in zip(tree_leaves(mine), tree_leaves(alone)):
+                assert torch.equal(bits(a), bits(b))
+    assert not bool(new.grads_finite[1, 2]) and bool(new.grads_finite[0, 0])
+
+
+def test_a_state_with_an_empty_leaf_stays_fused_and_vmaps():
+    tx = ff.sgd(0.1, momentum=0.9)
+    members = [ff.fp16_init({"w": torch.randn(5) + k, "e": torch.zeros(3, 0, 4)}, tx) for k in range(2)]
+    assert ff.update_path(members[0]) == "fused"
+    grads = [{"w": torch.randn(5).half(), "e": torch.zeros(3, 0, 4).half()} for _ in members]
+    new = torch.func.vmap(ff.fp16_update)(ff.tree_stack(members), ff.tree_stack(grads))
+    for mine, m, gr in zip(ff.tree_unstack(new), members, grads):
+        for a, b in zip(tree_leaves(mine), tree_leaves(ff.fp16_update(m, gr, impl="reference"))):
+            if a.is_floating_point() and a.numel():
+                torch.testing.assert_close(a, b, rtol=2**-22, atol=0)
+            else:
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", ["c", "generic"])
+def test_nesterov_without_momentum_is_plain_sgd_in_every_kernel(kernel, monkeypatch):
+    if kernel == "generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    grads, master, params = _leaves(torch.float16)
+    s, _ = _scalars()
+    out = sgd_step(grads, master, [], params, [True] * 3, **s, started=None, weight_decay=0.0,
+                   momentum=0.0, dampening=0.0, nesterov=True, members=1)  # fmt: skip
+    for new, m, g in zip(out[0], master, grads):
+        expected = torch.addcmul(m, g.float() * s["inv"][0], s["lr"][0])
+        assert torch.equal(bits(new), bits(expected))
+
+
+def test_a_momentum_that_rounds_to_zero_in_float32_still_keeps_its_buffer():
+    tx = ff.sgd(0.1, momentum=1e-46)  # nonzero, but 0 as a float32
+    state = ff.fp16_init({"w": torch.randn(300)}, tx)
+    assert ff.update_path(state) == "fused"
+    grads = {"w": (torch.randn(300) * 100).half()}
+    new = ff.fp16_update(state, grads)
+    ref = ff.fp16_update(state, grads, impl="reference")
+    new_trace, ref_trace = tree_leaves(new.opt_state), tree_leaves(ref.opt_state)
+    for a, b in zip(new_trace, ref_trace):
+        assert torch.equal(bits(a), bits(b))
+
+
+def test_a_million_groups_do_not_overflow_the_stack():
+    k = 1_200_000  # per-thread partial results live on the heap, not on the stack
+    g = [torch.ones(k, 2, dtype=torch.float16)]
+    peak, sq = grad_stats(g, None, k, k, True)
+    assert peak.shape == (k,) and bool((peak == 1).all()) and bool((sq == 2).all())
+
+
+def test_the_donated_op_refuses_arguments_that_share_memory():
+    grads, master, params = _leaves(torch.float16)
+    s, started = _scalars()
+    with pytest.raises(ValueError, match="share memory"):
+        sgd_step_(grads, master, master, params, [True] * 3, **s, started=started,
+                  **SGD_FLAGS[0], members=1)  # fmt: skip
+    flat = torch.randn(10)
+    views = [flat[:6], flat[4:]]  # overlapping views of one buffer
+    with pytest.raises(ValueError, match="share memory"):
+        sgd_step_([torch.zeros(6).half(), torch.zeros(6).half()], views, [], [], [False] * 2,
+                  **s, started=None, weight_decay=0.0, momentum=0.0, dampening=0.0,
+                  nesterov=False, members=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "entry, change, message",
+    [
+        ("grad_stats", dict(sum_squares=1, sum_sq_out=None), "sum_sq_out is required"),
+        ("sgd_update", dict(clip_mul=None), "clip_div, clip_mul are given together"),
+        ("sgd_update", dict(trace_out=None), "trace, trace_out are given together"),
+        ("sgd_update", dict(params_out=[torch.empty(1000)]), "params_out.0. has dtype"),
+        ("sgd_update", dict(lr=torch.ones(2)), "lr must be contiguous of shape"),
+    ],
+)
+def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, change, message):
+    """Each of these reached C before its check existed (a crash or an out-of-bounds read)."""
+    g, m = [torch.zeros(1000).half()], [torch.zeros(1000)]
+    args = {
+        "grad_stats": dict(grads=g, inv=None, sum_squares=0, threads=1,
+                           peak_out=torch.empty(1), sum_sq_out=None),
+        "sgd_update": dict(grads=g, master=m, trace=[torch.zeros(1000)], params=[m[0].half()],
+                           master_out=[torch.empty(1000)], trace_out=[torch.empty(1000)],
+                           params_out=[torch.empty(1000).half()], inv=None,
+                           clip_div=torch.ones(1), clip_mul=torch.ones(1), lr=torch.ones(1),
+                           apply=torch.ones(1, dtype=torch.bool), started=None,
+                           weight_decay=0.0, momentum=0.9, take_started=1.0, nesterov=0,
+                           threads=1, peak_out=None),
+    }[entry]  # fmt: skip
+    args.update(change)
+    with pytest.raises((TypeError, ValueError), match=message):
+        cpu_kernel.call(entry, n_groups=1, **args)

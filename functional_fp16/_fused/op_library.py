@@ -120,8 +120,12 @@ def _check_group(op: str, name: str, x: Tensor | None, groups: int, dtype, devic
     if not isinstance(x, Tensor) or x.dtype != dtype or x.device != device:
         got = f"{x.dtype} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
         fail(op, f"{name} must be {dtype} on {device}, got {got}", TypeError)
-    if x.shape != (groups,):
-        fail(op, f"{name} must have shape ({groups},) (one per group), got {tuple(x.shape)}")
+    if x.shape != (groups,) or not x.is_contiguous():
+        fail(
+            op,
+            f"{name} must be contiguous of shape ({groups},) (one per group), "
+            f"got shape {tuple(x.shape)} and strides {x.stride()}",
+        )
 
 
 def _check_grads(op: str, grads: list[Tensor], members: int) -> None:
@@ -285,6 +289,20 @@ def _names(spec: StepSpec) -> list[str]:
     return names
 
 
+def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
+    """Refuses written tensors whose memory overlaps another argument's (donation)."""
+    spans = []
+    for name in ["grads", *names]:
+        for i, t in enumerate(a[name]):
+            if t.numel():
+                start = t.data_ptr()
+                spans.append((start, start + t.numel() * t.element_size(), f"{name}[{i}]"))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            fail(op, f"{first} and {second} share memory; the donated step writes in place")
+
+
 def _full(master: list[Tensor], params: list[Tensor], separate: list[bool]) -> list[Tensor]:
     """One working copy per leaf: ``params`` where ``separate``, else the master itself."""
     it = iter(params)
@@ -343,6 +361,7 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
     def donated(*args):
         a = dict(zip(names, args))
         used = _check_step(spec.name + "_", spec, a)
+        _check_disjoint(spec.name + "_", a, ["master", *used, "params"])
         out = {"master": a["master"], **{s: a[s] for s in spec.states}}
         out["params"] = _full(a["master"], a["params"], a["separate"])
         return _run(spec, a, used, out, speculate=False)
@@ -378,32 +397,52 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
-def _batched_first(x: Tensor, dim: int | None, size: int, name: str, mutated: bool) -> Tensor:
-    """``x`` with the vmapped dimension first, its members consecutive blocks."""
+def _batched_first(
+    x: Tensor, dim: int | None, size: int, members: int, name: str, mutated: bool
+) -> Tensor:
+    """``x`` with the vmapped dimension first and merged with the ``members`` it holds.
+
+    The result holds ``size * members`` members as consecutive blocks along its
+    first dimension (a nested ``vmap`` stacks members on members).
+    """
     if dim is None:
         if mutated:
             raise ValueError(
                 f"{NS}: under vmap, {name} is written in place but is not batched; "
                 "batch every state tensor, or use the pure update"
             )
-        return x.unsqueeze(0).expand(size, *x.shape).contiguous()
-    x = x.movedim(dim, 0)
-    if dense(x) and members_outermost(x, size):
+        x = x.unsqueeze(0).expand(size, *x.shape).contiguous()
+    else:
+        x = x.movedim(dim, 0)
+        if not (dense(x) and members_outermost(x, size)):
+            if mutated:
+                raise ValueError(
+                    f"{NS}: under vmap, {name} is written in place but its members are not "
+                    "consecutive blocks of one tensor; use the pure update"
+                )
+            x = x.contiguous()
+    if members == 1:
         return x
-    if mutated:
+    if not mutated:
+        return x.reshape(size * members, *x.shape[2:])
+    try:
+        return x.view(size * members, *x.shape[2:])
+    except RuntimeError as err:
         raise ValueError(
-            f"{NS}: under vmap, {name} is written in place but its members are not "
+            f"{NS}: under nested vmap, {name} is written in place but its members are not "
             "consecutive blocks of one tensor; use the pure update"
-        )
-    return x.contiguous()
+        ) from err
 
 
-def _by_member(x: Tensor, size: int):
-    return x.reshape(size, -1), 0
+def _by_member(out, size: int, members: int):
+    return out.reshape(size, -1), 0
 
 
-def _by_member_all(out, size: int):
+def _by_member_all(out, size: int, members: int):
+    """The functional op's outputs with the vmapped dimension split off again."""
     *lists, finite = out
+    if members > 1:
+        lists = [[x.reshape(size, members, *x.shape[1:]) for x in xs] for xs in lists]
     return (*lists, finite.reshape(size, -1)), (*([0] * len(lists)), 0)
 
 
@@ -413,11 +452,12 @@ def _vmap_rule(op, names, lists, scalars, mutated, outputs):
     def rule(info, in_dims, *args):
         size = info.batch_size
         values, dims = dict(zip(names, args)), dict(zip(names, in_dims))
+        members = values["members"]
         for key in lists:
             xs, ds = values[key], dims[key]
             ds = ds if isinstance(ds, (list, tuple)) else [ds] * len(xs)
             values[key] = [
-                _batched_first(x, d, size, f"{key}[{i}]", key in mutated)
+                _batched_first(x, d, size, members, f"{key}[{i}]", key in mutated)
                 for i, (x, d) in enumerate(zip(xs, ds))
             ]
         for key in scalars:
@@ -427,8 +467,8 @@ def _vmap_rule(op, names, lists, scalars, mutated, outputs):
                 values[key] = x.reshape(-1).contiguous()
         if "groups" in values:
             values["groups"] = values["groups"] * size
-        values["members"] = values["members"] * size
-        return outputs(op(*[values[n] for n in names]), size)
+        values["members"] = members * size
+        return outputs(op(*[values[n] for n in names]), size, members)
 
     return rule
 
@@ -441,7 +481,7 @@ torch.library.register_vmap(
         ("grads",),
         ("inv",),
         (),
-        lambda out, size: ((out[0].reshape(size, -1), out[1].reshape(size, -1)), (0, 0)),
+        lambda out, size, members: ((out[0].reshape(size, -1), out[1].reshape(size, -1)), (0, 0)),
     ),
 )
 

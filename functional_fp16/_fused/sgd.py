@@ -174,7 +174,7 @@ def _kernel_args(a: dict, used: list[str]) -> dict:
         weight_decay=a["weight_decay"],
         momentum=a["momentum"],
         take_started=1.0 - a["dampening"],  # rounded once to float32 by the kernel
-        nesterov=a["nesterov"],
+        nesterov=bool(a["nesterov"]) and on,  # Nesterov needs momentum
     )
 
 
@@ -202,9 +202,8 @@ def _generic(*, members, grads, master, trace, params, master_out, trace_out, pa
                                 clip_mul, k)  # fmt: skip
         if weight_decay != 0.0:
             u = torch.add(u, m, alpha=weight_decay)
-        v = nb = None
-        v = u
-        if momentum != 0.0:
+        v, nb = u, None
+        if trace is not None:  # momentum is on (it may round to 0 in float32)
             on = started[k]
             keep = torch.where(on, momentum, 0.0).float()
             old = op_library.member(trace[leaf], b, members)

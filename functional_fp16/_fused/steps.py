@@ -170,7 +170,8 @@ def _decision_inputs(g, inv, decision, clipping: bool):
     decision, and the sum of squares the clipping norm.
     """
     if not clipping and decision.agree is None:
-        return None, _one(decision.require), None
+        require = decision.require
+        return None, None if require is None else _one(require.to(g[0].device)), None
     peak, sum_sq = grad_stats(g, _one(inv), 1, 1, clipping)
     finite = decision(torch.isfinite(peak if inv is None else peak * inv).reshape(()))
     clip = None

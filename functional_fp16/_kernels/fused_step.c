@@ -40,6 +40,7 @@
  * its own.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -234,23 +235,33 @@ void ff_grad_stats(int64_t n_leaves, int64_t n_groups, void *const *grads, const
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
     const int64_t per_group = n_leaves / n_groups;
-    float *peak = (float *)calloc((size_t)n_groups, sizeof(float));
-    double *sq = (double *)calloc((size_t)n_groups, sizeof(double));
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak[:n_groups]) \
-    reduction(+ : sq[:n_groups])
+    const int nt = threads > 0 ? threads : 1;
+    /* One row of partial results per thread, on the heap (an OpenMP array
+     * reduction would put n_groups values per thread on the stack). */
+    float *peak = (float *)calloc((size_t)(nt * n_groups), sizeof(float));
+    double *sq = (double *)calloc((size_t)(nt * n_groups), sizeof(double));
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int64_t grp = c->leaf / per_group;
+        const int64_t row = (int64_t)omp_get_thread_num() * n_groups + grp;
         const int dt = gdt[c->leaf];
         const char *x = (const char *)grads[c->leaf] + c->start * dt_size(dt);
         float v = peak_value(peak_bits(x, c->len, dt), dt);
-        peak[grp] = v > peak[grp] ? v : peak[grp];
-        if (want_sq) sq[grp] += sum_squares(x, c->len, dt, inv ? inv[grp] : 1.0f);
+        peak[row] = v > peak[row] ? v : peak[row];
+        if (want_sq) sq[row] += sum_squares(x, c->len, dt, inv ? inv[grp] : 1.0f);
     }
     free(chunks);
     for (int64_t k = 0; k < n_groups; ++k) {
-        peak_out[k] = peak[k];
-        if (want_sq) sq_out[k] = sq[k];
+        float top = 0.0f;
+        double total = 0.0;
+        for (int t = 0; t < nt; ++t) { /* in thread order: the same sum every call */
+            const float v = peak[t * n_groups + k];
+            top = v > top ? v : top;
+            total += sq[t * n_groups + k];
+        }
+        peak_out[k] = top;
+        if (want_sq) sq_out[k] = total;
     }
     free(peak);
     free(sq);
@@ -319,7 +330,8 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
  * master). Per-group scalars read through pointers: inv (NULL: 1), clip_div
  * and clip_mul (NULL: no clipping), lr; apply and started are bools (started
  * NULL: no momentum); take_started is fl32(1 - dampening), rounded once from
- * the exact difference.
+ * the exact difference. Momentum is on iff b is given (the momentum value
+ * may round to 0 in float32); Nesterov only with momentum.
  *
  * apply NULL: a speculative pure step, applied whatever the gradients;
  * peak_out then receives each group's largest gradient magnitude
@@ -344,30 +356,32 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
         h->clip_mul = h->clip ? clip_mul[k] : 1.0f;
         h->decay = weight_decay != 0.0f;
         h->wd = weight_decay;
-        h->momentum = momentum != 0.0f;
+        h->momentum = b != NULL; /* the momentum buffers are given iff momentum is on */
         h->mu = momentum;
         const int has_started = started ? started[k] != 0 : 0;
         /* the first buffer is the gradient itself: b * 0 + u * 1 */
         h->keep = has_started ? momentum : 0.0f;
         h->take = has_started ? take_started : 1.0f;
-        h->nesterov = nesterov != 0;
+        h->nesterov = nesterov != 0 && h->momentum; /* Nesterov needs momentum */
         h->factor = lr[k];
     }
-    float *peak = (float *)calloc((size_t)n_groups, sizeof(float));
+    const int nt = threads > 0 ? threads : 1;
+    float *peak = (float *)calloc((size_t)(nt * n_groups), sizeof(float)); /* a row per thread */
 
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(max : peak[:n_groups])
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int l = c->leaf;
         const int64_t grp = l / per_group;
+        const int64_t row = (int64_t)omp_get_thread_num() * n_groups + grp;
         const Hyper *h = &hs[grp];
         const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         const int p_is_master = po[l] == (void *)mo[l];
         if (want_peak) {
             float v = peak_value(peak_bits((const char *)g[l] + c->start * gs, c->len, gd), gd);
-            peak[grp] = v > peak[grp] ? v : peak[grp];
+            peak[row] = v > peak[row] ? v : peak[row];
         }
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
@@ -409,7 +423,11 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
     }
     free(chunks);
     if (want_peak)
-        for (int64_t k = 0; k < n_groups; ++k) peak_out[k] = peak[k];
+        for (int64_t k = 0; k < n_groups; ++k) {
+            float top = 0.0f;
+            for (int t = 0; t < nt; ++t) top = peak[t * n_groups + k] > top ? peak[t * n_groups + k] : top;
+            peak_out[k] = top;
+        }
     free(peak);
     free(go);
     free(hs);

@@ -54,15 +54,18 @@ class Arg(NamedTuple):
     dtypes: tuple[torch.dtype, ...] = ()  # allowed dtypes ("leaves", "group")
     optional: bool = False  # None allowed ("group": a NULL pointer)
     of: str = ""  # "numel"/"codes": the leaves argument it is derived from
-    like: str = ""  # "leaves": each tensor has the numel of this argument's tensors
+    like: str = ""  # "leaves": each tensor has the shape and strides of this argument's
+    same_dtype: str = ""  # "leaves": each tensor has the dtype of this argument's tensors
     written: bool = False  # the kernel writes it
 
 
 class Signature(NamedTuple):
-    """A C entry point: its symbol and its declared arguments."""
+    """A C entry point: its symbol, its declared arguments and how they depend on each other."""
 
     symbol: str
     args: tuple[Arg, ...]
+    together: tuple[tuple[str, ...], ...] = ()  # optional arguments given all or none
+    needs: tuple[tuple[str, str], ...] = ()  # (a, b): when a is given (or true), b is required
 
     def argtypes(self) -> list[Any]:
         """The ctypes argument types, derived from the declaration."""
@@ -82,9 +85,15 @@ class Signature(NamedTuple):
 
 
 def _leaves(
-    name: str, *, dtypes=F32, like: str = "grads", written: bool = False, optional=False
+    name: str,
+    *,
+    dtypes=F32,
+    like: str = "grads",
+    written: bool = False,
+    optional=False,
+    same_dtype: str = "",
 ) -> Arg:
-    return Arg(name, "leaves", dtypes, optional=optional, like=like, written=written)
+    return Arg(name, "leaves", dtypes, optional, "", like, same_dtype, written)
 
 
 def _group(name: str, dtype: torch.dtype, *, optional: bool = False, written=False) -> Arg:
@@ -111,6 +120,7 @@ SIGNATURES: dict[str, Signature] = {
             _group("peak_out", torch.float32, written=True),
             _group("sum_sq_out", torch.float64, optional=True, written=True),
         ),
+        needs=(("sum_squares", "sum_sq_out"),),
     ),
     "sgd_update": Signature(
         "ff_sgd_update",
@@ -121,7 +131,7 @@ SIGNATURES: dict[str, Signature] = {
             _leaves("params", dtypes=STORED),
             _leaves("master_out", written=True),
             _leaves("trace_out", written=True, optional=True),
-            _leaves("params_out", dtypes=STORED, written=True),
+            _leaves("params_out", dtypes=STORED, written=True, same_dtype="params"),
             Arg("numel", "numel", of="grads"),
             Arg("grads_codes", "codes", of="grads"),
             Arg("params_codes", "codes", of="params_out"),
@@ -135,6 +145,7 @@ SIGNATURES: dict[str, Signature] = {
             Arg("threads", "int"),
             _group("peak_out", torch.float32, optional=True, written=True),
         ),
+        together=(("clip_div", "clip_mul"), ("trace", "trace_out")),
     ),
     "keep_unless": Signature(
         "ff_keep_unless",
@@ -144,12 +155,13 @@ SIGNATURES: dict[str, Signature] = {
             _leaves("params", dtypes=STORED, like="master"),
             _leaves("master_out", like="master", written=True),
             _leaves("trace_out", like="master", written=True, optional=True),
-            _leaves("params_out", dtypes=STORED, like="master", written=True),
+            _leaves("params_out", dtypes=STORED, like="master", written=True, same_dtype="params"),
             Arg("numel", "numel", of="master"),
             Arg("params_codes", "codes", of="params_out"),
             _group("apply", torch.bool),
             Arg("threads", "int"),
         ),
+        together=(("trace", "trace_out"),),
     ),
     "adam_update": Signature(
         "ff_adam_update",
@@ -162,7 +174,7 @@ SIGNATURES: dict[str, Signature] = {
             _leaves("master_out", written=True),
             _leaves("mu_out", written=True),
             _leaves("nu_out", written=True),
-            _leaves("params_out", dtypes=STORED, written=True),
+            _leaves("params_out", dtypes=STORED, written=True, same_dtype="params"),
             Arg("numel", "numel", of="grads"),
             Arg("grads_codes", "codes", of="grads"),
             Arg("params_codes", "codes", of="params_out"),
@@ -178,6 +190,7 @@ SIGNATURES: dict[str, Signature] = {
             Arg("decoupled", "float"),
             Arg("threads", "int"),
         ),
+        together=(("clip_div", "clip_mul"),),
     ),
 }
 """Every entry point of ``fused_step.c``. The C prototypes follow this order."""
@@ -185,6 +198,8 @@ SIGNATURES: dict[str, Signature] = {
 
 def dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers its storage span exactly, in some order of dimensions."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
         if size == 1:
@@ -213,7 +228,12 @@ def _check_leaves(
     if len(value) != n_leaves:
         raise ValueError(f"{where} has {len(value)} tensors, expected {n_leaves} (one per leaf)")
     ref = kw[arg.like] if arg.like else None
+    twin = kw[arg.same_dtype] if arg.same_dtype else None
     for i, t in enumerate(value):
+        if twin is not None and t.dtype != twin[i].dtype:
+            raise TypeError(
+                f"{where}[{i}] has dtype {t.dtype}, but {arg.same_dtype}[{i}] has {twin[i].dtype}"
+            )
         if t.device.type != "cpu":
             raise ValueError(f"{where}[{i}] is on {t.device}; the C kernel takes CPU tensors")
         if t.dtype not in arg.dtypes:
@@ -293,6 +313,13 @@ def pack(sig: Signature, *, n_groups: int, members: int = 1, **kw: Any) -> Packe
             f"{sig.symbol}: {members} member(s) of {n_leaves} leaves do not split into "
             f"{n_groups} groups"
         )
+    for names in sig.together:
+        given = [n for n in names if kw[n] is not None]
+        if given and len(given) != len(names):
+            raise TypeError(f"{sig.symbol}: {', '.join(names)} are given together or not at all")
+    for a, b in sig.needs:
+        if kw[a] not in (None, 0, False) and kw[b] is None:
+            raise TypeError(f"{sig.symbol}: {b} is required when {a} is given")
     out = Packed()
     out.args = [n_leaves * members, n_groups]
     for arg in sig.args:

@@ -536,7 +536,7 @@ class _Checker:
 
     def both_or_neither(self, a: str, b: str) -> None:
         if (self.kw[a] is None) != (self.kw[b] is None):
-            self.fail(f"{a} and {b} must both be given (clipping) or both be None")
+            self.fail(f"{a} and {b} must both be given or both be None")
 
     def working_copies(self) -> list[bool]:
         """Per leaf: whether its working copy is its master (params_out aliases master_out)."""
@@ -761,7 +761,9 @@ def sgd_update(
     ``inv`` (float32 or ``None``), ``clip_div``/``clip_mul`` (float32, both or
     neither), ``lr`` (float32, the signed step factor), ``apply`` (bool, required:
     no speculative step) and ``started`` (bool; ``None`` counts as not started).
-    ``trace``/``trace_out`` are required with momentum and ignored without.
+    Momentum is on iff ``trace`` and ``trace_out`` are given (as in the C
+    kernel: a momentum that rounds to 0 in float32 is still momentum);
+    ``nesterov`` only counts with momentum.
     ``take_started`` is ``1 - dampening``. A leaf whose ``params_out`` is its
     ``master_out`` has no separate working copy. Outputs may be the inputs. One
     launch per (gradient dtype, working-copy dtype, working copy is master).
@@ -789,9 +791,8 @@ def sgd_update(
     if apply is None:
         check.fail("apply is required (the CUDA kernel runs decided steps only)", TypeError)
     check.both_or_neither("clip_div", "clip_mul")
-    has_momentum = _f32(momentum) != 0.0
-    if has_momentum and (trace is None or trace_out is None):
-        check.fail("trace and trace_out are required with momentum", TypeError)
+    check.both_or_neither("trace", "trace_out")
+    has_momentum = trace is not None
     is_master = check.working_copies()
     sizes = _sizes()
     keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
