@@ -458,7 +458,7 @@ def _check_bad_inputs(ts) -> None:
         ("apply", dict(apply=torch.ones(3, dtype=torch.bool, device="meta")), ValueError),
         ("apply", dict(apply=None), TypeError),
         ("clip_div", dict(clip_mul=None), ValueError),
-        ("trace", dict(trace=None), TypeError),
+        ("trace", dict(trace=None), ValueError),  # without trace_out: both or neither
         ("weight_decay", dict(weight_decay="0.1"), TypeError),
         ("params_out[0]", dict(params_out=cut("params_out", 0, torch.zeros(300))), TypeError),
         ("groups", dict(n_groups=4), ValueError),

@@ -351,9 +351,13 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
     def functional(*args):
         a = dict(zip(names, args))
         used = _check_step(spec.name, spec, a)
-        out = {"master": fresh_like(a["master"])}
-        out.update({s: fresh_like(a[s]) if s in used else [] for s in spec.states})
-        fresh_params = fresh_like(a["params"])
+        # One request for every output: the pool then keeps the dropped state's
+        # buffers (as many as this step takes) for the next step.
+        written = ["master", *[s for s in spec.states if s in used], "params"]
+        fresh = iter(fresh_like([x for n in written for x in a[n]]))
+        out = {n: [next(fresh) for _ in a[n]] for n in written}
+        out.update({s: [] for s in spec.states if s not in used})
+        fresh_params = out["params"]
         out["params"] = _full(out["master"], fresh_params, a["separate"])
         finite = _run(spec, a, used, out, speculate=True)
         return (out["master"], *[out[s] for s in spec.states], fresh_params, finite)
