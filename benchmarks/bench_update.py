@@ -13,7 +13,12 @@ FP32 parameters, without and with global-norm clipping
 row's first call in the process; the one-off build of the CPU kernel (once
 per machine, then cached on disk) is timed separately.
 
-The second table, **peers**, adds the other ways of doing the step:
+The second table, **compiled**, runs ``torch.compile(fp16_update,
+fullgraph=True)`` next to the eager update it should match (pure and
+donated; the compiled step calls the same fused op), with GradScaler +
+``SGD(fused=True)`` as the yardstick; ``--tables compiled`` runs it alone.
+
+The third table, **peers**, adds the other ways of doing the step:
 
 =========================  ==========================================================
 row                        what one step does
@@ -380,6 +385,19 @@ def default_rows(clip: bool) -> list[Callable[..., Row]]:
     ]
 
 
+def compiled_rows() -> list[Callable[..., Row]]:
+    """The compiled table: the update under ``torch.compile`` next to eager mode."""
+    return [
+        lambda p, g: FP16Update(p, g, name="fp16_update eager (pure)"),
+        lambda p, g: FP16Update(p, g, compiled=True, name="fp16_update compiled (pure)"),
+        lambda p, g: FP16Update(p, g, donate=True, name="fp16_update eager donated"),
+        lambda p, g: FP16Update(
+            p, g, compiled=True, donate=True, name="fp16_update compiled donated"
+        ),
+        lambda p, g: GradScalerSGD(p, g, fused=True, name="GradScaler+SGD(fused) FP32"),
+    ]
+
+
 def peer_rows(n_params: int) -> list[Callable[..., Row]]:
     """The second table: bandwidth yardsticks and every other way of doing the step."""
     rows: list[Callable[..., Row]] = [
@@ -555,6 +573,25 @@ def default_table(label, n, n_tensors, results) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(label, n, n_tensors, results) -> str:
+    """Compiled against eager: each compiled row over its eager twin, and against GradScaler."""
+    lines = [
+        f"### {label}: {n:,} parameters in {n_tensors} tensors",
+        "",
+        "| row | ms | compiled vs eager | time vs GradScaler + SGD(fused) | first call |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    by_name = {name: t for name, t, *_ in results}
+    fused = by_name["GradScaler+SGD(fused) FP32"]
+    for name, t, _bpp, _bw, _mem, first in results:
+        twin = name.replace("compiled", "eager")
+        ratio = f"{t / by_name[twin]:.2f}x" if "compiled" in name else ""
+        lines.append(
+            f"| {name} | {t * 1e3:.2f} | {ratio} | {t / fused:.2f}x | {first * 1e3:.0f} ms |"
+        )
+    return "\n".join(lines)
+
+
 def peer_table(label, n, n_tensors, results) -> str:
     lines = [
         f"### {label}: {n:,} parameters in {n_tensors} tensors",
@@ -595,7 +632,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tune-malloc", action="store_true", help="raise glibc's malloc thresholds first"
     )
-    ap.add_argument("--no-peers", action="store_true", help="only the default table")
+    ap.add_argument("--no-peers", action="store_true", help="no peers table")
+    ap.add_argument(
+        "--tables",
+        default="default,compiled,peers",
+        help="comma-separated tables to run: default, compiled, peers",
+    )
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
 
@@ -615,7 +657,10 @@ def main(argv=None) -> int:
         )
     md.append("")
     failed = False
-    tables: dict[str, list[str]] = {"default": [], "peers": []}
+    tables: dict[str, list[str]] = {"default": [], "compiled": [], "peers": []}
+    wanted_tables = {t.strip() for t in args.tables.split(",")}
+    if args.no_peers:
+        wanted_tables.discard("peers")
     for label, shapes in all_trees.items():
         if label in ("example CNN", "small tree"):
             md.append(
@@ -630,9 +675,12 @@ def main(argv=None) -> int:
         if args.smoke:
             continue
         n = sum(math.prod(s) for s in shapes.values())
-        groups = [("default", default_rows(False) + default_rows(True), default_table)]
-        if not args.no_peers:
-            groups.append(("peers", peer_rows(n), peer_table))
+        groups = [
+            ("default", default_rows(False) + default_rows(True), default_table),
+            ("compiled", compiled_rows(), compiled_table),
+            ("peers", peer_rows(n), peer_table),
+        ]
+        groups = [g for g in groups if g[0] in wanted_tables]
         for group, makers, table in groups:
             print(f"[bench] {label}: {group} ...", file=sys.stderr, flush=True)
             n, results, interleaved = bench_tree(
@@ -642,6 +690,8 @@ def main(argv=None) -> int:
             tables[group] += [table(label, n, len(shapes), results), "", f"(rows {how})", ""]
             C.release_free_memory()
     md += ["## Default: the update as users call it", ""] + tables["default"]
+    md += ["## Compiled: `torch.compile(fp16_update, fullgraph=True)` next to eager", ""]
+    md += tables["compiled"]
     md += ["## Peers", ""] + tables["peers"]
     md.append(f"load average at the end: {C.machine_description()['load average (1, 5, 15 min)']}")
     text = "\n".join(md)

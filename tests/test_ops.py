@@ -419,7 +419,7 @@ def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, chang
                            clip_div=torch.ones(1), clip_mul=torch.ones(1), lr=torch.ones(1),
                            apply=torch.ones(1, dtype=torch.bool), started=None,
                            weight_decay=0.0, momentum=0.9, take_started=1.0, nesterov=0,
-                           threads=1, peak_out=None),
+                           threads=1, require=None, decided_out=None),
     }[entry]  # fmt: skip
     args.update(change)
     with pytest.raises((TypeError, ValueError), match=message):

@@ -288,7 +288,7 @@ def _compare_step(cpu, ts, entry: str, state: _State, scalars: dict, hyper: dict
             if entry == "sgd_update" and hyper["momentum"] == 0.0:
                 kw["trace"] = kw["trace_out"] = None
             if kernel == "c":
-                extra = {"peak_out": None} if entry == "sgd_update" else {}
+                extra = {"require": None, "decided_out": None} if entry == "sgd_update" else {}
                 cpu.call(entry, n_groups=n_groups, threads=1, **extra, **kw)
             else:
                 before = ts.launch_counts[entry]

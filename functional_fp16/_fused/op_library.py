@@ -262,8 +262,10 @@ class StepSpec(NamedTuple):
     check: Callable[[str, dict], list[str]]  # optimiser checks; returns the states in use
     kernel_args: Callable[[dict, list[str]], dict]  # op arguments -> the kernel's keywords
     generic: Callable[..., None]  # the plain PyTorch kernel (the kernel's keywords + members)
-    c_extra: dict[str, Any] = {}  # keywords only the C entry takes (e.g. peak_out=None)
-    undo: Callable[[dict, Tensor, int, int], None] | None = None  # C: undo a speculative step
+    c_extra: dict[str, Any] = {}  # keywords only the C entry takes, as a decided step passes them
+    # The C entry can run a pure step before its decision: apply=None, then it decides
+    # (require, decided_out) and undoes the groups that skip, in the same call.
+    speculative: bool = False
 
 
 def _schema(spec: StepSpec, donated: bool) -> str:
@@ -321,12 +323,11 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
     kernel = kernel_for(a["grads"][0].device)
     inputs = {**a, "params": _full(a["master"], a["params"], a["separate"])}
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
-    if kernel == "c" and speculate and spec.undo is not None and a["apply"] is None:
-        peak = torch.empty(groups, dtype=torch.float32)
+    if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
+        finite = torch.empty(groups, dtype=torch.bool)
         c_kernel.call(spec.entry, n_groups=groups, members=members, apply=None,
-                      threads=_threads(), **{**spec.c_extra, "peak_out": peak}, **kw)  # fmt: skip
-        finite = _finite(peak, a["inv"], a["require"])
-        spec.undo(kw, finite, groups, members)
+                      threads=_threads(), **{**spec.c_extra, "require": a["require"],
+                      "decided_out": finite}, **kw)  # fmt: skip
         return finite
     if a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]

@@ -37,7 +37,6 @@ from functional_fp16._fused import op_library
 from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_at
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
-from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.clipping import ClipSpec
 from functional_fp16.sgd import (
@@ -178,13 +177,6 @@ def _kernel_args(a: dict, used: list[str]) -> dict:
     )
 
 
-def _undo(kw: dict, finite: Tensor, groups: int, members: int) -> None:
-    """Copies the old state over a speculative step's outputs in the groups that skip."""
-    keep = {k: kw[k] for k in ("master", "trace", "params", "master_out", "trace_out")}
-    c_kernel.call("keep_unless", n_groups=groups, members=members, params_out=kw["params_out"],
-                  apply=finite, threads=torch.get_num_threads(), **keep)  # fmt: skip
-
-
 def _generic(*, members, grads, master, trace, params, master_out, trace_out, params_out, inv,
              clip_div, clip_mul, lr, apply, started, weight_decay, momentum, take_started,
              nesterov) -> None:  # fmt: skip
@@ -229,8 +221,8 @@ SPEC = StepSpec(
     check=_check,
     kernel_args=_kernel_args,
     generic=_generic,
-    c_extra={"peak_out": None},
-    undo=_undo,
+    c_extra={"require": None, "decided_out": None},
+    speculative=True,
 )
 
 sgd_step, sgd_step_ = define_step(

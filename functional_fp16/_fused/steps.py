@@ -90,28 +90,33 @@ def _optimizer_plan(state) -> tuple[Fusable | None, Any, list[list[torch.Tensor]
     return None, None, []
 
 
-def why_not_fused(state) -> str | None:
-    """Why ``state`` cannot take the fused op (``None``: it can). Reads metadata only."""
+def _examine(state) -> tuple[str | None, FusedPlan | None]:
+    """``(why not, plan)``: the reason ``state`` cannot take the fused op, or its plan."""
     if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
-        return "a loss scale of another type"
-    if all(f.plan(state.tx) is None for f in _FUSABLE):
-        return "an optimiser that is not a fusable chain"
-    fusable, _, buffers = _optimizer_plan(state)
+        return "a loss scale of another type", None
+    fusable, plan, buffers = _optimizer_plan(state)
     if fusable is None:
-        return "an optimiser state of another layout"
+        if all(f.plan(state.tx) is None for f in _FUSABLE):
+            return "an optimiser that is not a fusable chain", None
+        return "an optimiser state of another layout", None
     masters = tree_flatten(state.master)[0]
     if any(m.device != masters[0].device for m in masters):
-        return "tensors on several devices"
+        return "tensors on several devices", None
     params = tree_flatten(state.params)[0]
     for i, (m, p) in enumerate(zip(masters, params)):
         own = [b[i] for b in buffers]
         if m.dtype != torch.float32 or any(b.dtype != torch.float32 for b in own):
-            return "a master or optimiser state that is not float32"
+            return "a master or optimiser state that is not float32", None
         if p.dtype not in DTYPE_CODES:
-            return f"a working copy of dtype {p.dtype}"
+            return f"a working copy of dtype {p.dtype}", None
         if not dense(m) or any(t.stride() != m.stride() or t.shape != m.shape for t in [p, *own]):
-            return "state tensors that are not dense with one layout"
-    return None
+            return "state tensors that are not dense with one layout", None
+    return None, FusedPlan(fusable, plan, tuple(p.dtype != torch.float32 for p in params))
+
+
+def why_not_fused(state) -> str | None:
+    """Why ``state`` cannot take the fused op (``None``: it can). Reads metadata only."""
+    return _examine(state)[0]
 
 
 def fused_plan(state) -> FusedPlan | None:
@@ -121,11 +126,7 @@ def fused_plan(state) -> FusedPlan | None:
     leaves' dtypes, shapes and strides); plans of transforms are cached by
     the transforms' declared values.
     """
-    if why_not_fused(state) is not None:
-        return None
-    params = tree_flatten(state.params)[0]
-    fusable, plan, _ = _optimizer_plan(state)
-    return FusedPlan(fusable, plan, tuple(p.dtype != torch.float32 for p in params))
+    return _examine(state)[1]
 
 
 def _lr_factor(plan, opt_state, like: torch.Tensor):

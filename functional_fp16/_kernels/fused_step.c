@@ -11,8 +11,9 @@
  *                   largest magnitude (+inf if any element is inf or NaN) and,
  *                   when asked, the sum of squares of the unscaled gradients.
  *   ff_sgd_update   one pass that reads gradient, master and momentum once and
- *                   writes master, momentum and the working copy once.
- *   ff_keep_unless  undoes a speculative ff_sgd_update in the groups that skip.
+ *                   writes master, momentum and the working copy once; a pure
+ *                   step may run before its decision, which it then makes
+ *                   itself and undoes where the group skips.
  *   ff_adam_update  the same single pass for Adam/AdamW.
  *
  * Scalars that live in tensors (the skip flags, 1/scale, the learning rates,
@@ -323,6 +324,33 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
 #undef SGD_CASE
 }
 
+/* Undoes a speculative pure step of ff_sgd_update in every group
+ * whose apply[k] is false: copies the old master, momentum (b may be NULL) and
+ * working copy over the outputs, bit for bit. Applied groups are not touched. */
+static void keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, float *const *b,
+                    void *const *p, float *const *mo, float *const *bo, void *const *po,
+                        const int64_t *numel, const int32_t *pdt, const uint8_t *apply,
+                        int32_t threads) {
+    int any_skip = 0;
+    for (int64_t k = 0; k < n_groups; ++k) any_skip |= apply[k] == 0;
+    if (!any_skip) return;
+    const int64_t per_group = n_leaves / n_groups;
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf, ps = dt_size(pdt[l]);
+        if (apply[l / per_group]) continue;
+        const int64_t s = c->start, n = c->len;
+        memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
+        if (b) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
+        if (po[l] != (void *)mo[l])
+            memcpy((char *)po[l] + s * ps, (const char *)p[l] + s * ps, (size_t)(n * ps));
+    }
+    free(chunks);
+}
+
 /* Pointers per leaf: g (grad, dtype gdt), m (master, f32), b (momentum, f32;
  * unused without momentum), p (old working copy, dtype pdt; read only for a
  * skipped pure step), and the outputs mo, bo, po (equal to m, b, p when
@@ -333,17 +361,19 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
  * the exact difference. Momentum is on iff b is given (the momentum value
  * may round to 0 in float32); Nesterov only with momentum.
  *
- * apply NULL: a speculative pure step, applied whatever the gradients;
- * peak_out then receives each group's largest gradient magnitude
- * (ff_grad_stats's value) and ff_keep_unless undoes the groups that skip. */
+ * apply NULL: a speculative pure step (fresh outputs), applied whatever the
+ * gradients while it finds each group's largest gradient magnitude; then
+ * decided_out[k] = isfinite(fl32(peak_k * inv[k])) && require[k] (require NULL:
+ * true), the decision grads_finite makes, and the groups that skip get their
+ * old state copied back (keep_unless). apply given: decided_out is NULL. */
 void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                    float *const *b, void *const *p, float *const *mo, float *const *bo,
                    void *const *po, const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
                    const float *inv, const float *clip_div, const float *clip_mul,
-                   const float *lr, const uint8_t *apply, const uint8_t *started,
-                   float weight_decay, float momentum, float take_started, int32_t nesterov,
-                   int32_t threads, float *peak_out) {
-    const int want_peak = peak_out != NULL;
+                   const float *lr, const uint8_t *apply, const uint8_t *require,
+                   const uint8_t *started, float weight_decay, float momentum,
+                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out) {
+    const int want_peak = apply == NULL;
     const int64_t per_group = n_leaves / n_groups;
     Hyper *hs = (Hyper *)malloc((size_t)n_groups * sizeof(Hyper));
     uint8_t *go = (uint8_t *)malloc((size_t)n_groups);
@@ -422,42 +452,18 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
         stream_fence(); /* each thread orders its own streaming stores */
     }
     free(chunks);
-    if (want_peak)
+    if (want_peak) {
         for (int64_t k = 0; k < n_groups; ++k) {
             float top = 0.0f;
             for (int t = 0; t < nt; ++t) top = peak[t * n_groups + k] > top ? peak[t * n_groups + k] : top;
-            peak_out[k] = top;
+            const float scaled = inv ? top * inv[k] : top; /* fl32, as torch multiplies */
+            decided_out[k] = isfinite(scaled) && (require == NULL || require[k] != 0);
         }
+        keep_unless(n_leaves, n_groups, m, b, p, mo, bo, po, numel, pdt, decided_out, nt);
+    }
     free(peak);
     free(go);
     free(hs);
-}
-
-/* Undoes a speculative pure step (ff_sgd_update with apply NULL) in every group
- * whose apply[k] is false: copies the old master, momentum (b may be NULL) and
- * working copy over the outputs, bit for bit. Applied groups are not touched. */
-void ff_keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, float *const *b,
-                    void *const *p, float *const *mo, float *const *bo, void *const *po,
-                    const int64_t *numel, const int32_t *pdt, const uint8_t *apply,
-                    int32_t threads) {
-    int any_skip = 0;
-    for (int64_t k = 0; k < n_groups; ++k) any_skip |= apply[k] == 0;
-    if (!any_skip) return;
-    const int64_t per_group = n_leaves / n_groups;
-    int64_t n_chunks;
-    Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t k = 0; k < n_chunks; ++k) {
-        const Chunk *c = &chunks[k];
-        const int l = c->leaf, ps = dt_size(pdt[l]);
-        if (apply[l / per_group]) continue;
-        const int64_t s = c->start, n = c->len;
-        memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
-        if (b) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
-        if (po[l] != (void *)mo[l])
-            memcpy((char *)po[l] + s * ps, (const char *)p[l] + s * ps, (size_t)(n * ps));
-    }
-    free(chunks);
 }
 
 /* ------------------------------------------------------------------------ */

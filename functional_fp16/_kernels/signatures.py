@@ -66,6 +66,7 @@ class Signature(NamedTuple):
     args: tuple[Arg, ...]
     together: tuple[tuple[str, ...], ...] = ()  # optional arguments given all or none
     needs: tuple[tuple[str, str], ...] = ()  # (a, b): when a is given (or true), b is required
+    one_of: tuple[tuple[str, str], ...] = ()  # (a, b): exactly one of the two is given
 
     def argtypes(self) -> list[Any]:
         """The ctypes argument types, derived from the declaration."""
@@ -136,32 +137,18 @@ SIGNATURES: dict[str, Signature] = {
             Arg("grads_codes", "codes", of="grads"),
             Arg("params_codes", "codes", of="params_out"),
             *_STEP_SCALARS,
-            _group("apply", torch.bool, optional=True),
+            _group("apply", torch.bool, optional=True),  # None: decide after a speculative step
+            _group("require", torch.bool, optional=True),
             _group("started", torch.bool, optional=True),
             Arg("weight_decay", "float"),
             Arg("momentum", "float"),
             Arg("take_started", "float"),
             Arg("nesterov", "int"),
             Arg("threads", "int"),
-            _group("peak_out", torch.float32, optional=True, written=True),
+            _group("decided_out", torch.bool, optional=True, written=True),
         ),
         together=(("clip_div", "clip_mul"), ("trace", "trace_out")),
-    ),
-    "keep_unless": Signature(
-        "ff_keep_unless",
-        (
-            _leaves("master", like="master"),
-            _leaves("trace", like="master", optional=True),
-            _leaves("params", dtypes=STORED, like="master"),
-            _leaves("master_out", like="master", written=True),
-            _leaves("trace_out", like="master", written=True, optional=True),
-            _leaves("params_out", dtypes=STORED, like="master", written=True, same_dtype="params"),
-            Arg("numel", "numel", of="master"),
-            Arg("params_codes", "codes", of="params_out"),
-            _group("apply", torch.bool),
-            Arg("threads", "int"),
-        ),
-        together=(("trace", "trace_out"),),
+        one_of=(("apply", "decided_out"),),
     ),
     "adam_update": Signature(
         "ff_adam_update",
@@ -198,7 +185,7 @@ SIGNATURES: dict[str, Signature] = {
 
 def dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers its storage span exactly, in some order of dimensions."""
-    if t.numel() == 0:
+    if t.is_contiguous() or t.numel() == 0:
         return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
@@ -320,6 +307,9 @@ def pack(sig: Signature, *, n_groups: int, members: int = 1, **kw: Any) -> Packe
     for a, b in sig.needs:
         if kw[a] not in (None, 0, False) and kw[b] is None:
             raise TypeError(f"{sig.symbol}: {b} is required when {a} is given")
+    for a, b in sig.one_of:
+        if (kw[a] is None) == (kw[b] is None):
+            raise TypeError(f"{sig.symbol}: give exactly one of {a} and {b}")
     out = Packed()
     out.args = [n_leaves * members, n_groups]
     for arg in sig.args:
