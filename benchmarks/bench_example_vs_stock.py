@@ -14,7 +14,10 @@ own process (so that process-wide settings of one, such as the example's
   ``SGD(lr=0.001, momentum=0.9)``, channels-last batches;
 * **stock + tune_malloc** (CPU only): the same, in a process whose glibc
   thresholds were raised as the example raises them, to show what of the
-  difference is the allocator.
+  difference is the allocator;
+* **example, compiled** (``--compiled``): the example's ``--compile``, its
+  train step under ``torch.compile(fullgraph=True)``; the warm-up steps
+  absorb the cold compile, whose time (the first call) is reported apart.
 
 The two workers take turns, ``--rounds`` times: each round runs ``--steps``
 timed steps after ``--warmup`` untimed ones and reports images/s. Printed:
@@ -41,7 +44,7 @@ sys.path.insert(1, ROOT)
 sys.path.insert(2, os.path.dirname(os.path.abspath(__file__)))
 
 
-SIDES = ("example", "stock", "stock-tuned")
+SIDES = ("example", "stock", "stock-tuned", "example-compiled")
 
 
 def _load(args):
@@ -65,7 +68,7 @@ def worker(args) -> None:
     data = _load(args)
     device = torch.device(args.device)
     batch = 128
-    if args.side == "example":
+    if args.side in ("example", "example-compiled"):
         import cifar10_functional as example
 
         argv = ["--device", args.device]
@@ -79,6 +82,8 @@ def worker(args) -> None:
         images = example.to_device_images(data.train.images, device)
         labels = data.train.labels.to(device)
         step_fn = example.make_train_step(model, policy)
+        if args.side == "example-compiled":
+            step_fn = torch.compile(step_fn, fullgraph=True)
         carry = {"state": state, "buffers": buffers}
 
         def step(x, y):
@@ -100,8 +105,11 @@ def worker(args) -> None:
         order = torch.randint(0, n, (k, batch), generator=g).to(device)
         return [(images[i], labels[i]) for i in order]
 
-    for x, y in batches(args.warmup):
+    first = None
+    for x, y in batches(max(1, args.warmup)):
+        t0 = time.perf_counter()
         step(x, y)
+        first = time.perf_counter() - t0 if first is None else first
     work = batches(args.steps)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -111,7 +119,11 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    print(json.dumps({"side": args.side, "images_per_s": args.steps * batch / seconds}))
+    print(
+        json.dumps(
+            {"side": args.side, "images_per_s": args.steps * batch / seconds, "first_call_s": first}
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -123,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 3 steps each")
+    ap.add_argument(
+        "--compiled", action="store_true", help="also the example under torch.compile"
+    )
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
@@ -133,8 +148,11 @@ def main(argv=None) -> int:
         args.rounds, args.steps, args.warmup = 1, 3, 1
     import _common as C
 
-    sides = SIDES if args.device == "cpu" else SIDES[:2]
+    sides = SIDES[:3] if args.device == "cpu" else SIDES[:2]
+    if args.compiled:
+        sides += ("example-compiled",)
     results: dict[str, list[float]] = {side: [] for side in sides}
+    first_calls: dict[str, list[float]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:
             cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
@@ -148,6 +166,7 @@ def main(argv=None) -> int:
                 return 1
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
             results[side].append(json.loads(line)["images_per_s"])
+            first_calls[side].append(json.loads(line)["first_call_s"])
             print(f"[round {r + 1}] {side}: {results[side][-1]:.0f} images/s", file=sys.stderr)
     med = {side: statistics.median(v) for side, v in results.items()}
     ex, st = med["example"], med["stock"]
@@ -174,7 +193,16 @@ def main(argv=None) -> int:
             + ", ".join(f"{v:.0f}" for v in results["stock-tuned"])
             + " |"
         )
+    if "example-compiled" in med:
+        md.append(
+            f"| example, compiled (`--compile`) | {med['example-compiled']:.0f} | "
+            + ", ".join(f"{v:.0f}" for v in results["example-compiled"])
+            + f" (cold compile, the first call: "
+            f"{statistics.median(first_calls['example-compiled']):.1f} s) |"
+        )
     md += ["", f"**example / stock: {ex / st:.2f}x** (above 1: the example is faster)"]
+    if "example-compiled" in med:
+        md.append(f"example compiled / example eager: {med['example-compiled'] / ex:.2f}x")
     if "stock-tuned" in med:
         md.append(f"example / (stock + tune_malloc): {ex / med['stock-tuned']:.2f}x")
     text = "\n".join(md)
