@@ -4,8 +4,9 @@ Timings from separate processes on a shared 2-core machine move by 10-25 %
 between runs, more than the changes worth measuring. This script exports the
 package as it was at ``--commit`` (``git archive``) under another name
 (``functional_fp16_at_<commit>``), imports both, and times the same steps
-call by call, interleaved, with GradScaler + ``SGD(fused=True)`` as the
-yardstick:
+call by call, interleaved (the order reversed every other round, and each
+row with its own copy of the gradients, so that no row finds another's data
+in cache), with GradScaler + ``SGD(fused=True)`` as the yardstick:
 
 * ``fp16_update`` pure and donated, eager, in both versions;
 * optionally (``--compiled``) the same under ``torch.compile(fullgraph=True)``.
@@ -24,12 +25,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import math
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 import torch
 
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_update import GradScalerSGD  # noqa: E402
+from bench_update import GradScalerSGD, _example_cnn_shapes, _resnet18_shapes  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 
@@ -72,7 +75,11 @@ def import_at(commit: str, into: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--commit", required=True)
-    ap.add_argument("--params", type=int, default=10_000_000)
+    ap.add_argument("--params", type=int, default=10_000_000, help="one flat tensor of this size")
+    ap.add_argument(
+        "--tree", choices=("flat", "resnet18", "cnn"), default="flat",
+        help="flat (--params), the ResNet-18 shapes (62 tensors) or the example CNN's",
+    )
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -83,9 +90,13 @@ def main(argv=None) -> int:
     old = import_at(args.commit, tmp)
 
     g = torch.Generator().manual_seed(0)
-    n = args.params
-    p0 = {"w": torch.randn(n, generator=g) * 0.05}
-    grads = [{"w": (torch.randn(n, generator=g) * 10).half()} for _ in range(3)]
+    shapes = {"flat": lambda: {"w": (args.params,)}, "resnet18": _resnet18_shapes,
+              "cnn": _example_cnn_shapes}[args.tree]()  # fmt: skip
+    n = sum(math.prod(s) for s in shapes.values())
+    p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
+    grads = [
+        {k: (torch.randn(s, generator=g) * 10).half() for k, s in shapes.items()} for _ in range(3)
+    ]
     tx_new, tx_old = ff.sgd(0.05, momentum=0.9), old.sgd(0.05, momentum=0.9)
     rows = {
         "this checkout, pure": (ff, tx_new, False, False),
@@ -100,9 +111,10 @@ def main(argv=None) -> int:
                 f"{args.commit}, compiled pure": (old, tx_old, False, True),
             }
         )
-    states, fns, counter = {}, {}, {"i": 0}
+    states, fns, counter, own = {}, {}, {"i": 0}, {}
     for name, (lib, tx, donate, compiled) in rows.items():
         states[name] = lib.fp16_init(p0, tx, lib.DynamicLossScale(2.0**10))
+        own[name] = [{k: v.clone() for k, v in gr.items()} for gr in grads]
 
         def update(state, gr, lib=lib, donate=donate):
             return lib.fp16_update(state, gr, donate=donate)
@@ -111,7 +123,7 @@ def main(argv=None) -> int:
 
     def step(name):
         def run():
-            states[name] = fns[name](states[name], grads[counter["i"] % 3])
+            states[name] = fns[name](states[name], own[name][counter["i"] % 3])
 
         return run
 
@@ -123,12 +135,21 @@ def main(argv=None) -> int:
         counter["i"] += 1
         stock.prepare(counter["i"] % 3)
 
-    times = C.time_interleaved(timed, args.reps, args.warmup, prepare={stock.name: next_step})
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for r in range(args.warmup + args.reps):
+        next_step()
+        for name in list(timed) if r % 2 else list(timed)[::-1]:
+            t0 = time.perf_counter()
+            timed[name]()
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
     med = {k: C.median(v) * 1e3 for k, v in times.items()}
     info = C.machine_description()
-    print(f"# fp16_update: this checkout against {args.commit}, {n:,} parameters\n")
+    print(f"# fp16_update: this checkout against {args.commit}, {n:,} parameters in "
+          f"{len(shapes)} tensors\n")  # fmt: skip
     print(", ".join(f"{k}: {v}" for k, v in info.items()))
-    print(f"\nrows interleaved call by call, {args.reps} reps, medians\n")
+    print(f"\nrows interleaved call by call, order reversed every other round, {args.reps} reps, "
+          "medians\n")  # fmt: skip
     print("| row | ms | vs GradScaler + SGD(fused) |")
     print("|---|---:|---:|")
     for name, ms in med.items():

@@ -99,6 +99,17 @@ def fail(op: str, message: str, kind: type[Exception] = ValueError) -> None:
 
 
 def _check_list(op: str, name: str, xs: list[Tensor], like: list[Tensor], dtypes) -> None:
+    """Every ``xs[i]`` has a dtype of ``dtypes`` and ``like[i]``'s device, shape and strides.
+
+    The common case is checked in bulk; a failure is then explained leaf by leaf.
+    """
+    if (
+        len(xs) == len(like)
+        and all(x.dtype in dtypes for x in xs)
+        and [(x.device, x.shape, x.stride()) for x in xs]
+        == [(r.device, r.shape, r.stride()) for r in like]
+    ):
+        return
     if len(xs) != len(like):
         fail(op, f"{name} has {len(xs)} tensors, expected {len(like)} (one per leaf)")
     for i, (x, ref) in enumerate(zip(xs, like)):
@@ -205,7 +216,8 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
     sq = torch.zeros(groups, dtype=torch.float64, device=device)
     kernel = kernel_for(device)
     if kernel == "c":
-        c_kernel.call("grad_stats", n_groups=groups, members=members, grads=grads, inv=inv,
+        c_kernel.call("grad_stats", n_groups=groups, members=members, leaves_checked=True,
+                      grads=grads, inv=inv,
                       sum_squares=sum_squares, threads=_threads(), peak_out=peak,
                       sum_sq_out=sq if sum_squares else None)  # fmt: skip
     elif kernel == "triton":
@@ -217,8 +229,24 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
     return peak, sq
 
 
-@torch.library.custom_op(f"{NS}::grad_stats", mutates_args=())
-def grad_stats(
+_LIB = torch.library.Library(NS, "DEF")
+"""The ``functional_fp16`` namespace of ops; every op is defined through it."""
+
+
+def _define(name: str, schema: str, kernel: Callable, fake: Callable, rule: Callable | None):
+    """Defines the op ``functional_fp16::<name>``: its schema, one Python kernel for every
+    device (it picks the device's kernel itself, see :func:`kernel_for`), its fake kernel
+    and its ``vmap`` rule. Returns the op (an ``OpOverload``)."""
+    _LIB.define(name + schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NS}::{name}", fake, lib=_LIB)
+    op = getattr(torch.ops.functional_fp16, name).default
+    if rule is not None:
+        torch.library.register_vmap(op, rule(op), lib=_LIB)
+    return op
+
+
+def _grad_stats(
     grads: list[Tensor], inv: Optional[Tensor], groups: int, members: int, sum_squares: bool
 ) -> tuple[Tensor, Tensor]:
     r"""Per group: the gradients' peak magnitude and the sum of squares of the unscaled ones.
@@ -236,8 +264,7 @@ def grad_stats(
     return _stats(grads, inv, groups, members, sum_squares)
 
 
-@grad_stats.register_fake
-def _(grads, inv, groups, members, sum_squares):
+def _grad_stats_fake(grads, inv, groups, members, sum_squares):
     device = grads[0].device
     return (
         torch.empty(groups, dtype=torch.float32, device=device),
@@ -292,17 +319,22 @@ def _names(spec: StepSpec) -> list[str]:
 
 
 def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
-    """Refuses written tensors whose memory overlaps another argument's (donation)."""
-    spans = []
-    for name in ["grads", *names]:
-        for i, t in enumerate(a[name]):
-            if t.numel():
-                start = t.data_ptr()
-                spans.append((start, start + t.numel() * t.element_size(), f"{name}[{i}]"))
-    spans.sort()
+    """Refuses written tensors whose memory overlaps another argument's (donation).
+
+    The tensors are dense, so each covers ``[data_ptr, data_ptr + nbytes)``.
+    """
+    tensors = [t for name in ["grads", *names] for t in a[name]]
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in enumerate(tensors) if t.nbytes
+    )
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
-            fail(op, f"{first} and {second} share memory; the donated step writes in place")
+            where = [f"{name}[{i}]" for name in ["grads", *names] for i in range(len(a[name]))]
+            fail(
+                op,
+                f"{where[first]} and {where[second]} share memory; the donated step writes "
+                "in place",
+            )
 
 
 def _full(master: list[Tensor], params: list[Tensor], separate: list[bool]) -> list[Tensor]:
@@ -318,14 +350,20 @@ def _finite(peak: Tensor, inv: Tensor | None, require: Tensor | None) -> Tensor:
 
 
 def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -> Tensor:
-    """Runs the step into ``out`` (``master``, the states, ``params``: one per leaf); returns ``finite``."""
+    """Runs the step into ``out`` (``master``, the states, ``params``: one per leaf); returns ``finite``.
+
+    ``a`` has passed :func:`_check_step`, which checks every tensor the kernels
+    are given by the rules of the C interface (``signatures.py``); ``out`` is
+    made from those tensors (fresh ones like them, or themselves). So the C
+    kernel's packing checks only the lists' lengths and the scalars again.
+    """
     groups, members = a["lr"].numel(), a["members"]
     kernel = kernel_for(a["grads"][0].device)
     inputs = {**a, "params": _full(a["master"], a["params"], a["separate"])}
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
     if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
         finite = torch.empty(groups, dtype=torch.bool)
-        c_kernel.call(spec.entry, n_groups=groups, members=members, apply=None,
+        c_kernel.call(spec.entry, n_groups=groups, members=members, leaves_checked=True, apply=None,
                       threads=_threads(), **{**spec.c_extra, "require": a["require"],
                       "decided_out": finite}, **kw)  # fmt: skip
         return finite
@@ -335,7 +373,8 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
         peak, _ = _stats(a["grads"], a["inv"], groups, members, False)
         finite = _finite(peak, a["inv"], a["require"])
     if kernel == "c":
-        c_kernel.call(spec.entry, n_groups=groups, members=members, apply=finite,
+        c_kernel.call(spec.entry, n_groups=groups, members=members, leaves_checked=True,
+                      apply=finite,
                       threads=_threads(), **spec.c_extra, **kw)  # fmt: skip
     elif kernel == "triton":
         views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
@@ -374,10 +413,6 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
     functional.__doc__ = doc
     donated.__doc__ = f"``{spec.name}`` written into its state arguments (donation); returns ``finite``."
     mutated = ("master", *spec.states, "params")
-    op = torch.library.custom_op(f"{NS}::{spec.name}", functional, mutates_args=(),
-                                 schema=_schema(spec, False))  # fmt: skip
-    op_ = torch.library.custom_op(f"{NS}::{spec.name}_", donated, mutates_args=mutated,
-                                  schema=_schema(spec, True))  # fmt: skip
 
     def fake(*args):
         a = dict(zip(names, args))
@@ -388,12 +423,16 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
         lr = dict(zip(names, args))["lr"]
         return torch.empty(lr.shape, dtype=torch.bool, device=lr.device)
 
-    op.register_fake(fake)
-    op_.register_fake(fake_)
     lists = ("grads", "master", *spec.states, "params")
     scalars = (*COMMON_SCALARS, *spec.scalars)
-    torch.library.register_vmap(op, _vmap_rule(op, names, lists, scalars, (), _by_member_all))
-    torch.library.register_vmap(op_, _vmap_rule(op_, names, lists, scalars, mutated, _by_member))
+    op = _define(
+        spec.name, _schema(spec, False), functional, fake,
+        lambda op: _vmap_rule(op, names, lists, scalars, (), _by_member_all),
+    )  # fmt: skip
+    op_ = _define(
+        spec.name + "_", _schema(spec, True), donated, fake_,
+        lambda op: _vmap_rule(op, names, lists, scalars, mutated, _by_member),
+    )  # fmt: skip
     return op, op_
 
 
@@ -478,10 +517,13 @@ def _vmap_rule(op, names, lists, scalars, mutated, outputs):
     return rule
 
 
-torch.library.register_vmap(
-    grad_stats,
-    _vmap_rule(
-        grad_stats,
+grad_stats = _define(
+    "grad_stats",
+    "(Tensor[] grads, Tensor? inv, int groups, int members, bool sum_squares) -> (Tensor, Tensor)",
+    _grad_stats,
+    _grad_stats_fake,
+    lambda op: _vmap_rule(
+        op,
         ["grads", "inv", "groups", "members", "sum_squares"],
         ("grads",),
         ("inv",),
@@ -489,6 +531,7 @@ torch.library.register_vmap(
         lambda out, size, members: ((out[0].reshape(size, -1), out[1].reshape(size, -1)), (0, 0)),
     ),
 )
+"""``functional_fp16::grad_stats``: see :func:`_grad_stats`."""
 
 
 # ---------------------------------------------------------------------------

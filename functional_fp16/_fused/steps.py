@@ -100,17 +100,20 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
             return "an optimiser that is not a fusable chain", None
         return "an optimiser state of another layout", None
     masters = tree_flatten(state.master)[0]
-    if any(m.device != masters[0].device for m in masters):
-        return "tensors on several devices", None
     params = tree_flatten(state.params)[0]
-    for i, (m, p) in enumerate(zip(masters, params)):
-        own = [b[i] for b in buffers]
-        if m.dtype != torch.float32 or any(b.dtype != torch.float32 for b in own):
-            return "a master or optimiser state that is not float32", None
+    device = masters[0].device
+    if any(t.device != device for t in [*masters, *params]):
+        return "tensors on several devices", None
+    state_tensors = [x for b in buffers for x in b]
+    if any(t.dtype != torch.float32 for t in [*masters, *state_tensors]):
+        return "a master or optimiser state that is not float32", None
+    for p in params:
         if p.dtype not in DTYPE_CODES:
             return f"a working copy of dtype {p.dtype}", None
-        if not dense(m) or any(t.stride() != m.stride() or t.shape != m.shape for t in [p, *own]):
-            return "state tensors that are not dense with one layout", None
+    layout = [(m.shape, m.stride()) for m in masters]
+    same = all([(t.shape, t.stride()) for t in ts] == layout for ts in [params, *buffers])
+    if not same or not all(dense(m) for m in masters):
+        return "state tensors that are not dense with one layout", None
     return None, FusedPlan(fusable, plan, tuple(p.dtype != torch.float32 for p in params))
 
 

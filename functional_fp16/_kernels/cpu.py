@@ -124,7 +124,9 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def call(entry: str, *, n_groups: int, members: int = 1, **arguments: Any) -> None:
+def call(
+    entry: str, *, n_groups: int, members: int = 1, leaves_checked: bool = False, **arguments: Any
+) -> None:
     """Runs the entry point ``entry`` of :data:`~functional_fp16._kernels.signatures.SIGNATURES`.
 
     The arguments are given by name and checked against the declaration
@@ -133,5 +135,5 @@ def call(entry: str, *, n_groups: int, members: int = 1, **arguments: Any) -> No
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {_reason}")
     sig = SIGNATURES[entry]
-    packed = pack(sig, n_groups=n_groups, members=members, **arguments)
+    packed = pack(sig, n_groups=n_groups, members=members, leaves_checked=leaves_checked, **arguments)
     getattr(_lib, sig.symbol)(*packed.args)

@@ -204,12 +204,9 @@ def members_outermost(t: torch.Tensor, members: int) -> bool:
     return t.dim() >= 1 and t.shape[0] == members and (t.numel() == 0 or t.stride(0) * members == t.numel())
 
 
-def _check_leaves(
-    sig: Signature, arg: Arg, value: Any, n_leaves: int, kw: dict, members: int
-) -> None:
+def _explain_leaves(sig: Signature, arg: Arg, value: Any, n_leaves: int, kw: dict, members: int):
+    """Raises the error that says what is wrong with the leaves argument ``arg``."""
     where = f"{sig.symbol}: {arg.name}"
-    if arg.optional and value is None:
-        return
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
         raise TypeError(f"{where} must be a list of tensors, got {type(value).__name__}")
     if len(value) != n_leaves:
@@ -237,6 +234,39 @@ def _check_leaves(
                 f"{where}[{i}] has shape {tuple(t.shape)} and strides {t.stride()}, but "
                 f"{arg.like}[{i}] has {tuple(ref[i].shape)} and {ref[i].stride()}"
             )
+    raise AssertionError(f"{where}: no error found")  # unreachable: the fast check failed
+
+
+def _check_leaves(
+    sig: Signature, arg: Arg, value: Any, n_leaves: int, kw: dict, members: int, layouts: dict
+) -> None:
+    """Checks one leaves argument: count, type, device, dtype, density, members, layout.
+
+    The common case (everything right) is checked in bulk; only a failure walks
+    the leaves one by one (:func:`_explain_leaves`) to say which is wrong.
+    ``layouts`` holds the ``(shape, strides)`` of the arguments checked so far:
+    a tensor with a checked tensor's shape and strides is dense like it.
+    """
+    if arg.optional and value is None:
+        return
+    ok = (
+        isinstance(value, (list, tuple))
+        and len(value) == n_leaves
+        and all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in arg.dtypes for t in value)
+    )
+    if ok and arg.same_dtype:
+        ok = all(t.dtype == u.dtype for t, u in zip(value, kw[arg.same_dtype]))
+    if ok:
+        mine = [(t.shape, t.stride()) for t in value]
+        if arg.like and arg.like in layouts:
+            ok = mine == layouts[arg.like]
+        else:
+            ok = all(dense(t) and members_outermost(t, members) for t in value)
+            if ok and arg.like:  # the reference itself is checked with its own argument
+                ok = mine == [(t.shape, t.stride()) for t in kw[arg.like]]
+        layouts[arg.name] = mine
+    if not ok:
+        _explain_leaves(sig, arg, value, n_leaves, kw, members)
 
 
 def _check_group(sig: Signature, arg: Arg, value: Any, n_groups: int) -> None:
@@ -272,12 +302,19 @@ class Packed:
         return a.buffer_info()[0]
 
 
-def pack(sig: Signature, *, n_groups: int, members: int = 1, **kw: Any) -> Packed:
+def pack(
+    sig: Signature, *, n_groups: int, members: int = 1, leaves_checked: bool = False, **kw: Any
+) -> Packed:
     """Checks ``kw`` against ``sig`` and packs it into ctypes arguments (``Packed.args``).
 
     ``n_groups`` counts the groups of all members together (the length of
     every per-group scalar); ``members`` is the number of stacked states per
     leaf tensor (see the module docstring).
+
+    ``leaves_checked=True`` is for a caller that has itself checked every
+    tensor of every leaves argument by the same rules (the fused ops do,
+    before they choose a kernel: ``op_library``); the lists' lengths, the
+    per-group scalars and the arguments' dependencies are still checked here.
 
     Raises ``TypeError`` for a missing or unknown argument or a wrong type,
     and ``ValueError`` for a wrong count, shape, layout or device.
@@ -312,18 +349,25 @@ def pack(sig: Signature, *, n_groups: int, members: int = 1, **kw: Any) -> Packe
             raise TypeError(f"{sig.symbol}: give exactly one of {a} and {b}")
     out = Packed()
     out.args = [n_leaves * members, n_groups]
+    layouts: dict[str, list] = {}
     for arg in sig.args:
         if arg.kind == "leaves":
             value = kw[arg.name]
-            _check_leaves(sig, arg, value, n_leaves, kw, members)
+            if not leaves_checked:
+                _check_leaves(sig, arg, value, n_leaves, kw, members, layouts)
+            elif value is not None and len(value) != n_leaves:
+                raise ValueError(f"{sig.symbol}: {arg.name} has {len(value)} tensors, not {n_leaves}")
             if value is None:
                 out.args.append(None)
                 continue
-            ptrs = [
-                t.data_ptr() + b * (t.numel() // members) * t.element_size()
-                for b in range(members)
-                for t in value
-            ]
+            if members == 1:
+                ptrs = [t.data_ptr() for t in value]
+            else:
+                ptrs = [
+                    t.data_ptr() + b * (t.nbytes // members)
+                    for b in range(members)
+                    for t in value
+                ]
             out.args.append(out.array("Q", ptrs))
         elif arg.kind == "numel":
             sizes = [t.numel() // members for t in kw[arg.of]]
