@@ -56,3 +56,28 @@ def test_without_the_probe_the_pool_allocates_plainly(monkeypatch):
     (x,) = pool.empty_like([like], [torch.float16])
     assert x.shape == like.shape and x.stride() == like.stride() and x.dtype == torch.float16
     assert not pool._held  # nothing is tracked without the probe
+
+
+def test_interleaved_states_keep_their_dropped_buffers():
+    """Several states updated in turn (an ensemble, a benchmark): each one's dropped
+    buffers wait for it, so the steady state allocates nothing (no page faults)."""
+    pool = memory.BufferPool(min_bytes=1024)
+    sizes = {"a": 100_000, "b": 300_000, "c": 50_000}
+    live = {k: pool.empty_like([torch.empty(n)] * 3, [torch.float32] * 3) for k, n in sizes.items()}
+    for _ in range(2):  # warm-up: every state's second set of buffers
+        for k, n in sizes.items():
+            live[k] = pool.empty_like([torch.empty(n)] * 3, [torch.float32] * 3)
+    before = pool.created
+    for _ in range(10):
+        for k, n in sizes.items():
+            live[k] = pool.empty_like([torch.empty(n)] * 3, [torch.float32] * 3)
+    assert pool.created == before
+
+
+def test_free_buffers_beyond_the_bytes_in_use_are_released():
+    pool = memory.BufferPool(min_bytes=1024)
+    big = pool.empty_like([torch.empty(1_000_000)], [torch.float32])
+    del big  # free: 4 MB, with nothing in use
+    small = pool.empty_like([torch.empty(10_000)], [torch.float32])
+    assert all(st.nbytes() <= 40_000 for st, _ in pool._held)  # the 4 MB went back to malloc
+    assert small[0].numel() == 10_000

@@ -45,6 +45,14 @@ def storage_use_count(storage: torch.UntypedStorage) -> int | None:
 class BufferPool:
     """Hands out CPU tensors, reusing storages nothing else refers to any more.
 
+    The pool tracks every storage it has handed out while it is in use. Once
+    its last tensor is dropped the storage is free: the next request of its
+    size takes it. The pool keeps at most as many free bytes as it has in use
+    (the most recently used first) and releases the rest to ``malloc``. So a
+    loop that updates one state keeps one dropped state's memory, and one that
+    interleaves the updates of several states (an ensemble, a benchmark) keeps
+    one dropped copy of each, instead of page-faulting them anew.
+
     Tensors smaller than ``min_bytes`` come from the ordinary allocator: glibc
     serves them from its heap without new page faults, and a plain allocation
     costs less Python than a pool lookup.
@@ -52,7 +60,9 @@ class BufferPool:
 
     def __init__(self, min_bytes: int = 1 << 18) -> None:
         self.min_bytes = min_bytes
-        self._held: list[torch.UntypedStorage] = []
+        self._held: list[tuple[torch.UntypedStorage, int]] = []  # (storage, last call in use)
+        self._calls = 0
+        self.created = 0  # storages allocated so far (the rest of the requests reused one)
         self._lock = threading.Lock()
 
     def empty_like(self, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]):
@@ -63,29 +73,38 @@ class BufferPool:
         if not hasattr(torch._C, "_storage_Use_Count"):  # no probe: plain allocation
             return [torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
         with self._lock:
-            free: dict[int, list[torch.UntypedStorage]] = {}
+            self._calls += 1
+            now = self._calls
+            free: dict[int, list[tuple[torch.UntypedStorage, int]]] = {}
             kept = []
-            for st in self._held:
+            for st, seen in self._held:
                 if storage_use_count(st) == 1:
-                    free.setdefault(st.nbytes(), []).append(st)
+                    free.setdefault(st.nbytes(), []).append((st, seen))
                 else:
-                    kept.append(st)
+                    kept.append((st, now))  # in use: tracked until it is dropped
             out = []
-            taken = 0
             for like, dtype in zip(tensors, dtypes):
                 nbytes = like.numel() * dtype.itemsize
                 if nbytes < self.min_bytes:
                     out.append(torch.empty_like(like, dtype=dtype))
                     continue
-                taken += 1
                 bucket = free.get(nbytes)
-                st = bucket.pop() if bucket else torch.UntypedStorage(nbytes)
-                kept.append(st)
+                if bucket:
+                    st = bucket.pop()[0]
+                else:
+                    st = torch.UntypedStorage(nbytes)
+                    self.created += 1
+                kept.append((st, now))
                 t = torch.empty(0, dtype=dtype)
                 out.append(t.set_(st, 0, like.shape, like.stride()))
-            # Free storages not taken are released here; a caller that keeps
-            # many old states alive does not make the pool track them all.
-            self._held = kept[-4 * max(1, taken) :]
+            # Free storages not taken stay, the most recently used first, up to
+            # as many bytes as are in use; the rest go back to malloc.
+            budget = sum(st.nbytes() for st, _ in kept)
+            for st, seen in sorted((x for b in free.values() for x in b), key=lambda x: -x[1]):
+                if st.nbytes() <= budget:
+                    budget -= st.nbytes()
+                    kept.append((st, seen))
+            self._held = kept
             return out
 
     def clear(self) -> None:
