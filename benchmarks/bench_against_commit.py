@@ -28,6 +28,7 @@ import io
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 import tarfile
@@ -136,13 +137,16 @@ def main(argv=None) -> int:
         stock.prepare(counter["i"] % 3)
 
     times: dict[str, list[float]] = {name: [] for name in timed}
+    faults: dict[str, int] = {name: 0 for name in timed}
     for r in range(args.warmup + args.reps):
         next_step()
         for name in list(timed) if r % 2 else list(timed)[::-1]:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             timed[name]()
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     med = {k: C.median(v) * 1e3 for k, v in times.items()}
     info = C.machine_description()
     print(f"# fp16_update: this checkout against {args.commit}, {n:,} parameters in "
@@ -150,10 +154,13 @@ def main(argv=None) -> int:
     print(", ".join(f"{k}: {v}" for k, v in info.items()))
     print(f"\nrows interleaved call by call, order reversed every other round, {args.reps} reps, "
           "medians\n")  # fmt: skip
-    print("| row | ms | vs GradScaler + SGD(fused) |")
-    print("|---|---:|---:|")
+    print("| row | ms | vs GradScaler + SGD(fused) | page faults per call |")
+    print("|---|---:|---:|---:|")
     for name, ms in med.items():
-        print(f"| {name} | {ms:.2f} | {ms / med['GradScaler + SGD(fused) FP32']:.2f}x |")
+        print(
+            f"| {name} | {ms:.2f} | {ms / med['GradScaler + SGD(fused) FP32']:.2f}x "
+            f"| {faults[name] / args.reps:,.0f} |"
+        )
     return 0
 
 

@@ -2,13 +2,16 @@
 
 Only that is checked here: that the scripts parse their arguments, build
 every row and print their tables. What the rows compute is the library's,
-tested in ``test_update.py``, ``test_fast_update.py``, ``test_fused_update.py``,
+tested in ``test_update.py``, ``test_fast_update.py``, ``test_fused_update.py``, ``test_ops.py``,
 ``test_compile.py`` and ``test_references.py``; no timing is asserted.
 ``bench_update.py`` and ``bench_adam.py`` have no tiny timed mode (their
 smallest timed tree is the example CNN), so they run their ``--smoke`` modes,
 whose agreement lines are the one place the benchmarks' own rows
 (``GradScaler``, apex's algorithm, torchopt, optax) are checked.
-``bench_allreduce.py`` (two gloo processes spawned afresh) is not run here.
+``bench_allreduce.py`` (two gloo processes spawned afresh),
+``bench_against_commit.py`` (it exports an earlier commit from the git
+history) and ``bench_compiled_step_parts.py`` (it compiles the CNN's whole
+backward, about 20 s) are not run here.
 """
 
 import os
@@ -93,3 +96,14 @@ def test_example_vs_stock_benchmark_runs_every_side():
     assert "| stock recipe (autocast) |" in out
     assert "| stock recipe + tune_malloc |" in out
     assert "example / stock:" in out
+
+
+def test_vmap_benchmark_checks_the_members_and_prints_its_table():
+    out = _run("bench_vmap.py", "--smoke")
+    assert "| vmap(fp16_update) |" in out and "cross-talk" in out
+
+
+def test_page_fault_benchmark_prints_every_row():
+    out = _run("bench_page_faults.py", "--params", "300000", "--steps", "2")
+    for row in ("eager (default)", "compiled", "eager, plain allocation"):
+        assert f"| {row} |" in out
