@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True)
     ap.add_argument("--params", type=int, default=10_000_000, help="one flat tensor of this size")
     ap.add_argument(
-        "--tree", choices=("flat", "resnet18", "cnn"), default="flat",
+        "--tree",
+        choices=("flat", "resnet18", "cnn"),
+        default="flat",
         help="flat (--params), the ResNet-18 shapes (62 tensors) or the example CNN's",
     )
     ap.add_argument("--reps", type=int, default=25)
@@ -91,8 +93,11 @@ def main(argv=None) -> int:
     old = import_at(args.commit, tmp)
 
     g = torch.Generator().manual_seed(0)
-    shapes = {"flat": lambda: {"w": (args.params,)}, "resnet18": _resnet18_shapes,
-              "cnn": _example_cnn_shapes}[args.tree]()  # fmt: skip
+    shapes = {
+        "flat": lambda: {"w": (args.params,)},
+        "resnet18": _resnet18_shapes,
+        "cnn": _example_cnn_shapes,
+    }[args.tree]()
     n = sum(math.prod(s) for s in shapes.values())
     p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
     grads = [
@@ -149,11 +154,15 @@ def main(argv=None) -> int:
                 faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     med = {k: C.median(v) * 1e3 for k, v in times.items()}
     info = C.machine_description()
-    print(f"# fp16_update: this checkout against {args.commit}, {n:,} parameters in "
-          f"{len(shapes)} tensors\n")  # fmt: skip
+    print(
+        f"# fp16_update: this checkout against {args.commit}, {n:,} parameters in "
+        f"{len(shapes)} tensors\n"
+    )
     print(", ".join(f"{k}: {v}" for k, v in info.items()))
-    print(f"\nrows interleaved call by call, order reversed every other round, {args.reps} reps, "
-          "medians\n")  # fmt: skip
+    print(
+        f"\nrows interleaved call by call, order reversed every other round, {args.reps} reps, "
+        "medians\n"
+    )
     print("| row | ms | vs GradScaler + SGD(fused) | page faults per call |")
     print("|---|---:|---:|---:|")
     for name, ms in med.items():

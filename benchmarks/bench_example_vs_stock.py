@@ -135,9 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 3 steps each")
-    ap.add_argument(
-        "--compiled", action="store_true", help="also the example under torch.compile"
-    )
+    ap.add_argument("--compiled", action="store_true", help="also the example under torch.compile")
     ap.add_argument(
         "--only-example", action="store_true", help="only the example (with --compiled: both)"
     )

@@ -70,7 +70,9 @@ def main(argv=None) -> int:
         memory = None
     if memory is not None:
         real = memory._POOL.empty_like
-        memory._POOL.empty_like = lambda ts, ds: [torch.empty_like(t, dtype=d) for t, d in zip(ts, ds)]
+        memory._POOL.empty_like = lambda ts, ds: [
+            torch.empty_like(t, dtype=d) for t, d in zip(ts, ds)
+        ]
         try:
             results["eager, plain allocation"] = measure(ff.fp16_update, state, grads, args.steps)
         finally:

@@ -5,7 +5,6 @@ from functional_fp16.accumulation import MultiSteps, MultiStepsState
 from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from functional_fp16.allocator import tune_malloc
 from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from functional_fp16.update.batching import tree_stack, tree_unstack
 from functional_fp16.bridge import (
     make_apply,
     module_state_dict,
@@ -68,6 +67,7 @@ from functional_fp16.stuck_scale import (
     stuck_scale_observe,
 )
 from functional_fp16.update import FP16State, fp16_init, fp16_update, update_path
+from functional_fp16.update.batching import tree_stack, tree_unstack
 
 __version__ = "0.1.0"
 

@@ -52,7 +52,7 @@ How it meets loss scaling (the choices, made to match ``GradScaler``):
   mean), so its contents say exactly which gradients were added.
 
 Inside ``fp16_update`` the wrapper is recognised from its declared ``spec``
-(:class:`MultiStepsSpec`) and :func:`fp16_accumulate_update` runs instead of
+(:class:`MultiStepsSpec`) and :func:`~functional_fp16.update.accumulation.fp16_accumulate_update` runs instead of
 the plain update; the inner optimiser is then stepped by the implementation
 ``fp16_update`` was asked for (the fused kernels included), on the FP32
 mean, with the step applied only on a window's last, finite micro-batch. No
@@ -77,6 +77,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16 import _validate
+from functional_fp16._finite import grads_finite
 from functional_fp16._tree import (
     PyTree,
     check_like,
@@ -85,18 +86,9 @@ from functional_fp16._tree import (
     tree_select,
     tree_unflatten,
 )
-from functional_fp16.base import ChainSpec, GradientTransformation, saturating_increment
-from functional_fp16._finite import grads_finite
-from functional_fp16.loss_scale import NoOpLossScale
+from functional_fp16.base import GradientTransformation, saturating_increment
 
-__all__ = [
-    "MultiSteps",
-    "MultiStepsState",
-    "MultiStepsSpec",
-    "fp16_accumulates",
-    "fp16_accumulate_update",
-    "inner_fp16_state",
-]
+__all__ = ["MultiSteps", "MultiStepsState", "MultiStepsSpec"]
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 

@@ -37,6 +37,7 @@ from typing import Any
 import optree
 import torch
 
+from functional_fp16._fused.chains import replace_at, state_at
 from functional_fp16._tree import (
     NAMESPACE,
     PyTree,
@@ -48,7 +49,6 @@ from functional_fp16._tree import (
 )
 from functional_fp16.grad_scaler import _loss_scale_from, _scaler_state
 from functional_fp16.loss_scale import LossScale
-from functional_fp16._fused.chains import replace_at, state_at
 from functional_fp16.torch_optim import (
     _ADAM_STATE,
     _check_same_rule,

@@ -526,8 +526,11 @@ def test_module_policies_are_declared_per_type_and_cover_what_is_inside():
     # The block in FP32 (its Linear has no policy of its own), LayerNorm left to the policy.
     block_policy = Policy(F16, F32, BF16)
     out, _ = make_apply(model, policy=policy, module_policies={Block: block_policy})(params, {}, x)
-    assert seen == {"stem": [(BF16, BF16, BF16)], "block.inner": [(F32, F32, F32)],
-                    "ln": [(BF16, BF16, BF16)]}  # fmt: skip
+    assert seen == {
+        "stem": [(BF16, BF16, BF16)],
+        "block.inner": [(F32, F32, F32)],
+        "ln": [(BF16, BF16, BF16)],
+    }
     assert out.dtype == F32
     # {} switches the defaults off: the LayerNorm computes in BF16.
     seen.clear()

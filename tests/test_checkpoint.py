@@ -159,8 +159,13 @@ def test_file_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
     state_node = root["children"][0]
     assert state_node["type"] == "FP16State" and "meta" not in state_node  # tx is not data
     assert state_node["entries"] == [
-        "params", "master", "opt_state", "loss_scale", "step", "grads_finite"
-    ]  # fmt: skip
+        "params",
+        "master",
+        "opt_state",
+        "loss_scale",
+        "step",
+        "grads_finite",
+    ]
     scale_node = state_node["children"][3]
     assert scale_node["type"] == "DynamicLossScale" and scale_node["kind"] == "CUSTOM"
     assert scale_node["meta"]["growth_interval"] == 3 and scale_node["meta"]["hysteresis"] == 2

@@ -364,10 +364,25 @@ def test_all_reduce_mean_rejects_bad_configuration(kwargs, error):
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cifar10_functional.py"
 EXAMPLE_ARGS = [
-    "--dataset", "fake", "--fake-train-size", "256", "--fake-test-size", "64",
-    "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "3",
-    "--lr", "0.01", "--no-progress", "--no-plot", "--compute-dtype", "fp32",
-]  # fmt: skip
+    "--dataset",
+    "fake",
+    "--fake-train-size",
+    "256",
+    "--fake-test-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "1",
+    "--max-steps-per-epoch",
+    "3",
+    "--lr",
+    "0.01",
+    "--no-progress",
+    "--no-plot",
+    "--compute-dtype",
+    "fp32",
+]
 EXAMPLE_TIMEOUT_S = 300  # an upper bound for a slow shared machine, not a timing assertion
 
 
@@ -388,10 +403,18 @@ def _run_example(args: list[str], out_dir: Path) -> subprocess.CompletedProcess:
 def test_example_two_ranks_train_like_one_process(tmp_path):
     one = _run_example([str(EXAMPLE), *EXAMPLE_ARGS], tmp_path / "one")
     two = _run_example(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-         str(EXAMPLE), *EXAMPLE_ARGS, "--distributed"],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(WORLD),
+            str(EXAMPLE),
+            *EXAMPLE_ARGS,
+            "--distributed",
+        ],
         tmp_path / "two",
-    )  # fmt: skip
+    )
     # Only rank 0 prints and writes.
     assert two.stdout.count("epoch 1/1:") == 1
     assert f"global batch 32 = {32 // WORLD} per rank" in two.stdout
@@ -420,10 +443,19 @@ def test_example_two_ranks_train_like_one_process(tmp_path):
     # order, so the run is bitwise the replicated one; its checkpoint holds
     # the full state.
     sharded = _run_example(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-         str(EXAMPLE), *EXAMPLE_ARGS, "--distributed", "--shard-master"],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(WORLD),
+            str(EXAMPLE),
+            *EXAMPLE_ARGS,
+            "--distributed",
+            "--shard-master",
+        ],
         tmp_path / "sharded",
-    )  # fmt: skip
+    )
     assert "sharded FP32 state (ZeRO-1)" in sharded.stdout
     sharded_summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
     assert sharded_summary["shard_master"] is True and summary["shard_master"] is False

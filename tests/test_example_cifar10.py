@@ -22,10 +22,25 @@ example = load_example("cifar10_functional")
 data_mod = sys.modules["cifar10_data"]
 
 TINY = [
-    "--dataset", "fake", "--fake-train-size", "96", "--fake-test-size", "40",
-    "--batch-size", "16", "--eval-batch-size", "20", "--max-steps-per-epoch", "3",
-    "--device", "cpu", "--no-progress", "--workers", "0", "--no-tune-malloc",
-]  # fmt: skip
+    "--dataset",
+    "fake",
+    "--fake-train-size",
+    "96",
+    "--fake-test-size",
+    "40",
+    "--batch-size",
+    "16",
+    "--eval-batch-size",
+    "20",
+    "--max-steps-per-epoch",
+    "3",
+    "--device",
+    "cpu",
+    "--no-progress",
+    "--workers",
+    "0",
+    "--no-tune-malloc",
+]
 
 
 def final_line(capsys):
@@ -87,10 +102,21 @@ def test_fake_run_writes_metrics_plot_checkpoint_and_final_line(tmp_path, capsys
 def run_fp16(out, *extra):
     # FP16 params with a huge initial scale and a short growth interval, so the
     # loss scale both backs off and grows: a resumed run must restore all of it.
-    return example.main([
-        *TINY, "--compute-dtype", "fp32", "--init-scale", str(2.0**20), "--growth-interval", "2",
-        "--no-plot", "--out-dir", str(out), *extra,
-    ])  # fmt: skip
+    return example.main(
+        [
+            *TINY,
+            "--compute-dtype",
+            "fp32",
+            "--init-scale",
+            str(2.0**20),
+            "--growth-interval",
+            "2",
+            "--no-plot",
+            "--out-dir",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_resume_from_epoch_1_is_bit_identical(tmp_path, capsys):
@@ -104,9 +130,12 @@ def test_resume_from_epoch_1_is_bit_identical(tmp_path, capsys):
     assert any(r["skipped"] for r in rows) and len({r["loss_scale"] for r in rows}) > 1
 
     resumed = run_fp16(
-        tmp_path / "resumed", "--epochs", "2",
-        "--resume", str(tmp_path / "full" / "checkpoint_epoch_001.pt"),
-    )  # fmt: skip
+        tmp_path / "resumed",
+        "--epochs",
+        "2",
+        "--resume",
+        str(tmp_path / "full" / "checkpoint_epoch_001.pt"),
+    )
     a, b = full["state"], resumed["state"]
     for name in a.master:
         assert torch.equal(a.master[name], b.master[name]), name
@@ -196,11 +225,28 @@ def test_imagefolder_decodes_once_and_caches(tmp_path):
 def test_imagefolder_run_end_to_end_via_auto_detection(tmp_path, capsys):
     write_image_tree(tmp_path / "data", sizes=(32,))
     out = tmp_path / "run"
-    summary = example.main([
-        "--data-dir", str(tmp_path / "data"), "--epochs", "1", "--batch-size", "4",
-        "--eval-batch-size", "4", "--device", "cpu", "--no-progress", "--workers", "0", "--no-tune-malloc",
-        "--precision", "bf16", "--out-dir", str(out),
-    ])  # fmt: skip
+    summary = example.main(
+        [
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--eval-batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--workers",
+            "0",
+            "--no-tune-malloc",
+            "--precision",
+            "bf16",
+            "--out-dir",
+            str(out),
+        ]
+    )
     last, _ = final_line(capsys)
     assert summary["dataset"] == "imagefolder" and not summary["synthetic"]
     assert summary["policy"] == "params=bfloat16,compute=bfloat16,output=float32"
@@ -286,10 +332,20 @@ def test_bad_flags_are_rejected(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_fp16_run_resumes_bit_identically(tmp_path, capsys):
     def run(out, *extra):
-        return example.main([
-            *TINY, "--device", "cuda", "--deterministic", "--epochs", "2", "--no-plot",
-            "--out-dir", str(out), *extra,
-        ])  # fmt: skip
+        return example.main(
+            [
+                *TINY,
+                "--device",
+                "cuda",
+                "--deterministic",
+                "--epochs",
+                "2",
+                "--no-plot",
+                "--out-dir",
+                str(out),
+                *extra,
+            ]
+        )
 
     full = run(tmp_path / "full")
     assert full["policy"] == "params=float16,compute=float16,output=float32"

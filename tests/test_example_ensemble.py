@@ -19,11 +19,32 @@ main_job = sys.modules["cifar10_functional"]
 data_mod = sys.modules["cifar10_data"]
 
 TINY = [
-    "--dataset", "fake", "--fake-train-size", "64", "--fake-test-size", "24",
-    "--batch-size", "16", "--eval-batch-size", "12", "--steps-per-epoch", "2", "--epochs", "1",
-    "--device", "cpu", "--workers", "0", "--no-tune-malloc", "--log-every", "0",
-    "--bench-steps", "2", "--bench-warmup", "1",
-]  # fmt: skip
+    "--dataset",
+    "fake",
+    "--fake-train-size",
+    "64",
+    "--fake-test-size",
+    "24",
+    "--batch-size",
+    "16",
+    "--eval-batch-size",
+    "12",
+    "--steps-per-epoch",
+    "2",
+    "--epochs",
+    "1",
+    "--device",
+    "cpu",
+    "--workers",
+    "0",
+    "--no-tune-malloc",
+    "--log-every",
+    "0",
+    "--bench-steps",
+    "2",
+    "--bench-warmup",
+    "1",
+]
 
 MEMBER_ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\S+)\s+([\d.]+) %\s+(\d+)\s+(\d+)$")
 

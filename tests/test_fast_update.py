@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import _finite as fast_update, allocator
+from functional_fp16 import _finite as fast_update
+from functional_fp16 import allocator
 from functional_fp16._tree import tree_flatten, tree_leaves, tree_map
 from tests.helpers import SIZES, random_tree
 

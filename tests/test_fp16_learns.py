@@ -48,8 +48,13 @@ def make_task(seed=0):
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                         nn.Linear(HIDDEN, CLASSES))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(DIM, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, CLASSES),
+    )
 
 
 def train(policy_spec, loss_scale, *, loss_factor=1.0):
@@ -64,8 +69,9 @@ def train(policy_spec, loss_scale, *, loss_factor=1.0):
         return F.cross_entropy(policy.cast_to_output(logits), yb) * loss_factor
 
     grad_fn = scaled_grad_and_value(loss_fn)
-    state = fp16_init(params, sgd(LR / loss_factor, momentum=MOMENTUM), loss_scale,
-                      param_dtype=policy.param_dtype)  # fmt: skip
+    state = fp16_init(
+        params, sgd(LR / loss_factor, momentum=MOMENTUM), loss_scale, param_dtype=policy.param_dtype
+    )
     skipped = 0
     for i in range(STEPS):
         sl = slice(i * BATCH, (i + 1) * BATCH)

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import functional_fp16 as ff
+from functional_fp16._fused.sgd import sgd_plan
 from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.sgd import DecaySpec
-from functional_fp16._fused.sgd import sgd_plan
 from tests.helpers import (
     assert_bitwise_unchanged,
     assert_transform_step_preserves,

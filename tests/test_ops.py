@@ -15,8 +15,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import functional_fp16 as ff
-from functional_fp16._fused.adam import adam_step, adam_step_
 from functional_fp16._fused import op_library
+from functional_fp16._fused.adam import adam_step, adam_step_
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
@@ -32,7 +32,9 @@ def _leaves(param_dtype, seed=0, n_leaves=3):
     g = torch.Generator().manual_seed(seed)
     shapes = [(7, 5), (33,), (2, 3, 4, 5)][:n_leaves]
     master = [torch.randn(s, generator=g) for s in shapes]
-    master[-1] = master[-1].to(memory_format=torch.channels_last) if master[-1].dim() == 4 else master[-1]
+    master[-1] = (
+        master[-1].to(memory_format=torch.channels_last) if master[-1].dim() == 4 else master[-1]
+    )
     grads = [(torch.randn(m.shape, generator=g) * 100).to(torch.float16) for m in master]
     grads = [torch.empty_like(m, dtype=torch.float16).copy_(x) for m, x in zip(master, grads)]
     params = [m.to(param_dtype) for m in master]
@@ -129,8 +131,9 @@ def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs(
     s, started = _scalars(skip=decided)
     if not decided:
         s["apply"] = None
-    out = sgd_step(grads, master, trace, params, [True] * 3, **s, started=started,
-                   **SGD_FLAGS[1], members=1)  # fmt: skip
+    out = sgd_step(
+        grads, master, trace, params, [True] * 3, **s, started=started, **SGD_FLAGS[1], members=1
+    )
     assert not bool(out[3][0])
     for new, old in zip([*out[0], *out[1], *out[2]], before):
         assert torch.equal(bits(new), old)
@@ -145,12 +148,17 @@ def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs(
         (lambda a: a.__setitem__("master", [m.half() for m in a["master"]]), "master.0. has dtype"),
         (lambda a: a.__setitem__("lr", torch.tensor([-0.1, -0.1])), "lr has shape"),
         (lambda a: a.__setitem__("apply", torch.tensor([1.0])), "apply must be torch.bool"),
-        (lambda a: a.__setitem__("inv", torch.tensor(0.5)), r"inv must be contiguous of shape \(1,\)"),
+        (
+            lambda a: a.__setitem__("inv", torch.tensor(0.5)),
+            r"inv must be contiguous of shape \(1,\)",
+        ),
         (lambda a: a.__setitem__("separate", [True]), "separate has 1 flags"),
         (lambda a: a.__setitem__("started", None), "started is required"),
         (lambda a: a.__setitem__("clip_mul", torch.tensor([1.0])), "given together"),
-        (lambda a: a.__setitem__("grads", [g.t() for g in a["grads"][:1]] + a["grads"][1:]),
-         r"master\[0\] has shape \(7, 5\).*grads\[0\] has \(5, 7\)"),
+        (
+            lambda a: a.__setitem__("grads", [g.t() for g in a["grads"][:1]] + a["grads"][1:]),
+            r"master\[0\] has shape \(7, 5\).*grads\[0\] has \(5, 7\)",
+        ),
         (lambda a: a.__setitem__("members", 0), "members must be a positive int"),
     ],
 )
@@ -159,9 +167,17 @@ def test_bad_arguments_raise_in_python_before_any_kernel(change, message, monkey
     monkeypatch.setattr(cpu_kernel, "call", lambda *a, **k: calls.append(a))
     grads, master, params = _leaves(torch.float16)
     s, started = _scalars()
-    args = dict(grads=grads, master=master, trace=[torch.zeros_like(m) for m in master],
-                params=params, separate=[True] * 3, **s, started=started, **SGD_FLAGS[0],
-                members=1)  # fmt: skip
+    args = dict(
+        grads=grads,
+        master=master,
+        trace=[torch.zeros_like(m) for m in master],
+        params=params,
+        separate=[True] * 3,
+        **s,
+        started=started,
+        **SGD_FLAGS[0],
+        members=1,
+    )
     change(args)
     with pytest.raises((TypeError, ValueError), match=message):
         sgd_step(**args)
@@ -208,8 +224,9 @@ def test_compiled_update_runs_the_kernel_without_breaks_or_recompiles(
 
     scales = set()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled_calls = _run_compiled(step, state, eager, params, g, donate, scales,
-                                       count_kernel_calls)  # fmt: skip
+        compiled_calls = _run_compiled(
+            step, state, eager, params, g, donate, scales, count_kernel_calls
+        )
     assert len(scales) >= 3  # skipped steps and growth both moved the scale
     assert counters["stats"]["unique_graphs"] == 1
     update_calls = [c for c in compiled_calls if c in ("sgd_update", "adam_update")]
@@ -295,20 +312,41 @@ def test_vmap_of_the_op_with_a_shared_learning_rate_and_non_leading_batch_dim():
     lr = s.pop("lr")
 
     def one(g, m, t, p, inv, apply, st):
-        return sgd_step(g, m, t, p, [True] * 3, inv, s["clip_div"], s["clip_mul"], lr, apply,
-                            None, st, **SGD_FLAGS[0], members=1)  # fmt: skip
+        return sgd_step(
+            g,
+            m,
+            t,
+            p,
+            [True] * 3,
+            inv,
+            s["clip_div"],
+            s["clip_mul"],
+            lr,
+            apply,
+            None,
+            st,
+            **SGD_FLAGS[0],
+            members=1,
+        )
 
     inv = torch.tensor([[2.0**-7], [1.0], [2.0**-3]])
     apply = torch.tensor([[True], [False], [True]])
     st = torch.tensor([[True]] * K)
     out = torch.vmap(one, in_dims=(0, 1, 0, 0, 0, 0, 0))(gb, mb, tb, pb, inv, apply, st)
     for k in range(K):
+
         def member(xs, pick):
             return [pick(x).contiguous() for x in xs]
 
-        alone = one(member(gb, lambda x: x[k]), member(mb, lambda m: m[:, k]),
-                    member(tb, lambda t: t[k]), member(pb, lambda p: p[k]), inv[k], apply[k],
-                    st[k])  # fmt: skip
+        alone = one(
+            member(gb, lambda x: x[k]),
+            member(mb, lambda m: m[:, k]),
+            member(tb, lambda t: t[k]),
+            member(pb, lambda p: p[k]),
+            inv[k],
+            apply[k],
+            st[k],
+        )
         for batched_list, single_list in zip(out[:3], alone[:3]):
             for batched, single in zip(batched_list, single_list):
                 assert torch.equal(bits(batched[k]), bits(single))
@@ -321,10 +359,12 @@ def test_nested_vmap_is_bitwise_the_members_alone():
     members = [[ff.fp16_init(_member(3 * i + j), tx) for j in range(inner)] for i in range(outer)]
     g = torch.Generator().manual_seed(5)
     grads = [
-        [{k: (torch.randn(v.shape, generator=g) * 30).half() for k, v in m.params.items()}
-         for m in row]
+        [
+            {k: (torch.randn(v.shape, generator=g) * 30).half() for k, v in m.params.items()}
+            for m in row
+        ]
         for row in members
-    ]  # fmt: skip
+    ]
     grads[1][2]["w"][0, 0] = float("inf")
     stacked = ff.tree_stack([ff.tree_stack(row) for row in members])
     stacked_grads = ff.tree_stack([ff.tree_stack(row) for row in grads])
@@ -339,7 +379,9 @@ def test_nested_vmap_is_bitwise_the_members_alone():
 
 def test_a_state_with_an_empty_leaf_stays_fused_and_vmaps():
     tx = ff.sgd(0.1, momentum=0.9)
-    members = [ff.fp16_init({"w": torch.randn(5) + k, "e": torch.zeros(3, 0, 4)}, tx) for k in range(2)]
+    members = [
+        ff.fp16_init({"w": torch.randn(5) + k, "e": torch.zeros(3, 0, 4)}, tx) for k in range(2)
+    ]
     assert ff.update_path(members[0]) == "fused"
     grads = [{"w": torch.randn(5).half(), "e": torch.zeros(3, 0, 4).half()} for _ in members]
     new = torch.func.vmap(ff.fp16_update)(ff.tree_stack(members), ff.tree_stack(grads))
@@ -357,8 +399,20 @@ def test_nesterov_without_momentum_is_plain_sgd_in_every_kernel(kernel, monkeypa
         monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
     grads, master, params = _leaves(torch.float16)
     s, _ = _scalars()
-    out = sgd_step(grads, master, [], params, [True] * 3, **s, started=None, weight_decay=0.0,
-                   momentum=0.0, dampening=0.0, nesterov=True, members=1)  # fmt: skip
+    out = sgd_step(
+        grads,
+        master,
+        [],
+        params,
+        [True] * 3,
+        **s,
+        started=None,
+        weight_decay=0.0,
+        momentum=0.0,
+        dampening=0.0,
+        nesterov=True,
+        members=1,
+    )
     for new, m, g in zip(out[0], master, grads):
         expected = torch.addcmul(m, g.float() * s["inv"][0], s["lr"][0])
         assert torch.equal(bits(new), bits(expected))
@@ -387,14 +441,34 @@ def test_the_donated_op_refuses_arguments_that_share_memory():
     grads, master, params = _leaves(torch.float16)
     s, started = _scalars()
     with pytest.raises(ValueError, match="share memory"):
-        sgd_step_(grads, master, master, params, [True] * 3, **s, started=started,
-                  **SGD_FLAGS[0], members=1)  # fmt: skip
+        sgd_step_(
+            grads,
+            master,
+            master,
+            params,
+            [True] * 3,
+            **s,
+            started=started,
+            **SGD_FLAGS[0],
+            members=1,
+        )
     flat = torch.randn(10)
     views = [flat[:6], flat[4:]]  # overlapping views of one buffer
     with pytest.raises(ValueError, match="share memory"):
-        sgd_step_([torch.zeros(6).half(), torch.zeros(6).half()], views, [], [], [False] * 2,
-                  **s, started=None, weight_decay=0.0, momentum=0.0, dampening=0.0,
-                  nesterov=False, members=1)  # fmt: skip
+        sgd_step_(
+            [torch.zeros(6).half(), torch.zeros(6).half()],
+            views,
+            [],
+            [],
+            [False] * 2,
+            **s,
+            started=None,
+            weight_decay=0.0,
+            momentum=0.0,
+            dampening=0.0,
+            nesterov=False,
+            members=1,
+        )
 
 
 @pytest.mark.parametrize(
@@ -411,16 +485,32 @@ def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, chang
     """Each of these reached C before its check existed (a crash or an out-of-bounds read)."""
     g, m = [torch.zeros(1000).half()], [torch.zeros(1000)]
     args = {
-        "grad_stats": dict(grads=g, inv=None, sum_squares=0, threads=1,
-                           peak_out=torch.empty(1), sum_sq_out=None),
-        "sgd_update": dict(grads=g, master=m, trace=[torch.zeros(1000)], params=[m[0].half()],
-                           master_out=[torch.empty(1000)], trace_out=[torch.empty(1000)],
-                           params_out=[torch.empty(1000).half()], inv=None,
-                           clip_div=torch.ones(1), clip_mul=torch.ones(1), lr=torch.ones(1),
-                           apply=torch.ones(1, dtype=torch.bool), started=None,
-                           weight_decay=0.0, momentum=0.9, take_started=1.0, nesterov=0,
-                           threads=1, require=None, decided_out=None),
-    }[entry]  # fmt: skip
+        "grad_stats": dict(
+            grads=g, inv=None, sum_squares=0, threads=1, peak_out=torch.empty(1), sum_sq_out=None
+        ),
+        "sgd_update": dict(
+            grads=g,
+            master=m,
+            trace=[torch.zeros(1000)],
+            params=[m[0].half()],
+            master_out=[torch.empty(1000)],
+            trace_out=[torch.empty(1000)],
+            params_out=[torch.empty(1000).half()],
+            inv=None,
+            clip_div=torch.ones(1),
+            clip_mul=torch.ones(1),
+            lr=torch.ones(1),
+            apply=torch.ones(1, dtype=torch.bool),
+            started=None,
+            weight_decay=0.0,
+            momentum=0.9,
+            take_started=1.0,
+            nesterov=0,
+            threads=1,
+            require=None,
+            decided_out=None,
+        ),
+    }[entry]
     args.update(change)
     with pytest.raises((TypeError, ValueError), match=message):
         cpu_kernel.call(entry, n_groups=1, **args)

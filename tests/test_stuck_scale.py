@@ -200,12 +200,36 @@ def test_the_cifar10_example_stops_with_the_stuck_scale_error(tmp_path, capsys):
     # A learning rate of 1e4 blows the loss up after the first step; from an
     # initial scale of 4 the scale reaches its minimum of 1 after two backoffs.
     argv = [
-        "--dataset", "fake", "--fake-train-size", "160", "--fake-test-size", "20",
-        "--batch-size", "16", "--eval-batch-size", "20", "--device", "cpu",
-        "--no-progress", "--no-plot", "--workers", "0", "--epochs", "1", "--no-tune-malloc",
-        "--lr", "1e4", "--init-scale", "4", "--stuck-patience", "3", "--log-every", "2",
-        "--out-dir", str(tmp_path),
-    ]  # fmt: skip
+        "--dataset",
+        "fake",
+        "--fake-train-size",
+        "160",
+        "--fake-test-size",
+        "20",
+        "--batch-size",
+        "16",
+        "--eval-batch-size",
+        "20",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--no-plot",
+        "--workers",
+        "0",
+        "--epochs",
+        "1",
+        "--no-tune-malloc",
+        "--lr",
+        "1e4",
+        "--init-scale",
+        "4",
+        "--stuck-patience",
+        "3",
+        "--log-every",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

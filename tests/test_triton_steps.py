@@ -640,6 +640,4 @@ if __name__ == "__main__":
         "--refuse-cpu": _main_refuse_cpu,
         "--compile": _main_compile,
         "--end-to-end": _main_end_to_end,
-    }.get(
-        sys.argv[1] if len(sys.argv) > 1 else "", _main_interpreted
-    )()
+    }.get(sys.argv[1] if len(sys.argv) > 1 else "", _main_interpreted)()

@@ -154,16 +154,40 @@ def _kernel_args(a: dict, used: list[str]) -> dict:
     )
 
 
-def _generic(*, members, grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out,
-             inv, clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps,
-             decoupled) -> None:  # fmt: skip
+def _generic(
+    *,
+    members,
+    grads,
+    master,
+    mu,
+    nu,
+    params,
+    master_out,
+    mu_out,
+    nu_out,
+    params_out,
+    inv,
+    clip_div,
+    clip_mul,
+    lr,
+    apply,
+    inv_c1,
+    sqrt_c2,
+    l2,
+    w,
+    b2,
+    c2,
+    eps,
+    decoupled,
+) -> None:
     """The plain PyTorch kernel: one leaf of one member at a time (bitwise the C one on the CPU)."""
     c2 = f32(c2)
     results = []
     for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
         m = op_library.member(master[leaf], b, members)
-        u = op_library.unscaled(op_library.member(grads[leaf], b, members), inv, clip_div,
-                                clip_mul, k)  # fmt: skip
+        u = op_library.unscaled(
+            op_library.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
+        )
         if l2 != 0.0:
             u = torch.add(u, m, alpha=l2)
         na = torch.lerp(op_library.member(mu[leaf], b, members), u, w)
@@ -173,10 +197,21 @@ def _generic(*, members, grads, master, mu, nu, params, master_out, mu_out, nu_o
             step = torch.add(step, m, alpha=decoupled)
         results.append((b, leaf, k, torch.addcmul(m, step, lr[k]), na, nv))
     for b, leaf, k, nm, na, nv in results:
-        op_library.write_member(b, leaf, members, apply[k], {"master": nm, "mu": na, "nu": nv},
-                                master=master, mu=mu, nu=nu, params=params,
-                                master_out=master_out, mu_out=mu_out, nu_out=nu_out,
-                                params_out=params_out)  # fmt: skip
+        op_library.write_member(
+            b,
+            leaf,
+            members,
+            apply[k],
+            {"master": nm, "mu": na, "nu": nv},
+            master=master,
+            mu=mu,
+            nu=nu,
+            params=params,
+            master_out=master_out,
+            mu_out=mu_out,
+            nu_out=nu_out,
+            params_out=params_out,
+        )
 
 
 SPEC = StepSpec(
@@ -184,8 +219,13 @@ SPEC = StepSpec(
     states=("mu", "nu"),
     scalars=("inv_c1", "sqrt_c2"),
     bool_scalars=(),
-    hyper=(("l2", "float"), ("b1", "float"), ("b2", "float"), ("eps", "float"),
-           ("decoupled", "float")),  # fmt: skip
+    hyper=(
+        ("l2", "float"),
+        ("b1", "float"),
+        ("b2", "float"),
+        ("eps", "float"),
+        ("decoupled", "float"),
+    ),
     entry="adam_update",
     check=lambda op, a: _require_corrections(op, a),
     kernel_args=_kernel_args,
@@ -228,8 +268,9 @@ def _step(state, plan: AdamPlan, grads, masters, own, common: dict[str, Any], do
         finite = adam_step_(grads, masters, mu, nu, own, **common, **hyper)
         m_out, mu_out, nu_out, p_new = masters, mu, nu, own
     else:
-        m_out, mu_out, nu_out, p_new, finite = adam_step(grads, masters, mu, nu, own, **common,
-                                                         **hyper)  # fmt: skip
+        m_out, mu_out, nu_out, p_new, finite = adam_step(
+            grads, masters, mu, nu, own, **common, **hyper
+        )
     flag = finite.reshape(())
     new_adam = ScaleByAdamState(
         count=torch.where(flag, count, adam.count),

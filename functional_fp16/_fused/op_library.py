@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -169,7 +169,12 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     own = [g for g, s in zip(grads, a["separate"]) if s]
     _check_list(op, "params", a["params"], own, STORED)
     lr = a["lr"]
-    if lr.dim() != 1 or lr.numel() < 1 or lr.numel() % members or len(grads) % (lr.numel() // members):
+    if (
+        lr.dim() != 1
+        or lr.numel() < 1
+        or lr.numel() % members
+        or len(grads) % (lr.numel() // members)
+    ):
         fail(
             op,
             f"lr has shape {tuple(lr.shape)}: expected one entry per group, {members} member(s) "
@@ -216,14 +221,27 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
     sq = torch.zeros(groups, dtype=torch.float64, device=device)
     kernel = kernel_for(device)
     if kernel == "c":
-        c_kernel.call("grad_stats", n_groups=groups, members=members, leaves_checked=True,
-                      grads=grads, inv=inv,
-                      sum_squares=sum_squares, threads=_threads(), peak_out=peak,
-                      sum_sq_out=sq if sum_squares else None)  # fmt: skip
+        c_kernel.call(
+            "grad_stats",
+            n_groups=groups,
+            members=members,
+            leaves_checked=True,
+            grads=grads,
+            inv=inv,
+            sum_squares=sum_squares,
+            threads=_threads(),
+            peak_out=peak,
+            sum_sq_out=sq if sum_squares else None,
+        )
     elif kernel == "triton":
-        _triton().grad_stats(n_groups=groups, grads=member_views(grads, members), inv=inv,
-                             sum_squares=sum_squares, peak_out=peak,
-                             sum_sq_out=sq if sum_squares else None)  # fmt: skip
+        _triton().grad_stats(
+            n_groups=groups,
+            grads=member_views(grads, members),
+            inv=inv,
+            sum_squares=sum_squares,
+            peak_out=peak,
+            sum_sq_out=sq if sum_squares else None,
+        )
     else:
         _stats_generic(grads, inv, groups, members, sum_squares, peak, sq)
     return peak, sq
@@ -247,7 +265,7 @@ def _define(name: str, schema: str, kernel: Callable, fake: Callable, rule: Call
 
 
 def _grad_stats(
-    grads: list[Tensor], inv: Optional[Tensor], groups: int, members: int, sum_squares: bool
+    grads: list[Tensor], inv: Tensor | None, groups: int, members: int, sum_squares: bool
 ) -> tuple[Tensor, Tensor]:
     r"""Per group: the gradients' peak magnitude and the sum of squares of the unscaled ones.
 
@@ -300,7 +318,11 @@ def _schema(spec: StepSpec, donated: bool) -> str:
     mutable = ["master", *spec.states, "params"]
 
     def lst(name: str) -> str:
-        return f"Tensor({next(marks)}!)[] {name}" if donated and name in mutable else f"Tensor[] {name}"
+        return (
+            f"Tensor({next(marks)}!)[] {name}"
+            if donated and name in mutable
+            else f"Tensor[] {name}"
+        )
 
     parts = [lst("grads"), lst("master"), *[lst(s) for s in spec.states], lst("params")]
     parts.append("bool[] separate")
@@ -363,9 +385,16 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
     if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
         finite = torch.empty(groups, dtype=torch.bool)
-        c_kernel.call(spec.entry, n_groups=groups, members=members, leaves_checked=True, apply=None,
-                      threads=_threads(), **{**spec.c_extra, "require": a["require"],
-                      "decided_out": finite}, **kw)  # fmt: skip
+        c_kernel.call(
+            spec.entry,
+            n_groups=groups,
+            members=members,
+            leaves_checked=True,
+            apply=None,
+            threads=_threads(),
+            **{**spec.c_extra, "require": a["require"], "decided_out": finite},
+            **kw,
+        )
         return finite
     if a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
@@ -373,9 +402,16 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
         peak, _ = _stats(a["grads"], a["inv"], groups, members, False)
         finite = _finite(peak, a["inv"], a["require"])
     if kernel == "c":
-        c_kernel.call(spec.entry, n_groups=groups, members=members, leaves_checked=True,
-                      apply=finite,
-                      threads=_threads(), **spec.c_extra, **kw)  # fmt: skip
+        c_kernel.call(
+            spec.entry,
+            n_groups=groups,
+            members=members,
+            leaves_checked=True,
+            apply=finite,
+            threads=_threads(),
+            **spec.c_extra,
+            **kw,
+        )
     elif kernel == "triton":
         views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
         getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views)
@@ -411,7 +447,9 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
         return _run(spec, a, used, out, speculate=False)
 
     functional.__doc__ = doc
-    donated.__doc__ = f"``{spec.name}`` written into its state arguments (donation); returns ``finite``."
+    donated.__doc__ = (
+        f"``{spec.name}`` written into its state arguments (donation); returns ``finite``."
+    )
     mutated = ("master", *spec.states, "params")
 
     def fake(*args):
@@ -426,13 +464,19 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
     lists = ("grads", "master", *spec.states, "params")
     scalars = (*COMMON_SCALARS, *spec.scalars)
     op = _define(
-        spec.name, _schema(spec, False), functional, fake,
+        spec.name,
+        _schema(spec, False),
+        functional,
+        fake,
         lambda op: _vmap_rule(op, names, lists, scalars, (), _by_member_all),
-    )  # fmt: skip
+    )
     op_ = _define(
-        spec.name + "_", _schema(spec, True), donated, fake_,
+        spec.name + "_",
+        _schema(spec, True),
+        donated,
+        fake_,
         lambda op: _vmap_rule(op, names, lists, scalars, mutated, _by_member),
-    )  # fmt: skip
+    )
     return op, op_
 
 

@@ -38,6 +38,7 @@ from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_a
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._tree import tree_flatten, tree_unflatten
+from functional_fp16.base import GradientTransformation
 from functional_fp16.clipping import ClipSpec
 from functional_fp16.sgd import (
     DecaySpec,
@@ -177,9 +178,27 @@ def _kernel_args(a: dict, used: list[str]) -> dict:
     )
 
 
-def _generic(*, members, grads, master, trace, params, master_out, trace_out, params_out, inv,
-             clip_div, clip_mul, lr, apply, started, weight_decay, momentum, take_started,
-             nesterov) -> None:  # fmt: skip
+def _generic(
+    *,
+    members,
+    grads,
+    master,
+    trace,
+    params,
+    master_out,
+    trace_out,
+    params_out,
+    inv,
+    clip_div,
+    clip_mul,
+    lr,
+    apply,
+    started,
+    weight_decay,
+    momentum,
+    take_started,
+    nesterov,
+) -> None:
     """The plain PyTorch kernel: one leaf of one member at a time.
 
     ``torch.add(..., alpha=)`` and ``addcmul`` are the multiply-adds the C
@@ -190,8 +209,9 @@ def _generic(*, members, grads, master, trace, params, master_out, trace_out, pa
     results = []
     for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
         m = op_library.member(master[leaf], b, members)
-        u = op_library.unscaled(op_library.member(grads[leaf], b, members), inv, clip_div,
-                                clip_mul, k)  # fmt: skip
+        u = op_library.unscaled(
+            op_library.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
+        )
         if weight_decay != 0.0:
             u = torch.add(u, m, alpha=weight_decay)
         v, nb = u, None
@@ -205,9 +225,19 @@ def _generic(*, members, grads, master, trace, params, master_out, trace_out, pa
     # Every new value is computed before any output is written (donation).
     for b, leaf, k, nm, nb in results:
         new = {"master": nm, "trace": nb}
-        op_library.write_member(b, leaf, members, apply[k], new, master=master, trace=trace,
-                                params=params, master_out=master_out, trace_out=trace_out,
-                                params_out=params_out)  # fmt: skip
+        op_library.write_member(
+            b,
+            leaf,
+            members,
+            apply[k],
+            new,
+            master=master,
+            trace=trace,
+            params=params,
+            master_out=master_out,
+            trace_out=trace_out,
+            params_out=params_out,
+        )
 
 
 SPEC = StepSpec(
@@ -215,8 +245,12 @@ SPEC = StepSpec(
     states=("trace",),
     scalars=("started",),
     bool_scalars=("started",),
-    hyper=(("weight_decay", "float"), ("momentum", "float"), ("dampening", "float"),
-           ("nesterov", "bool")),  # fmt: skip
+    hyper=(
+        ("weight_decay", "float"),
+        ("momentum", "float"),
+        ("dampening", "float"),
+        ("nesterov", "bool"),
+    ),
     entry="sgd_update",
     check=_check,
     kernel_args=_kernel_args,

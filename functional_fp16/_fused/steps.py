@@ -27,11 +27,10 @@ groups of one call) and a CUDA graph captures it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-
-from collections.abc import Callable
 
 from functional_fp16._fused.chains import replace_at, state_at
 from functional_fp16._fused.op_library import grad_stats
@@ -136,7 +135,9 @@ def _lr_factor(plan, opt_state, like: torch.Tensor):
     """(signed step factor as a 0-d float32 tensor, the learning-rate transform's next state)."""
     if not callable(plan.learning_rate):
         # a fill on the device, not a host-to-device copy (capturable in CUDA graphs)
-        factor = torch.full((), plan.sign * plan.learning_rate, dtype=torch.float32, device=like.device)
+        factor = torch.full(
+            (), plan.sign * plan.learning_rate, dtype=torch.float32, device=like.device
+        )
         return factor, state_at(opt_state, plan.lr_path)
     count = state_at(opt_state, plan.lr_path).count
     lr = plan.learning_rate(count).to(torch.float32) * plan.sign
@@ -194,8 +195,10 @@ def fused_update(state, grads, fp: FusedPlan, decision, donate: bool):
     masters, m_spec = tree_flatten(state.master)
     params, p_spec = tree_flatten(state.params)
     g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
-    inv = None if isinstance(state.loss_scale, NoOpLossScale) else unscale_factor(
-        state.loss_scale.loss_scale
+    inv = (
+        None
+        if isinstance(state.loss_scale, NoOpLossScale)
+        else unscale_factor(state.loss_scale.loss_scale)
     )
     clipping = plan.max_norm is not None
     apply, require, norm = _decision_inputs(g, inv, decision, clipping)

@@ -135,5 +135,7 @@ def call(
     if not available():
         raise RuntimeError(f"the CPU kernel is not available: {_reason}")
     sig = SIGNATURES[entry]
-    packed = pack(sig, n_groups=n_groups, members=members, leaves_checked=leaves_checked, **arguments)
+    packed = pack(
+        sig, n_groups=n_groups, members=members, leaves_checked=leaves_checked, **arguments
+    )
     getattr(_lib, sig.symbol)(*packed.args)

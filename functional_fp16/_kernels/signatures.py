@@ -201,7 +201,11 @@ def members_outermost(t: torch.Tensor, members: int) -> bool:
     """Whether ``t``'s ``members`` blocks are consecutive along its first dimension."""
     if members == 1:
         return True
-    return t.dim() >= 1 and t.shape[0] == members and (t.numel() == 0 or t.stride(0) * members == t.numel())
+    return (
+        t.dim() >= 1
+        and t.shape[0] == members
+        and (t.numel() == 0 or t.stride(0) * members == t.numel())
+    )
 
 
 def _explain_leaves(sig: Signature, arg: Arg, value: Any, n_leaves: int, kw: dict, members: int):
@@ -356,7 +360,9 @@ def pack(
             if not leaves_checked:
                 _check_leaves(sig, arg, value, n_leaves, kw, members, layouts)
             elif value is not None and len(value) != n_leaves:
-                raise ValueError(f"{sig.symbol}: {arg.name} has {len(value)} tensors, not {n_leaves}")
+                raise ValueError(
+                    f"{sig.symbol}: {arg.name} has {len(value)} tensors, not {n_leaves}"
+                )
             if value is None:
                 out.args.append(None)
                 continue
@@ -364,9 +370,7 @@ def pack(
                 ptrs = [t.data_ptr() for t in value]
             else:
                 ptrs = [
-                    t.data_ptr() + b * (t.nbytes // members)
-                    for b in range(members)
-                    for t in value
+                    t.data_ptr() + b * (t.nbytes // members) for b in range(members) for t in value
                 ]
             out.args.append(out.array("Q", ptrs))
         elif arg.kind == "numel":

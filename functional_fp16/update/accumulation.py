@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from functional_fp16._finite import grads_finite
 from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.accumulation import (
     MultiStepsSpec,
@@ -24,7 +25,6 @@ from functional_fp16.accumulation import (
 from functional_fp16.base import ChainSpec, GradientTransformation
 from functional_fp16.loss_scale import NoOpLossScale
 from functional_fp16.update.decision import Decision
-from functional_fp16._finite import grads_finite
 
 __all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
 

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 
 from functional_fp16._finite import grads_finite
+from functional_fp16._fused.chains import replace_at, state_at
+from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.base import saturating_increment
 from functional_fp16.loss_scale import (
@@ -53,8 +55,6 @@ from functional_fp16.loss_scale import (
     unscale_factor,
 )
 from functional_fp16.sgd import ScaleByScheduleState, TraceState
-from functional_fp16._fused.chains import replace_at, state_at
-from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
 
 __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
 

@@ -28,6 +28,7 @@ _SHARDED_MESSAGE = (
     "with unshard_state first"
 )
 
+
 def fp16_update(
     state: FP16State,
     grads: PyTree,
@@ -99,9 +100,7 @@ def fp16_update(
     # Under torch.func.vmap (a batched state, gradients or loss) the fused op
     # batches inside itself; the other implementations run once per member.
     if not chosen.batches and is_batched([state.step, loss, *g_leaves]):
-        return per_member(
-            lambda s, g, lo: _step_member(s, g, lo, impl, agree), state, grads, loss
-        )
+        return per_member(lambda s, g, lo: _step_member(s, g, lo, impl, agree), state, grads, loss)
     return chosen.run(state, grads, decision, donate)
 
 
