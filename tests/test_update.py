@@ -898,3 +898,37 @@ def test_an_exception_inside_the_update_leaves_the_state_unchanged(impl, donate)
     with pytest.raises(ValueError, match="transform failed"):
         ff.fp16_update(state, good_grads(state), impl=impl, donate=donate)
     assert_bitwise_unchanged(state, before)
+
+
+def test_update_path_names_the_implementation_that_runs(monkeypatch):
+    """``update_path`` and ``fp16_update`` ask the same dispatcher: for every optimiser of
+    the matrix, with each ``impl``, a plain and a MultiSteps state, the code that runs is
+    the code ``update_path`` names."""
+    from functional_fp16._fused import steps as fused_steps
+    from functional_fp16.update import dispatch, foreach
+    from tests.test_fast_update import _grads, _txs
+
+    ran = []
+    real_fused, real_foreach, real_reference = (
+        fused_steps.fused_update,
+        foreach.foreach_update,
+        dispatch.reference_update,
+    )
+    monkeypatch.setattr(dispatch, "fused_update", lambda *a: ran.append("fused") or real_fused(*a))
+
+    def foreach_spy(state, *a):
+        ran.append("foreach-sgd" if foreach.sgd_sequence(state) is not None else "foreach")
+        return real_foreach(state, *a)
+
+    monkeypatch.setattr(dispatch, "foreach_update", foreach_spy)
+    monkeypatch.setattr(
+        dispatch, "reference_update", lambda *a: ran.append("reference") or real_reference(*a)
+    )
+    for name, tx in _txs().items():
+        for outer in (tx, ff.MultiSteps(tx, 2)):
+            state = ff.fp16_init(random_tree(0), outer)
+            grads = _grads(state, 0, 0)
+            for impl in ("auto", *IMPLEMENTATIONS):
+                ran.clear()
+                ff.fp16_update(state, grads, impl=impl)
+                assert ran == [ff.update_path(state, impl)], (name, impl, ran)
