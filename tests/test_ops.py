@@ -514,3 +514,14 @@ def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, chang
     args.update(change)
     with pytest.raises((TypeError, ValueError), match=message):
         cpu_kernel.call(entry, n_groups=1, **args)
+
+
+def test_the_kernels_refuse_gradients_on_several_devices():
+    """A CUDA tensor among CPU ones would hand the C kernel a device pointer: the ops'
+    kernels check that every gradient is on one device (meta stands in for CUDA here;
+    the dispatcher itself would route a call with a meta tensor to the fake kernel)."""
+    grads = [torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.float16, device="meta")]
+    with pytest.raises(ValueError, match=r"grads\[1\] is on meta"):
+        op_library._grad_stats(grads, None, 1, 1, False)
+    with pytest.raises(ValueError, match=r"grads\[1\] is on meta"):
+        op_library._check_grads("sgd_step", grads, 1)

@@ -144,7 +144,10 @@ def _check_grads(op: str, grads: list[Tensor], members: int) -> None:
         fail(op, f"members must be a positive int, got {members!r}", TypeError)
     if not grads:
         fail(op, "grads is empty")
+    device = grads[0].device
     for i, g in enumerate(grads):
+        if g.device != device:
+            fail(op, f"grads[{i}] is on {g.device}, grads[0] on {device}: one device per call")
         if g.dtype not in STORED:
             fail(op, f"grads[{i}] has dtype {g.dtype}, expected one of {STORED}", TypeError)
         if not dense(g):
