@@ -40,14 +40,14 @@ import torch
 from torch import Tensor
 
 from functional_fp16._fused import op_library
-from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_at
+from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._tree import tree_flatten, tree_unflatten
 from functional_fp16.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
 from functional_fp16.base import GradientTransformation, saturating_increment
 from functional_fp16.clipping import ClipSpec
-from functional_fp16.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
+from functional_fp16.sgd import DecaySpec, LearningRateSpec
 
 __all__ = ["AdamPlan", "adam_plan", "adam_state_fits", "adam_step", "adam_step_"]
 
@@ -118,12 +118,9 @@ def adam_state_fits(plan: AdamPlan, opt_state: Any, master_spec: Any) -> bool:
             return False
         if tree_flatten(adam.mu)[1] != master_spec or tree_flatten(adam.nu)[1] != master_spec:
             return False
-        if callable(plan.learning_rate):
-            if not isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState):
-                return False
+        return lr_state_fits(plan, opt_state)
     except (TypeError, IndexError, KeyError, AttributeError):
         return False
-    return True
 
 
 def adam_buffers(plan: AdamPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:

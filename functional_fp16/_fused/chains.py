@@ -16,9 +16,18 @@ from typing import Any
 
 import torch
 
-from functional_fp16.base import ChainSpec, GradientTransformation
+from functional_fp16.base import ChainSpec, GradientTransformation, saturating_increment
+from functional_fp16.sgd import ScaleByScheduleState
 
-__all__ = ["Path", "chain_parts", "cached_plan", "state_at", "replace_at"]
+__all__ = [
+    "Path",
+    "chain_parts",
+    "cached_plan",
+    "state_at",
+    "replace_at",
+    "lr_state_fits",
+    "lr_factor",
+]
 
 Path = tuple[int, ...]
 
@@ -92,3 +101,33 @@ def replace_at(state: Any, path: Path, value: Any) -> Any:
     parts = list(state)
     parts[path[0]] = replace_at(state[path[0]], path[1:], value)
     return tuple(parts)
+
+
+def lr_state_fits(plan: Any, opt_state: Any) -> bool:
+    """Whether a plan with a learning-rate schedule finds its count at ``plan.lr_path``.
+
+    ``plan`` has ``learning_rate`` (a number or a schedule) and ``lr_path``;
+    a constant learning rate keeps no state. Raises what indexing raises for
+    a state of another structure.
+    """
+    if not callable(plan.learning_rate):
+        return True
+    return isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState)
+
+
+def lr_factor(plan: Any, opt_state: Any, like: torch.Tensor):
+    r"""``(f, s')``: the signed step factor :math:`f = \sigma\,\eta_t` as a 0-d float32
+    tensor on ``like``'s device, and the learning-rate transform's next state.
+
+    A constant :math:`\eta` is a fill on the device (not a host-to-device copy:
+    capturable in CUDA graphs); a schedule is evaluated at its count, which
+    advances by one (saturating).
+    """
+    if not callable(plan.learning_rate):
+        factor = torch.full(
+            (), plan.sign * plan.learning_rate, dtype=torch.float32, device=like.device
+        )
+        return factor, state_at(opt_state, plan.lr_path)
+    count = state_at(opt_state, plan.lr_path).count
+    lr = plan.learning_rate(count).to(torch.float32) * plan.sign
+    return lr, ScaleByScheduleState(count=saturating_increment(count))

@@ -116,15 +116,12 @@ class BufferPool:
 _POOL = BufferPool()
 
 
-def fresh_like(
-    tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None
-) -> list[torch.Tensor]:
-    """Uninitialised tensors shaped and strided like ``tensors`` (dtype: ``dtypes`` or theirs).
+def fresh_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Uninitialised tensors shaped, strided and typed like ``tensors``.
 
     CPU tensors come from the pool of dropped outputs; others from
     ``torch.empty_like`` (CUDA's caching allocator already reuses blocks).
     """
-    dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
     if not tensors or tensors[0].device.type != "cpu":
-        return [torch.empty_like(t, dtype=d) for t, d in zip(tensors, dtypes)]
-    return _POOL.empty_like(tensors, dtypes)
+        return [torch.empty_like(t) for t in tensors]
+    return _POOL.empty_like(tensors, [t.dtype for t in tensors])

@@ -44,7 +44,15 @@ from functional_fp16._fused.memory import fresh_like
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense, members_outermost
 
-__all__ = ["StepSpec", "define_step", "grad_stats", "kernel_for", "member_views", "f32"]
+__all__ = [
+    "StepSpec",
+    "define_step",
+    "grad_stats",
+    "finite_from_peak",
+    "kernel_for",
+    "member_views",
+    "f32",
+]
 
 NS = "functional_fp16"
 STORED = tuple(DTYPE_CODES)
@@ -368,7 +376,7 @@ def _full(master: list[Tensor], params: list[Tensor], separate: list[bool]) -> l
     return [next(it) if s else m for m, s in zip(master, separate)]
 
 
-def _finite(peak: Tensor, inv: Tensor | None, require: Tensor | None) -> Tensor:
+def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = None) -> Tensor:
     """Per group: ``fl32(peak) * inv`` is finite (as ``grads_finite`` decides), and ``require``."""
     finite = torch.isfinite(peak if inv is None else peak * inv)
     return finite if require is None else finite & require
@@ -387,32 +395,24 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
     inputs = {**a, "params": _full(a["master"], a["params"], a["separate"])}
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
     if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
+        # The C kernel steps before it decides, then decides and undoes the groups that skip.
         finite = torch.empty(groups, dtype=torch.bool)
-        c_kernel.call(
-            spec.entry,
-            n_groups=groups,
-            members=members,
-            leaves_checked=True,
-            apply=None,
-            threads=_threads(),
-            **{**spec.c_extra, "require": a["require"], "decided_out": finite},
-            **kw,
-        )
-        return finite
-    if a["apply"] is not None:
+        decided = {"apply": None, "require": a["require"], "decided_out": finite}
+    elif a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
+        decided = {"apply": finite}
     else:
         peak, _ = _stats(a["grads"], a["inv"], groups, members, False)
-        finite = _finite(peak, a["inv"], a["require"])
+        finite = finite_from_peak(peak, a["inv"], a["require"])
+        decided = {"apply": finite}
     if kernel == "c":
         c_kernel.call(
             spec.entry,
             n_groups=groups,
             members=members,
             leaves_checked=True,
-            apply=finite,
             threads=_threads(),
-            **spec.c_extra,
+            **{**spec.c_extra, **decided},
             **kw,
         )
     elif kernel == "triton":

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from functional_fp16._fused import op_library
-from functional_fp16._fused.chains import Path, cached_plan, replace_at, state_at
+from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._tree import tree_flatten, tree_unflatten
@@ -43,7 +43,6 @@ from functional_fp16.clipping import ClipSpec
 from functional_fp16.sgd import (
     DecaySpec,
     LearningRateSpec,
-    ScaleByScheduleState,
     TraceSpec,
     TraceState,
 )
@@ -125,12 +124,9 @@ def state_fits(plan: SGDPlan, opt_state: Any, master_spec: Any) -> bool:
             trace = state_at(opt_state, plan.trace_path)
             if not isinstance(trace, TraceState) or tree_flatten(trace.trace)[1] != master_spec:
                 return False
-        if callable(plan.learning_rate):
-            if not isinstance(state_at(opt_state, plan.lr_path), ScaleByScheduleState):
-                return False
+        return lr_state_fits(plan, opt_state)
     except (TypeError, IndexError, KeyError):
         return False
-    return True
 
 
 def sgd_buffers(plan: SGDPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:

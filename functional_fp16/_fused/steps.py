@@ -32,11 +32,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused.chains import replace_at, state_at
-from functional_fp16._fused.op_library import grad_stats
+from functional_fp16._fused.chains import lr_factor, replace_at, state_at
+from functional_fp16._fused.op_library import finite_from_peak, grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
 from functional_fp16._tree import tree_flatten, tree_unflatten
-from functional_fp16.base import saturating_increment
 from functional_fp16.clipping import clip_factors, norm_of_sum_of_squares
 from functional_fp16.loss_scale import (
     DynamicLossScale,
@@ -78,15 +77,15 @@ class FusedPlan(NamedTuple):
     separate: tuple[bool, ...]  # per leaf: the working copy is a tensor of its own (not FP32)
 
 
-def _optimizer_plan(state) -> tuple[Fusable | None, Any, list[list[torch.Tensor]]]:
-    """The fusable optimiser of ``state.tx``, its plan and its per-parameter FP32 state tensors."""
+def _optimizer_plan(state) -> tuple[Fusable | None, Any, list[list[torch.Tensor]] | None]:
+    """The fusable optimiser of ``state.tx``, its plan and its per-parameter FP32 state
+    tensors (``None``: a state of another layout); ``(None, None, None)`` if none fuses."""
     spec = tree_flatten(state.master)[1]
     for fusable in _FUSABLE:
         plan = fusable.plan(state.tx)
         if plan is not None:
-            buffers = fusable.buffers(plan, state.opt_state, spec)
-            return (fusable, plan, buffers) if buffers is not None else (None, None, [])
-    return None, None, []
+            return fusable, plan, fusable.buffers(plan, state.opt_state, spec)
+    return None, None, None
 
 
 def _examine(state) -> tuple[str | None, FusedPlan | None]:
@@ -95,8 +94,8 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
         return "a loss scale of another type", None
     fusable, plan, buffers = _optimizer_plan(state)
     if fusable is None:
-        if all(f.plan(state.tx) is None for f in _FUSABLE):
-            return "an optimiser that is not a fusable chain", None
+        return "an optimiser that is not a fusable chain", None
+    if buffers is None:
         return "an optimiser state of another layout", None
     masters = tree_flatten(state.master)[0]
     params = tree_flatten(state.params)[0]
@@ -129,19 +128,6 @@ def fused_plan(state) -> FusedPlan | None:
     the transforms' declared values.
     """
     return _examine(state)[1]
-
-
-def _lr_factor(plan, opt_state, like: torch.Tensor):
-    """(signed step factor as a 0-d float32 tensor, the learning-rate transform's next state)."""
-    if not callable(plan.learning_rate):
-        # a fill on the device, not a host-to-device copy (capturable in CUDA graphs)
-        factor = torch.full(
-            (), plan.sign * plan.learning_rate, dtype=torch.float32, device=like.device
-        )
-        return factor, state_at(opt_state, plan.lr_path)
-    count = state_at(opt_state, plan.lr_path).count
-    lr = plan.learning_rate(count).to(torch.float32) * plan.sign
-    return lr, ScaleByScheduleState(count=saturating_increment(count))
 
 
 def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -178,7 +164,7 @@ def _decision_inputs(g, inv, decision, clipping: bool):
         require = decision.require
         return None, None if require is None else _one(require.to(g[0].device)), None
     peak, sum_sq = grad_stats(g, _one(inv), 1, 1, clipping)
-    finite = decision(torch.isfinite(peak if inv is None else peak * inv).reshape(()))
+    finite = decision(finite_from_peak(peak, _one(inv)).reshape(()))
     clip = None
     if clipping:
         clip = norm_of_sum_of_squares(sum_sq.reshape(()))
@@ -205,7 +191,7 @@ def fused_update(state, grads, fp: FusedPlan, decision, donate: bool):
     clip_div = clip_mul = None
     if clipping:
         clip_div, clip_mul = (_one(x) for x in clip_factors(norm, plan.max_norm))
-    factor, new_lr_state = _lr_factor(plan, state.opt_state, masters[0])
+    factor, new_lr_state = lr_factor(plan, state.opt_state, masters[0])
     separate = list(fp.separate)
     own = [p for p, s in zip(params, separate) if s]
     common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=_one(factor))

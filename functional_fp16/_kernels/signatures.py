@@ -56,7 +56,6 @@ class Arg(NamedTuple):
     of: str = ""  # "numel"/"codes": the leaves argument it is derived from
     like: str = ""  # "leaves": each tensor has the shape and strides of this argument's
     same_dtype: str = ""  # "leaves": each tensor has the dtype of this argument's tensors
-    written: bool = False  # the kernel writes it
 
 
 class Signature(NamedTuple):
@@ -90,15 +89,14 @@ def _leaves(
     *,
     dtypes=F32,
     like: str = "grads",
-    written: bool = False,
     optional=False,
     same_dtype: str = "",
 ) -> Arg:
-    return Arg(name, "leaves", dtypes, optional, "", like, same_dtype, written)
+    return Arg(name, "leaves", dtypes, optional, "", like, same_dtype)
 
 
-def _group(name: str, dtype: torch.dtype, *, optional: bool = False, written=False) -> Arg:
-    return Arg(name, "group", (dtype,), optional=optional, written=written)
+def _group(name: str, dtype: torch.dtype, *, optional: bool = False) -> Arg:
+    return Arg(name, "group", (dtype,), optional=optional)
 
 
 _STEP_SCALARS = (
@@ -118,8 +116,8 @@ SIGNATURES: dict[str, Signature] = {
             _group("inv", torch.float32, optional=True),
             Arg("sum_squares", "int"),
             Arg("threads", "int"),
-            _group("peak_out", torch.float32, written=True),
-            _group("sum_sq_out", torch.float64, optional=True, written=True),
+            _group("peak_out", torch.float32),
+            _group("sum_sq_out", torch.float64, optional=True),
         ),
         needs=(("sum_squares", "sum_sq_out"),),
     ),
@@ -130,9 +128,9 @@ SIGNATURES: dict[str, Signature] = {
             _leaves("master"),
             _leaves("trace", optional=True),  # None without momentum
             _leaves("params", dtypes=STORED),
-            _leaves("master_out", written=True),
-            _leaves("trace_out", written=True, optional=True),
-            _leaves("params_out", dtypes=STORED, written=True, same_dtype="params"),
+            _leaves("master_out"),
+            _leaves("trace_out", optional=True),
+            _leaves("params_out", dtypes=STORED, same_dtype="params"),
             Arg("numel", "numel", of="grads"),
             Arg("grads_codes", "codes", of="grads"),
             Arg("params_codes", "codes", of="params_out"),
@@ -145,7 +143,7 @@ SIGNATURES: dict[str, Signature] = {
             Arg("take_started", "float"),
             Arg("nesterov", "int"),
             Arg("threads", "int"),
-            _group("decided_out", torch.bool, optional=True, written=True),
+            _group("decided_out", torch.bool, optional=True),
         ),
         together=(("clip_div", "clip_mul"), ("trace", "trace_out")),
         one_of=(("apply", "decided_out"),),
@@ -158,10 +156,10 @@ SIGNATURES: dict[str, Signature] = {
             _leaves("mu"),
             _leaves("nu"),
             _leaves("params", dtypes=STORED),
-            _leaves("master_out", written=True),
-            _leaves("mu_out", written=True),
-            _leaves("nu_out", written=True),
-            _leaves("params_out", dtypes=STORED, written=True, same_dtype="params"),
+            _leaves("master_out"),
+            _leaves("mu_out"),
+            _leaves("nu_out"),
+            _leaves("params_out", dtypes=STORED, same_dtype="params"),
             Arg("numel", "numel", of="grads"),
             Arg("grads_codes", "codes", of="grads"),
             Arg("params_codes", "codes", of="params_out"),

@@ -44,10 +44,9 @@ from typing import Any
 import torch
 
 from functional_fp16._finite import grads_finite
-from functional_fp16._fused.chains import replace_at, state_at
+from functional_fp16._fused.chains import lr_factor, replace_at, state_at
 from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.base import saturating_increment
 from functional_fp16.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -206,16 +205,6 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _lr_factor(cfg: SGDPlan, opt_state, like: torch.Tensor):
-    """(factor, new lr-state): the multiplier of the update and the lr transform's next state."""
-    if not callable(cfg.learning_rate):
-        return _scalar(cfg.sign * cfg.learning_rate, like), state_at(opt_state, cfg.lr_path)
-    count = state_at(opt_state, cfg.lr_path).count
-    lr = cfg.learning_rate(count).to(torch.float32) * cfg.sign
-    new_count = saturating_increment(count)
-    return lr, ScaleByScheduleState(count=new_count)
-
-
 def _replace_parts(cfg: SGDPlan, opt_state, trace_state, lr_state):
     if cfg.trace_path is not None:
         opt_state = replace_at(opt_state, cfg.trace_path, trace_state)
@@ -257,7 +246,7 @@ def _sgd_eager(cfg: SGDPlan, opt_state, nu, m_leaves, finite, donate):
         # instead would turn an exact cancellation's +0 into the wrong zero.
         torch._foreach_add_(nu, m_leaves, alpha=cfg.weight_decay)
         torch._foreach_neg_(nu)
-    factor, new_lr_state = _lr_factor(cfg, opt_state, like)
+    factor, new_lr_state = lr_factor(cfg, opt_state, like)
     trace_state = None
     if cfg.trace_path is not None:
         ts: TraceState = state_at(opt_state, cfg.trace_path)
