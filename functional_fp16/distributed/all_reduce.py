@@ -12,6 +12,7 @@ from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import PyTree, describe_tensor, tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
+from functional_fp16.distributed.fingerprint import agree_once, describe_tree, leaf_key
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
 
@@ -96,6 +97,14 @@ def tree_all_reduce_mean(
     on every rank, and ``tree`` itself is never written to. Nothing is read
     back to the host.
 
+    The first call with a configuration (the tree's structure, leaf dtypes,
+    shapes and devices, the arguments below, the world size) checks that
+    every rank passes the same one (one small all-gather,
+    :func:`~functional_fp16.distributed.fingerprint.agree_once`), so a rank
+    with another shape, dtype or bucket size raises on every rank, naming
+    the rank and the difference, instead of hanging in the all-reduce.
+    Later calls with that configuration communicate nothing more.
+
     Args:
       tree: a pytree of floating-point tensors, the same structure and shapes
         on every rank.
@@ -112,6 +121,9 @@ def tree_all_reduce_mean(
 
     Returns:
       The averaged tree.
+
+    Raises:
+      ValueError: on every rank, when the ranks' configurations differ.
     """
     _require_group("tree_all_reduce_mean")
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
@@ -121,6 +133,14 @@ def tree_all_reduce_mean(
     if not leaves:
         return tree
     world = dist.get_world_size(group)
+    settings = (bucket_bytes, comm_dtype, predivide_factor)
+    agree_once(
+        ("tree_all_reduce_mean", spec, leaf_key(leaves), settings),
+        lambda: describe_tree(tree) + _describe_settings(world, *settings),
+        group,
+        name="tree",
+        what="tree_all_reduce_mean: the ranks disagree",
+    )
     dtypes = [comm_dtype or leaf.dtype for leaf in leaves]
     pending = []
     for indices in _buckets(leaves, dtypes, bucket_bytes):
@@ -136,6 +156,21 @@ def tree_all_reduce_mean(
             flat.div_(post)
         _unpack(flat, leaves, indices, out)
     return tree_unflatten(spec, out)
+
+
+def _describe_settings(
+    world: int,
+    bucket_bytes: int,
+    comm_dtype: torch.dtype | None,
+    predivide_factor: float | None,
+) -> list[tuple[str, str]]:
+    """The communication arguments and the world size, as fingerprint entries."""
+    return [
+        ("<world size>", str(world)),
+        ("<bucket_bytes>", repr(bucket_bytes)),
+        ("<comm_dtype>", str(comm_dtype)),
+        ("<predivide_factor>", repr(predivide_factor)),
+    ]
 
 
 @keyword_only("group")

@@ -2,76 +2,39 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from functional_fp16._deprecation import keyword_only
-from functional_fp16._tree import PyTree, tree_flatten, tree_paths, tree_unflatten
+from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
+from functional_fp16.distributed.fingerprint import agree, describe_tree
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 
 __all__ = ["check_same_tree", "broadcast_state"]
 
 
-def _fingerprint(tree: PyTree) -> list[tuple[str, str]]:
-    leaves, _ = tree_flatten(tree)
-    out = []
-    for path, leaf in zip(tree_paths(tree), leaves, strict=True):
-        if isinstance(leaf, torch.Tensor):
-            # The device type, not the index: cuda:0 and cuda:1 are alike.
-            out.append(
-                (path, f"{leaf.dtype} tensor of shape {tuple(leaf.shape)} on {leaf.device.type}")
-            )
-        else:
-            # Host values (an epoch counter, a name) may differ; their type may not.
-            out.append((path, type(leaf).__name__))
-    return out
-
-
-def _first_difference(
-    name: str, ref: list[tuple[str, str]], ref_rank: int, other: list[tuple[str, str]], rank: int
-) -> str:
-    ref_map, other_map = dict(ref), dict(other)
-    for path, desc in ref:
-        if path not in other_map:
-            return f"{name}{path} ({desc}) exists on rank {ref_rank} but not on rank {rank}"
-        if other_map[path] != desc:
-            return f"{name}{path} is a {desc} on rank {ref_rank} but a {other_map[path]} on rank {rank}"
-    for path, desc in other:
-        if path not in ref_map:
-            return f"{name}{path} ({desc}) exists on rank {rank} but not on rank {ref_rank}"
-    return f"{name} flattens in a different leaf order on rank {rank} than on rank {ref_rank}"
-
-
 def check_same_tree(tree: PyTree, group: ProcessGroup = None, *, name: str = "tree") -> None:
-    """Checks that every rank holds a tree of the same structure, shapes and dtypes.
+    """Checks that every rank holds a tree of the same structure, configuration, shapes and dtypes.
 
-    Each rank hashes the list of (leaf path, dtype, shape, device type) and the
-    hashes are all-gathered; only when they differ is the full list gathered
-    to name the first differing leaf. Every rank raises the same error, so no
-    rank is left waiting in a later collective. Values are never compared.
+    Compared (:func:`~functional_fp16.distributed.fingerprint.describe_tree`):
+    every node's type and path; the static configuration of the library's
+    nodes (an :class:`~functional_fp16.FP16State`'s ``tx.spec``, e.g. its
+    learning rate, and shard layout less the rank; a loss scale's settings);
+    every leaf's dtype, shape and device type (a sharded state's pieces by
+    dtype and device, their lengths being the layout's). Each rank hashes
+    its description and the hashes are all-gathered; only when they differ
+    is the full description gathered to name the first rank and entry that
+    differ. Every rank raises the same error, so no rank is left waiting in
+    a later collective. Values are never compared.
 
     Raises:
-      ValueError: naming the first leaf path that differs and the two ranks.
+      ValueError: naming the first path that differs and the two ranks.
     """
     _require_group("check_same_tree")
-    meta = _fingerprint(tree)
-    digest = hashlib.sha256(repr(meta).encode()).hexdigest()
-    world = dist.get_world_size(group)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest, group=group)
-    if all(d == digests[0] for d in digests):
-        return
-    metas: list[Any] = [None] * world
-    dist.all_gather_object(metas, meta, group=group)
-    rank = next(r for r in range(world) if digests[r] != digests[0])
-    raise ValueError(
-        "ranks hold differently shaped trees: "
-        + _first_difference(name, metas[0], 0, metas[rank], rank)
-    )
+    agree(describe_tree(tree), group, name=name, what="the ranks hold different trees")
 
 
 @keyword_only("src", "group")

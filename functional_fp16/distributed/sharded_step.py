@@ -19,6 +19,7 @@ from functional_fp16.distributed.all_reduce import (
     default_predivide,
 )
 from functional_fp16.distributed.buckets import all_gather_flat, fill, reduce_scatter_flat
+from functional_fp16.distributed.fingerprint import agree_once, describe_tree
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
@@ -63,7 +64,12 @@ def sharded_update(
     call, ``clip_by_global_norm`` adds up the shards' float64 sums of squares
     across the ranks (one more all-reduce), so it clips by the whole tree's norm.
     Each rank writes only its slice of the FP32 state; the new FP16 working
-    copy is whole and bitwise the same on every rank. Collectives are
+    copy is whole and bitwise the same on every rank. The first call with a
+    configuration (the state's structure, ``tx.spec``, layout, leaf dtypes
+    and shapes; the gradients' dtypes; the arguments; the world size) checks
+    with one small all-gather that every rank has the same one, and raises
+    on every rank, naming the rank and the difference, if not; later calls
+    with it communicate nothing more. Collectives are
     bucketed (at most ``bucket_bytes`` per call, all launched before any is
     waited on), nothing is read back to the host, and no input is modified.
 
@@ -100,6 +106,24 @@ def sharded_update(
     if is_batched([state.step, loss, *g_leaves]):
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
+    settings = (comm_dtype, bucket_bytes, predivide_factor)
+    # The key stands for the configuration at a cost of a few tuples per call.
+    agree_once(
+        (
+            "sharded_update",
+            state.tx,
+            layout,
+            tree_flatten(state.loss_scale)[1],
+            p_spec,
+            tuple((p.dtype, p.shape) for p in p_leaves),
+            tuple(g.dtype for g in g_leaves),
+            settings,
+        ),
+        lambda: _describe_step(state, grads, layout.world_size, settings),
+        group,
+        name="",
+        what="sharded_update: the ranks disagree",
+    )
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
     mean = _reduce_scatter(
         [g.detach().reshape(-1) for g in g_leaves],
@@ -130,6 +154,23 @@ def sharded_update(
     new_pieces = [x.reshape(-1) for x in tree_flatten(stepped.params)[0]]
     params = _all_gather(new_pieces, layout, group, p_leaves, bucket_bytes)
     return stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
+
+
+def _describe_step(
+    state: FP16State, grads: PyTree, world: int, settings: tuple[Any, ...]
+) -> list[tuple[str, str]]:
+    """The fingerprint entries of one ``sharded_update`` configuration (every rank must agree)."""
+    comm_dtype, bucket_bytes, predivide_factor = settings
+    return (
+        [(f"state{p}", d) for p, d in describe_tree(state)]
+        + [(f"grads{p}", d) for p, d in describe_tree(grads)]
+        + [
+            ("<world size>", str(world)),
+            ("<comm_dtype>", str(comm_dtype)),
+            ("<bucket_bytes>", repr(bucket_bytes)),
+            ("<predivide_factor>", repr(predivide_factor)),
+        ]
+    )
 
 
 def _sum_over_ranks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
