@@ -97,14 +97,16 @@ def _check_int(name: str, value: int, minimum: int) -> int:
 class _LossScaleBase:
     """Pytree plumbing and the scaling rule shared by the loss scales.
 
-    A subclass names its tensor leaves in ``TENSOR_FIELDS`` and its static
-    configuration in ``CONFIG_FIELDS``; flattening, rebuilding, device moves
-    and checkpoints all derive from these two tuples. :meth:`scale` and
+    A subclass names its tensor leaves in ``TENSOR_FIELDS`` (0-d tensors of the
+    dtypes in ``TENSOR_DTYPES``) and its static configuration in
+    ``CONFIG_FIELDS``; flattening, rebuilding, device moves, checkpoints and
+    the update's state check all derive from these tuples. :meth:`scale` and
     :meth:`unscale` use the ``loss_scale`` leaf; a subclass supplies ``adjust``.
     """
 
     __slots__ = ()
     TENSOR_FIELDS: tuple[str, ...] = ()
+    TENSOR_DTYPES: tuple[torch.dtype, ...] = ()
     CONFIG_FIELDS: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -234,6 +236,7 @@ class DynamicLossScale(_LossScaleBase):
     """
 
     TENSOR_FIELDS = ("loss_scale", "growth_count", "hysteresis_count")
+    TENSOR_DTYPES = (torch.float32, torch.int32, torch.int32)
     CONFIG_FIELDS = (
         "growth_factor",
         "backoff_factor",
@@ -333,6 +336,7 @@ class StaticLossScale(_LossScaleBase):
     """
 
     TENSOR_FIELDS = ("loss_scale",)
+    TENSOR_DTYPES = (torch.float32,)
     __slots__ = TENSOR_FIELDS
 
     def __init__(self, scale: float) -> None:
@@ -354,6 +358,7 @@ class NoOpLossScale(_LossScaleBase):
     """A loss scale of one: :meth:`scale` is the identity, :meth:`unscale` casts to float32."""
 
     TENSOR_FIELDS = ("loss_scale",)
+    TENSOR_DTYPES = (torch.float32,)
     __slots__ = TENSOR_FIELDS
 
     def __init__(self) -> None:

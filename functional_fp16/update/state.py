@@ -122,27 +122,30 @@ register_node(
 )
 
 
-def _check_params(params: PyTree) -> list[torch.Tensor]:
+def check_params(params: PyTree, *, name: str = "params") -> list[torch.Tensor]:
+    """The leaves of ``params``: dense floating-point tensors on one device (else a
+    ``TypeError``/``ValueError`` naming ``name`` and the leaf path)."""
     leaves = tree_leaves(params)
-    paths = tree_paths(params)
     if not leaves:
-        raise ValueError("params is an empty tree: there is nothing to train")
+        raise ValueError(f"{name} is an empty tree: there is nothing to train")
+    if all(
+        isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided
+        for x in leaves
+    ) and all(x.device == leaves[0].device for x in leaves):
+        return leaves
+    paths = tree_paths(params)
     for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             raise TypeError(
-                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
-            )
-        if not leaf.is_floating_point():
-            raise TypeError(
-                f"params{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
+                f"{name}{path}: expected a floating-point tensor, got {describe_tensor(leaf)}"
             )
         if leaf.layout != torch.strided:
-            raise TypeError(f"params{path}: expected a dense tensor, got layout {leaf.layout}")
+            raise TypeError(f"{name}{path}: expected a dense tensor, got layout {leaf.layout}")
     device = leaves[0].device
     for path, leaf in zip(paths, leaves):
         if leaf.device != device:
             raise ValueError(
-                f"params{path}: on {leaf.device}, but params{paths[0]} is on {device}; "
+                f"{name}{path}: on {leaf.device}, but {name}{paths[0]} is on {device}; "
                 "all parameters must live on one device"
             )
     return leaves
@@ -207,7 +210,7 @@ def fp16_init(
             "loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "
             f"got {type(loss_scale).__name__}"
         )
-    leaves = _check_params(params)
+    leaves = check_params(params)
     device = leaves[0].device
     master = tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
     working = tree_map(lambda m: m.to(param_dtype), master)

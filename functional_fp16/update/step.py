@@ -18,6 +18,7 @@ from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
 from functional_fp16.update.state import FP16State
+from functional_fp16.update.state_check import check_state
 
 __all__ = ["fp16_update", "update_path"]
 
@@ -117,6 +118,7 @@ def _check_state(state) -> None:
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     if state.shard is not None:
         raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
+    check_state(state)
 
 
 def update_path(state: FP16State, impl: str = "auto") -> str:

@@ -1,0 +1,129 @@
+"""A state whose parts do not belong together is refused before anything is computed.
+
+The cases (``tests/_state_cases.py``) are states assembled by hand the way a
+user or a migration might: momentum of another shape, dtype or slot, a
+master in FP16 or of another shape or keys, counters and scale of other
+dtypes. Each runs against every implementation, plain, under ``MultiSteps``
+and under ``vmap``, in child processes, so a crash (a kernel writing past a
+buffer) fails the test instead of ending the run. Every case must be refused
+with the right exception type, a message naming the part and the leaf path,
+and the given state bitwise untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import functional_fp16 as ff
+from functional_fp16.update import state_check
+from tests._state_cases import CASES, IMPLS, make_state, make_tx, on_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("plain", "multisteps", "vmap")
+_results: dict[str, dict] = {}
+
+
+def _run_mode(mode: str) -> dict:
+    """``{(impl, case): result}`` from one child process running every case of ``mode``."""
+    if mode not in _results:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests._state_cases", mode],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        found, running = {}, None
+        for line in proc.stdout.splitlines():
+            record = json.loads(line)
+            if "start" in record:
+                running = tuple(record["start"])
+            else:
+                found[(record["impl"], record["case"])] = record
+                running = None
+        _results[mode] = {
+            "found": found,
+            "crash": None
+            if proc.returncode == 0
+            else f"exit status {proc.returncode} while running {running}: {proc.stderr[-2000:]}",
+        }
+    return _results[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_mismatched_state_is_refused_naming_part_and_path(mode, impl, case):
+    run = _run_mode(mode)
+    result = run["found"].get((impl, case.name))
+    assert result is not None, f"no result for {case.name!r}: {run['crash']}"
+    assert result["outcome"] == "refused", f"{case.name!r} was computed silently"
+    assert result["type"] == case.error.__name__, result
+    for word in case.words:
+        assert word in result["message"], (word, result["message"])
+    assert result["untouched"], f"{case.name!r}: the given state changed"
+    assert run["crash"] is None, run["crash"]
+
+
+def test_a_state_seen_before_is_not_checked_again():
+    """The template is built once per configuration; later calls look the signature up."""
+    built = []
+    original = state_check._template
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return original(*args, **kwargs)
+
+    state = make_state(make_tx("plain"))
+    state_check._good.clear()
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    try:
+        state_check._template = counting
+        for _ in range(3):
+            state = ff.fp16_update(state, grads)
+        assert len(built) == 1
+        bad = on_trace(state, lambda t: t._replace(trace={**t.trace, "w": t.trace["w"].half()}))
+        for _ in range(2):  # a refused signature is never remembered
+            with pytest.raises(TypeError, match=r"state\.opt_state\[1\]\.trace\['w'\]"):
+                ff.fp16_update(bad, grads)
+        assert len(built) == 3
+    finally:
+        state_check._template = original
+
+
+def test_a_transform_whose_init_needs_values_is_checked_on_real_tensors():
+    """``tx.init`` that reads values cannot run on meta tensors; the check builds real ones."""
+
+    def init(params):
+        scale = float(sum(p.abs().sum() for p in params.values()))  # reads values
+        return {k: torch.full_like(p, scale) for k, p in params.items()}
+
+    def update(updates, state, params=None):
+        return {k: -0.1 * u for k, u in updates.items()}, state
+
+    tx = ff.GradientTransformation(init, update)
+    state = ff.fp16_init({"a": torch.ones(3), "b": torch.ones(2, 2)}, tx)
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    assert ff.fp16_update(state, grads).step == 1
+    bad = state.replace(opt_state={**state.opt_state, "a": state.opt_state["a"][:2]})
+    with pytest.raises(ValueError, match=r"state\.opt_state\['a'\]: shape \(2,\), expected \(3,\)"):
+        ff.fp16_update(bad, grads)
+
+
+def test_compiled_update_refuses_a_mismatched_state():
+    """Under ``torch.compile`` the check runs while tracing: the same refusal reaches the caller."""
+    state = make_state(make_tx("plain"))
+    bad = on_trace(state, lambda t: t._replace(trace={**t.trace, "b": t.trace["b"].half()}))
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    torch._dynamo.reset()
+    with pytest.raises(
+        TypeError, match=r"state\.opt_state\[1\]\.trace\['b'\]: dtype torch\.float16"
+    ):
+        torch.compile(ff.fp16_update)(bad, grads)
+    torch._dynamo.reset()
