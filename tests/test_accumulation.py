@@ -546,5 +546,7 @@ def test_a_nested_multisteps_is_refused_by_fp16_update(make_tx, match):
 
 def test_a_state_of_another_optimiser_is_refused():
     state = _state(ff.sgd(0.1)).replace(tx=ff.MultiSteps(ff.sgd(0.1), 2))
-    with pytest.raises(TypeError, match="must be a MultiStepsState, got tuple"):
+    with pytest.raises(
+        ValueError, match=r"state\.opt_state: expected a MultiStepsState, got a tuple"
+    ):
         ff.fp16_update(state, _grads(state))

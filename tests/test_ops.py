@@ -525,3 +525,72 @@ def test_the_kernels_refuse_gradients_on_several_devices():
         op_library._grad_stats(grads, None, 1, 1, False)
     with pytest.raises(ValueError, match=r"grads\[1\] is on meta"):
         op_library._check_grads("sgd_step", grads, 1)
+
+
+# -- a Triton kernel that fails on its first launch ------------------------------------------
+
+
+@pytest.fixture
+def failing_triton(monkeypatch):
+    """The CPU made to look like a device whose Triton kernels fail to launch.
+
+    ``kernel_for`` answers ``"triton"`` for the CPU, and the Triton entry points
+    count a launch and raise as a compile or driver failure would. Returns the
+    number of launches each failing call makes before it raises.
+    """
+    from functional_fp16._kernels import triton_steps
+    from functional_fp16.update import dispatch
+
+    launches = {"before_failure": 1}
+
+    def failing(name):
+        def entry(**kwargs):
+            for _ in range(launches["before_failure"]):
+                triton_steps.launch_counts[name] += 1
+            raise RuntimeError("PTX .version 9.9 does not support .target sm_99 (forced)")
+
+        return entry
+
+    def on_cpu(device):
+        return "triton" if device.type == "cpu" else "generic"
+
+    monkeypatch.setattr(op_library, "kernel_for", on_cpu)
+    monkeypatch.setattr(dispatch, "kernel_for", on_cpu)
+    monkeypatch.setattr(op_library, "_triton_proven", set())
+    monkeypatch.setattr(op_library, "_triton_failed", {})
+    for name in ("grad_stats", "sgd_update", "adam_update"):
+        monkeypatch.setattr(triton_steps, name, failing(name))
+    return launches
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["sgd", "clip+sgd"])
+def test_a_triton_kernel_failing_on_first_launch_falls_back_with_one_warning(
+    failing_triton, clip, recwarn
+):
+    params = {"w": torch.randn(5, 4), "b": torch.randn(4)}
+    tx = ff.sgd(0.1, momentum=0.9)
+    if clip:
+        tx = ff.chain(ff.clip_by_global_norm(1.0), tx)
+    state = ff.fp16_init(params, tx)
+    grads = {k: torch.full_like(v, 0.5) for k, v in state.params.items()}
+    reference = ff.fp16_update(state, grads, impl="reference")
+
+    first = ff.fp16_update(state, grads)  # the op's plain kernel finishes the step
+    warned = [w for w in recwarn if "failed on its first launch" in str(w.message)]
+    assert len(warned) == 1 and "report" in str(warned[0].message)
+    assert "PTX" in str(warned[0].message)
+    assert ff.update_path(state) in ("foreach-sgd", "foreach")  # eager: the multi-tensor path
+    second = ff.fp16_update(first, grads)
+    assert len([w for w in recwarn if "failed on its first launch" in str(w.message)]) == 1
+    # One applied step from the same state: within one ulp of the reference's master.
+    for a, b in zip(tree_leaves(first.master), tree_leaves(reference.master)):
+        assert torch.allclose(a, b, rtol=2**-23, atol=0)
+    assert bool(second.grads_finite) and int(second.step) == 2
+
+
+def test_a_donated_step_that_failed_after_a_launch_raises_instead_of_redoing(failing_triton):
+    failing_triton["before_failure"] = 2  # the first dtype class ran, the second failed
+    state = ff.fp16_init({"w": torch.randn(8)}, ff.sgd(0.1, momentum=0.9))
+    grads = {"w": torch.ones(8, dtype=torch.float16)}
+    with pytest.raises(RuntimeError, match="partially updated"):
+        ff.fp16_update(state, grads, donate=True)

@@ -34,6 +34,7 @@ kernels), in CUDA graphs and under ``vmap``.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -78,6 +79,71 @@ def _triton():
     from functional_fp16._kernels import triton_steps
 
     return triton_steps
+
+
+# ---------------------------------------------------------------------------
+# Triton's first launch: a failure falls back instead of reaching the training loop
+# ---------------------------------------------------------------------------
+
+_triton_proven: set[tuple[str, torch.device]] = set()  # (entry, device) that launched once
+_triton_failed: dict[tuple[str, torch.device], str] = {}  # (entry, device) -> why it failed
+
+
+def triton_failure(device: torch.device) -> str | None:
+    """Why a Triton kernel failed on its first launch on ``device`` (``None``: none failed).
+
+    :func:`~functional_fp16.update.dispatch.route` then sends the device's
+    fused states to the multi-tensor path.
+    """
+    for (entry, where), reason in _triton_failed.items():
+        if where == device:
+            return f"{entry}: {reason}"
+    return None
+
+
+def _with_triton(entry: str, device: torch.device, launch, fallback, writes_inputs: bool):
+    """``launch()``, or ``fallback()`` if ``entry`` failed on its first launch on ``device``.
+
+    A Triton kernel that has never run on this Triton, driver and GPU can fail
+    to compile or launch. The first failure on a device is reported as a
+    warning; that call, and every later call of ``(entry, device)``, runs
+    ``fallback`` (the op's plain PyTorch kernel: the same decisions) instead. After one
+    successful launch, errors propagate as they are. A donated call whose
+    failure came after an earlier launch of the same call had written into its
+    inputs cannot be redone and raises.
+    """
+    key = (entry, device)
+    if key in _triton_failed:
+        return fallback()
+    if key in _triton_proven:
+        return launch()
+    counts = _triton().launch_counts
+    before = sum(counts.values())
+    try:
+        result = launch()
+    except Exception as err:
+        if writes_inputs and sum(counts.values()) - before > 1:
+            raise RuntimeError(
+                f"{NS}: the Triton kernel {entry} failed on {device} after part of a donated "
+                f"step was written ({type(err).__name__}: {err}); the donated state is "
+                "partially updated: resume from the last checkpoint with donate=False"
+            ) from err
+        first_on_device = triton_failure(device) is None
+        _triton_failed[key] = f"{type(err).__name__}: {err}"
+        if first_on_device:  # one warning per device
+            warnings.warn(
+                f"{NS}: the Triton kernel {entry} failed on its first launch on {device} "
+                f"({type(err).__name__}: {err}). Kernels that fail here run the op's plain "
+                "PyTorch kernel instead, and eager updates on this device take the "
+                "multi-tensor path: correct, but slower. Please report it to the "
+                "functional_fp16 maintainers with this message, torch "
+                f"{torch.__version__}, the triton version and the GPU.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return fallback()
+    _triton_proven.add(key)
+    return result
 
 
 def f32(x: float) -> float:
@@ -245,13 +311,19 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
             sum_sq_out=sq if sum_squares else None,
         )
     elif kernel == "triton":
-        _triton().grad_stats(
-            n_groups=groups,
-            grads=member_views(grads, members),
-            inv=inv,
-            sum_squares=sum_squares,
-            peak_out=peak,
-            sum_sq_out=sq if sum_squares else None,
+        _with_triton(
+            "grad_stats",
+            device,
+            lambda: _triton().grad_stats(
+                n_groups=groups,
+                grads=member_views(grads, members),
+                inv=inv,
+                sum_squares=sum_squares,
+                peak_out=peak,
+                sum_sq_out=sq if sum_squares else None,
+            ),
+            lambda: _stats_generic(grads, inv, groups, members, sum_squares, peak, sq),
+            writes_inputs=False,
         )
     else:
         _stats_generic(grads, inv, groups, members, sum_squares, peak, sq)
@@ -382,7 +454,9 @@ def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = 
     return finite if require is None else finite & require
 
 
-def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -> Tensor:
+def _run(
+    spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool, donated: bool = False
+) -> Tensor:
     """Runs the step into ``out`` (``master``, the states, ``params``: one per leaf); returns ``finite``.
 
     ``a`` has passed :func:`_check_step`, which checks every tensor the kernels
@@ -417,7 +491,13 @@ def _run(spec: StepSpec, a: dict, used: list[str], out: dict, speculate: bool) -
         )
     elif kernel == "triton":
         views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
-        getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views)
+        _with_triton(
+            spec.entry,
+            a["grads"][0].device,
+            lambda: getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views),
+            lambda: spec.generic(members=members, apply=finite, **kw),
+            writes_inputs=donated,
+        )
     else:
         spec.generic(members=members, apply=finite, **kw)
     return finite
@@ -447,7 +527,7 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
         _check_disjoint(spec.name + "_", a, ["master", *used, "params"])
         out = {"master": a["master"], **{s: a[s] for s in spec.states}}
         out["params"] = _full(a["master"], a["params"], a["separate"])
-        return _run(spec, a, used, out, speculate=False)
+        return _run(spec, a, used, out, speculate=False, donated=True)
 
     functional.__doc__ = doc
     donated.__doc__ = (

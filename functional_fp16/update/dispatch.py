@@ -13,7 +13,9 @@ route name       what runs
 ===============  ===========================================================
 ``fused``        one ``functional_fp16::sgd_step``/``adam_step`` op call
                  (kernel ``c`` on the CPU, ``triton`` on CUDA, ``generic``
-                 elsewhere or without a C compiler); eager, compiled and vmapped
+                 elsewhere or without a C compiler); eager, compiled and vmapped.
+                 After a Triton kernel failed on its first launch on a device,
+                 eager updates there take ``foreach-sgd``/``foreach``
 ``foreach-sgd``  the multi-tensor SGD sequence (:mod:`.foreach`), eager only
 ``foreach``      any optimiser on flat lists of tensors (:mod:`.foreach`)
 ``reference``    the tree-map specification (:mod:`.reference`)
@@ -28,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.op_library import kernel_for
+from functional_fp16._fused.op_library import kernel_for, triton_failure
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._tree import tree_leaves
@@ -101,6 +103,9 @@ def route(state, impl: str = "auto") -> Route:
                 kernel = kernel_for(device)
                 if kernel == "generic":
                     _warn_generic(device)
-            return Route("fused", kernel, _fused_runner(fp), batches=True)
+            # A Triton kernel that failed on its first launch here (the op warned):
+            # eager updates take the multi-tensor path instead.
+            if kernel != "triton" or triton_failure(device) is None:
+                return Route("fused", kernel, _fused_runner(fp), batches=True)
     name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
     return Route(name, None, foreach_update, batches=False)
