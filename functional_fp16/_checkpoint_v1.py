@@ -11,6 +11,8 @@ name, with ``fields`` (its children by name) and, for a loss scale,
 :func:`convert` checks the version-1 checksum and rewrites the file's
 contents into the version-2 form (``structure``, ``leaves``, ``tensors``), so
 that one loader, with one set of checks against the template, serves both.
+It is given only what :func:`functional_fp16._checkpoint_format._check_objects`
+has passed: a tree of bounded depth, so its recursion is bounded too.
 """
 
 from __future__ import annotations
@@ -71,24 +73,22 @@ def convert(payload: dict[str, Any], name: str) -> dict[str, Any]:
     if missing:
         raise corrupt(f"{name}: checkpoint lacks the entries {missing}")
     tensors, info = payload["tensors"], payload["tensor_info"]
-    if not isinstance(tensors, list) or not isinstance(info, list) or len(tensors) != len(info):
+    if type(tensors) is not list or type(info) is not list or len(tensors) != len(info):
         raise corrupt(f"{name}: the tensor table is malformed")
     header = (fmt.FORMAT, 1, payload["tree"], info)
     try:
         expected = fmt._checksum(header, tensors)
     except Exception as err:
-        raise corrupt(f"{name}: cannot checksum the contents: {err}") from None
+        raise corrupt(f"{name}: cannot checksum the contents: {fmt._show(str(err))}") from None
     if expected != payload["checksum"]:
         raise corrupt(
             f"{name}: checksum mismatch, the file was modified or damaged after it was written "
-            f"(stored {str(payload['checksum'])[:16]}..., computed {expected[:16]}...)"
+            f"(stored {fmt._show(payload['checksum'], 16)}, computed {expected[:16]}...)"
         )
     leaves: list[dict] = []
     try:
         structure = _node(payload["tree"], payload, leaves)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise corrupt(f"{name}: malformed version-1 structure: {err!r}") from None
-    converted = {"structure": structure, "leaves": leaves, "tensors": tensors}
-    fmt._check_leaves(leaves, tensors, name)
-    fmt._check_node(structure, len(leaves), name)
-    return converted
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise corrupt(f"{name}: malformed version-1 structure: {fmt._show(err)}") from None
+    fmt._check_payload(structure, leaves, tensors, name)
+    return {"structure": structure, "leaves": leaves, "tensors": tensors}

@@ -34,12 +34,33 @@ own, whatever the pickled tensor records say about autograd or sharing. The
 checksum covers the format, version, structure, leaf table, and every
 tensor's dtype, shape and bytes: everything a load restores.
 
-Writes are atomic (:mod:`functional_fp16.atomic_file`). Loading checks, in
-order: the file opens with ``weights_only=True`` (else it is truncated or not
-ours), the format marker and version, the checksum, and, with ``like``, the
-structure, class names, keys, static configuration, tensor shapes and dtypes
-and value types. Each failure names the file and the path. Files of format
-version 1 load through :mod:`functional_fp16._checkpoint_v1`.
+Writes are atomic (:mod:`functional_fp16.atomic_file`). A tree nests at most
+:data:`MAX_DEPTH` levels deep.
+
+Loading checks, in order, and never walks anything recursively before its
+size and depth are known to be bounded by the file's size:
+
+1. the zip container, before ``torch.load`` reads it: records stored
+   uncompressed, adding up to no more than the file;
+2. the file opens with ``weights_only=True`` (else it is truncated or not
+   ours);
+3. what it holds is a tree (no shared or cyclic nodes) of dicts, lists,
+   plain values and tensors, no deeper than a saved tree can be; each tensor
+   dense, on CPU, owning exactly its bytes, shared with no other;
+4. the format marker and version, the checksum;
+5. the tables: well-formed nodes, unique keys, each leaf record and each
+   tensor used once, records that agree with their tensors, no stored device
+   ``meta``;
+6. with ``like``: the structure, class names, keys, static configuration,
+   tensor shapes and dtypes and value types.
+
+The checksum finds damage; it proves nothing about who wrote the file, since
+anyone who can write the file can compute it. That is why steps 1, 3 and 5
+hold for files whose checksum is right. Each failure is a
+:class:`CheckpointError` that names the file and the path, with control
+characters escaped. A stored device is used only if neither ``like`` nor
+``map_location`` gives one, and only if this torch build has it. Files of
+format version 1 load through :mod:`functional_fp16._checkpoint_v1`.
 """
 
 from __future__ import annotations
@@ -53,15 +74,19 @@ import torch
 
 from functional_fp16._checkpoint_format import (
     _KEYS,
+    _SHOWN_PATH_CHARS,
     _VALUES,
     FORMAT,
+    MAX_DEPTH,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    _check_leaves,
-    _check_node,
+    _check_archive,
+    _check_objects,
+    _check_payload,
     _checksum,
     _corrupt,
+    _show,
 )
 from functional_fp16._tree import NAMESPACE, PyTree, child_steps, describe_tensor
 from functional_fp16.atomic_file import PathLike, atomic_torch_save, remove_stale_temporaries
@@ -77,6 +102,7 @@ __all__ = [
     "CheckpointMismatchError",
     "FORMAT",
     "VERSION",
+    "MAX_DEPTH",
 ]
 
 VERSION = 2
@@ -163,7 +189,11 @@ class _Writer:
             )
         return {"leaf": len(self.leaves) - 1}
 
-    def node(self, tree: Any, path: str) -> dict[str, Any]:
+    def node(self, tree: Any, path: str, depth: int = 0) -> dict[str, Any]:
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"tree{path}: nested deeper than {MAX_DEPTH} levels, more than a checkpoint holds"
+            )
         if optree.tree_is_leaf(tree, namespace=NAMESPACE):
             return self.leaf(tree, path)
         if isinstance(tree, FP16State) and tree.shard is not None:
@@ -188,7 +218,8 @@ class _Writer:
         if plain is not None:
             node["meta"] = plain
         node["children"] = [
-            self.node(child, path + step) for child, step in zip(children, steps, strict=True)
+            self.node(child, path + step, depth + 1)
+            for child, step in zip(children, steps, strict=True)
         ]
         return node
 
@@ -206,6 +237,7 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
 
     Raises:
       TypeError: a part of ``tree`` cannot be stored; the message names its path.
+      ValueError: ``tree`` nests deeper than :data:`MAX_DEPTH` levels.
     """
     writer = _Writer()
     structure = writer.node(tree, "")
@@ -223,47 +255,80 @@ def save_checkpoint(path: PathLike, tree: PyTree) -> None:
 # -- loading --------------------------------------------------------------------
 
 
+def _unreadable(name: str, err: BaseException) -> CheckpointCorruptError:
+    return _corrupt(
+        name,
+        "not a readable checkpoint (truncated, corrupted, or not written by "
+        f"save_checkpoint): {type(err).__name__}: {_show(str(err))}",
+    )
+
+
 def _read(path: Any, name: str) -> dict[str, Any]:
-    """Opens, version-checks and checksum-verifies a file; v1 files come back converted."""
+    """Opens, bounds, version-checks and checksum-verifies a file; v1 files come back converted.
+
+    Everything that could make a later step allocate or walk without bound
+    is checked first: the zip container before ``torch.load``, then the
+    objects it returned, without recursion (see
+    :mod:`functional_fp16._checkpoint_format`).
+    """
+    pickle_bytes = _check_archive(path, name)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as err:  # zip, pickle and weights-only errors alike
-        raise _corrupt(
-            name,
-            "not a readable checkpoint (truncated, corrupted, or not written by "
-            f"save_checkpoint): {type(err).__name__}: {err}",
-        ) from None
+        raise _unreadable(name, err) from None
+    _check_objects(payload, pickle_bytes, name)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise _corrupt(name, "not a functional_fp16 checkpoint (no format marker)")
-    if payload.get("version") == 1:
+    version = payload.get("version")
+    if version == 1 and type(version) is int:
         from functional_fp16 import _checkpoint_v1
 
         return _checkpoint_v1.convert(payload, name)
-    if payload.get("version") != VERSION:
+    if version != VERSION or type(version) is not int:
         raise _corrupt(
             name,
-            f"checkpoint format version {payload.get('version')!r} is not supported "
+            f"checkpoint format version {_show(version)} is not supported "
             f"(this library reads versions 1 and {VERSION})",
         )
     missing = [k for k in ("structure", "leaves", "tensors", "checksum") if k not in payload]
     if missing:
         raise _corrupt(name, f"checkpoint lacks the entries {missing}")
-    _check_leaves(payload["leaves"], payload["tensors"], name)
+    if type(payload["tensors"]) is not list:
+        raise _corrupt(name, "the tensor table is malformed")
     try:
         header = (FORMAT, VERSION, payload["structure"], payload["leaves"])
         expected = _checksum(header, payload["tensors"])
     except Exception as err:
-        raise _corrupt(name, f"cannot checksum the contents: {err}") from None
+        raise _corrupt(name, f"cannot checksum the contents: {_show(str(err))}") from None
     if expected != payload["checksum"]:
         raise _corrupt(
             name,
             "checksum mismatch, the file was modified or damaged after it was written "
-            f"(stored {str(payload['checksum'])[:16]}..., computed {expected[:16]}...)",
+            f"(stored {_show(payload['checksum'], 16)}, computed {expected[:16]}...)",
         )
-    _check_node(payload["structure"], len(payload["leaves"]), name)
+    _check_payload(payload["structure"], payload["leaves"], payload["tensors"], name)
     return payload
+
+
+def _device_types() -> set[str]:
+    """The device types this torch build has (whether or not one is present)."""
+    types = {"cpu"}
+    if torch.backends.cuda.is_built():
+        types.add("cuda")
+    if torch.backends.mps.is_built():
+        types.add("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        types.add("xpu")
+    try:  # a backend that registered itself renames the private-use device type
+        private = torch._C._get_privateuse1_backend_name()
+    except AttributeError:
+        private = "privateuseone"
+    if private != "privateuseone":
+        types.add(private)
+    return types
 
 
 class _Reader:
@@ -278,25 +343,40 @@ class _Reader:
             f"{self.file}: checkpoint{path} does not match like{path}: {what}"
         )
 
+    def stored_device(self, leaf: dict) -> torch.device:
+        """The device a leaf was saved from, if this torch build has it."""
+        try:
+            device = torch.device(leaf["device"])
+            usable = device.type in _device_types()
+        except (RuntimeError, ValueError, TypeError):
+            usable = False
+        if not usable:
+            raise CheckpointError(
+                f"{self.file}: checkpoint{_show(leaf['path'], _SHOWN_PATH_CHARS)} was saved on "
+                f"{_show(leaf['device'])}, a device this torch build does not have; pass "
+                "map_location= or a like= on an available device"
+            )
+        return device
+
     def restore(self, index: int, device: torch.device | None) -> Any:
         leaf = self.leaves[index]
         if "tensor" not in leaf:
             return leaf["value"]
-        device = self.map_location or device or leaf.get("device", "cpu")
+        device = self.map_location or device or self.stored_device(leaf)
         try:
             # A detached copy with storage of its own: only the checksummed
             # bytes, dtype and shape of the file's tensor are used.
             return self.tensors[leaf["tensor"]].detach().to(device, copy=True)
-        except (RuntimeError, AssertionError, TypeError) as err:
+        except (RuntimeError, AssertionError, TypeError, ImportError) as err:
             raise CheckpointError(
-                f"{self.file}: checkpoint{leaf['path']} was saved on {leaf.get('device')} and "
-                f"cannot be placed on {device} ({err}); pass map_location= or a like= on "
-                "an available device"
+                f"{self.file}: checkpoint{_show(leaf['path'], _SHOWN_PATH_CHARS)} was saved on "
+                f"{_show(leaf['device'])} and cannot be placed on {device} "
+                f"({_show(str(err))}); pass map_location= or a like= on an available device"
             ) from None
 
     def what(self, node: dict) -> str:
         if "leaf" not in node:
-            return f"a {node['type']}"
+            return f"a {_show(node['type'])}"
         leaf = self.leaves[node["leaf"]]
         return "a tensor" if "tensor" in leaf else f"a {type(leaf['value']).__name__}"
 
@@ -331,21 +411,24 @@ class _Reader:
             extra = [k for k in by_key if k not in entries]
             if missing or extra:
                 raise self.mismatch(
-                    path, f"keys missing from the checkpoint {missing}, unexpected keys {extra}"
+                    path,
+                    f"keys missing from the checkpoint {_show(missing)}, "
+                    f"unexpected keys {_show(extra)}",
                 )
             stored_children = [by_key[k] for k in entries]
         elif node["entries"] != entries:
             if len(node["entries"]) != len(entries):
                 raise self.mismatch(path, f"length {len(node['entries'])} != {len(entries)}")
-            raise self.mismatch(path, f"fields {node['entries']} != {entries}")
+            raise self.mismatch(path, f"fields {_show(node['entries'])} != {_show(list(entries))}")
         stored, wanted = node.get("meta"), _plain_meta(like, meta)
         if stored != wanted:
             for name in sorted(set(stored or {}) | set(wanted or {})):
                 a, b = (stored or {}).get(name), (wanted or {}).get(name)
                 if a != b or type(a) is not type(b):
                     raise self.mismatch(
-                        f"{path}.{name}",
-                        f"static configuration {name}={a!r} in the checkpoint, {name}={b!r} in like",
+                        f"{path}.{_show(name)}",
+                        f"static configuration {_show(name)}={_show(a)} in the checkpoint, "
+                        f"{_show(name)}={_show(b)} in like",
                     )
         for stored, child, step in zip(stored_children, children, steps, strict=True):
             self.leaves_like(stored, child, path + step, out)
@@ -367,7 +450,9 @@ class _Reader:
             raise TypeError(f"like{path}: cannot be a checkpoint template: {describe_tensor(like)}")
         leaf = self.leaves[node["leaf"]] if "leaf" in node else {}
         if "value" not in leaf or type(leaf["value"]) is not type(like):
-            got = f"{self.what(node)} {leaf['value']!r}" if "value" in leaf else self.what(node)
+            got = (
+                f"{self.what(node)} {_show(leaf['value'])}" if "value" in leaf else self.what(node)
+            )
             raise self.mismatch(
                 path, f"expected a {type(like).__name__}, the checkpoint holds {got}"
             )

@@ -1,0 +1,584 @@
+"""Forged checkpoint files for tests/test_hostile_checkpoints.py.
+
+Each forgery starts from a clean file written by ``save_checkpoint`` (or the
+format-1 file in ``tests/data``), changes what ``torch.load(weights_only=True)``
+gives back, and writes it again with ``torch.save``, with a checksum computed
+the way the loader computes it wherever one can be computed: whoever can
+write a file can compute its checksum, so the checksum proves nothing.
+
+``python -m tests._hostile_checkpoints CASE [CASE ...]`` loads the named
+cases, one after another, in a fresh process and prints one JSON line per
+case: the outcome, the seconds the load took and how far the process's peak
+resident memory rose. The tests run it in a subprocess, so that a load that
+hangs or allocates gigabytes fails the test instead of taking the run down.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import json
+import os
+import resource
+import struct
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import functional_fp16 as ff
+from functional_fp16._checkpoint_format import FORMAT, _checksum
+
+V1_FILE = Path(__file__).parent / "data" / "checkpoint_v1.ckpt"
+
+
+def clean_tree() -> dict[str, Any]:
+    """A small tree with every kind of node and leaf the format stores."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": torch.randn(2, 3, generator=g),
+        "b": torch.arange(3, dtype=torch.float16),
+        "epoch": 4,
+        "name": "run",
+        "scale": ff.DynamicLossScale(2.0**8, growth_interval=5),
+        "opt": [torch.ones(2, dtype=torch.int32), None, (1.5, True)],
+    }
+
+
+def clean_like() -> dict[str, Any]:
+    """A template for :func:`clean_tree`: same structure, other values."""
+    return {
+        "w": torch.zeros(2, 3),
+        "b": torch.zeros(3, dtype=torch.float16),
+        "epoch": 0,
+        "name": "",
+        "scale": ff.DynamicLossScale(2.0**8, growth_interval=5),
+        "opt": [torch.zeros(2, dtype=torch.int32), None, (0.0, False)],
+    }
+
+
+def to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def clean_bytes() -> bytes:
+    """The bytes ``save_checkpoint`` writes for :func:`clean_tree`."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "clean.ckpt"
+        ff.save_checkpoint(path, clean_tree())
+        return path.read_bytes()
+
+
+def raw(data: bytes) -> dict[str, Any]:
+    """What ``torch.load(weights_only=True)`` gives for ``data``."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _dense(tensors: list[Any]) -> list[Any]:
+    """The tensors as a loader that materialised them would hash them."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_dense() if t.layout != torch.strided else t.contiguous()
+            t = torch.Tensor._make_subclass(torch.Tensor, t) if type(t) is not torch.Tensor else t
+        out.append(t)
+    return out
+
+
+def v2_checksum(payload: dict[str, Any]) -> str:
+    """The checksum the loader computes for a format-2 payload."""
+    header = (FORMAT, 2, payload["structure"], payload["leaves"])
+    return _checksum(header, _dense(payload["tensors"]))
+
+
+def v1_checksum(payload: dict[str, Any]) -> str:
+    """The checksum the loader computes for a format-1 payload."""
+    header = (FORMAT, 1, payload["tree"], payload["tensor_info"])
+    return _checksum(header, _dense(payload["tensors"]))
+
+
+def forge(payload: dict[str, Any], checksum: str = "valid") -> bytes:
+    """``payload`` saved with a valid checksum (``"valid"``), or the given one, or as it is (``None``)."""
+    payload = dict(payload)
+    if checksum is None:
+        return to_bytes(payload)
+    if checksum == "valid":
+        checksum = v2_checksum(payload) if payload.get("version") == 2 else v1_checksum(payload)
+    payload["checksum"] = checksum
+    return to_bytes(payload)
+
+
+def leaf_index(payload: dict[str, Any], path: str) -> int:
+    return next(i for i, leaf in enumerate(payload["leaves"]) if leaf["path"] == path)
+
+
+def child(payload: dict[str, Any], key: Any) -> dict[str, Any]:
+    """The structure node of the root dict's entry ``key``."""
+    root = payload["structure"]
+    return root["children"][root["entries"].index(key)]
+
+
+def rezip(data: bytes, edit: Callable[[dict[str, bytes]], None], **zip_kw: Any) -> bytes:
+    """``data``'s zip archive with its records edited by ``edit`` (a dict name -> bytes)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    edit(records)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", **zip_kw) as z:
+        for name, body in records.items():
+            z.writestr(name, body)
+    return out.getvalue()
+
+
+def shared_chain(depth: int, bottom: Any, make: Callable[[Any], Any]) -> Any:
+    """``depth`` levels, each node holding the one below twice: 2**depth paths."""
+    node = bottom
+    for _ in range(depth):
+        node = make(node)
+    return node
+
+
+# -- the cases ---------------------------------------------------------------------
+# Each returns (file bytes, like). The loader must raise a CheckpointError.
+
+
+def case_v2_cycle():
+    p = raw(clean_bytes())
+    opt = child(p, "opt")
+    opt["children"].append(opt)
+    opt["entries"].append(3)
+    return forge(p), None
+
+
+def case_v2_cycle_with_like():
+    p = raw(clean_bytes())
+    opt = child(p, "opt")
+    opt["children"][1] = opt  # where like holds None
+    return forge(p), clean_like()
+
+
+def case_v2_shared_2_40():
+    p = raw(clean_bytes())
+    bottom = {"leaf": 0}
+    top = shared_chain(
+        40,
+        bottom,
+        lambda n: {"type": "list", "kind": "LIST", "entries": [0, 1], "children": [n, n]},
+    )
+    p["structure"]["children"][0] = top
+    return forge(p, checksum="0" * 64), None
+
+
+def case_v2_shared_leaf_table():
+    p = raw(clean_bytes())
+    p["leaves"] = [p["leaves"][0]] * len(p["leaves"])
+    return forge(p), None
+
+
+def case_v2_leaf_used_twice():
+    p = raw(clean_bytes())
+    w = p["structure"]["children"][0]
+    child(p, "b")["leaf"] = w["leaf"]
+    return forge(p), None
+
+
+def case_v2_tensor_used_twice():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['b']")
+    p["leaves"][i] = copy.deepcopy(p["leaves"][leaf_index(p, "['w']")])
+    p["leaves"][i]["path"] = "['b']"
+    return forge(p), None
+
+
+def case_v2_shared_storage():
+    """Two leaves whose tensors are one tensor: its bytes would be restored twice."""
+    p = raw(clean_bytes())
+    w, b = p["leaves"][leaf_index(p, "['w']")], p["leaves"][leaf_index(p, "['b']")]
+    t = p["tensors"][w["tensor"]]
+    p["tensors"][b["tensor"]] = t
+    b["dtype"], b["shape"] = str(t.dtype), list(t.shape)
+    return forge(p), None
+
+
+def case_v2_duplicate_keys():
+    p = raw(clean_bytes())
+    root = p["structure"]
+    root["entries"][root["entries"].index("b")] = "w"
+    return forge(p), None
+
+
+def case_v2_equal_keys_of_two_types():
+    p = raw(clean_bytes())
+    opt = child(p, "opt")
+    opt["type"], opt["kind"] = "dict", "DICT"
+    opt["entries"] = [1, True, 1.0]
+    return forge(p), None
+
+
+def case_v2_list_as_key():
+    p = raw(clean_bytes())
+    p["structure"]["entries"][0] = ["w"]
+    return forge(p), None
+
+
+def case_v2_list_as_key_with_like():
+    p = raw(clean_bytes())
+    p["structure"]["entries"][0] = ["w"]
+    return forge(p), clean_like()
+
+
+def case_v2_scale_meta_list():
+    p = raw(clean_bytes())
+    child(p, "scale")["meta"] = [1, 2]
+    return forge(p), clean_like()
+
+
+def case_v2_scale_meta_str():
+    p = raw(clean_bytes())
+    child(p, "scale")["meta"] = "growth_interval"
+    return forge(p), clean_like()
+
+
+def case_v2_scale_meta_mixed_keys():
+    p = raw(clean_bytes())
+    meta = child(p, "scale")["meta"]
+    meta[7] = meta.pop("growth_interval")
+    return forge(p), clean_like()
+
+
+def case_v2_scale_meta_nested():
+    p = raw(clean_bytes())
+    child(p, "scale")["meta"]["growth_interval"] = {"a": [1]}
+    return forge(p), clean_like()
+
+
+def _device(device: str, like: Any = None):
+    p = raw(clean_bytes())
+    p["leaves"][leaf_index(p, "['w']")]["device"] = device
+    return forge(p), like
+
+
+def case_device_meta():
+    return _device("meta")
+
+
+def case_device_hpu():
+    return _device("hpu")
+
+
+def case_device_privateuseone():
+    return _device("privateuseone")
+
+
+def case_device_not_a_str():
+    return _device(["cpu"])
+
+
+def case_stride_0_view():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['w']")
+    n = 2**22
+    p["tensors"][p["leaves"][i]["tensor"]] = torch.zeros(1).expand(n)
+    p["leaves"][i]["shape"] = [n]
+    return forge(p), None
+
+
+def case_stride_0_huge():
+    """2**40 float32 elements on a 4-byte storage: no valid checksum can be computed."""
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['w']")
+    n = 2**40
+    p["tensors"][p["leaves"][i]["tensor"]] = torch.zeros(1).expand(n)
+    p["leaves"][i]["shape"] = [n]
+    return forge(p, checksum="0" * 64), None
+
+
+def case_view_of_a_larger_storage():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['b']")
+    big = torch.arange(4096, dtype=torch.float16)
+    p["tensors"][p["leaves"][i]["tensor"]] = big[5:8]
+    return forge(p), None
+
+
+def case_transposed_tensor():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['w']")
+    t = p["tensors"][p["leaves"][i]["tensor"]]
+    p["tensors"][p["leaves"][i]["tensor"]] = t.reshape(3, 2).t()
+    return forge(p), None
+
+
+def case_huge_declared_shape():
+    p = raw(clean_bytes())
+    p["leaves"][leaf_index(p, "['w']")]["shape"] = [2**40]
+    return forge(p), None
+
+
+def case_control_characters_in_path():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['w']")
+    p["leaves"][i]["path"] = "['w']\n\x1b[31mERROR: all is lost\x1b[0m\r"
+    p["leaves"][i]["device"] = "hpu"
+    return forge(p), None
+
+
+def case_control_characters_in_type():
+    p = raw(clean_bytes())
+    child(p, "scale")["type"] = "Evil\n\x1b[2J"
+    return forge(p), clean_like()
+
+
+def case_control_characters_in_meta_key():
+    p = raw(clean_bytes())
+    child(p, "scale")["meta"]["\x1b[2Jx\n"] = 1
+    return forge(p), clean_like()
+
+
+DEEP = 3000  # levels: past Python's recursion limit, within what pickle writes
+
+
+def deep_bytes(payload: dict[str, Any]) -> bytes:
+    """``torch.save`` of a payload nested :data:`DEEP` levels deep."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4 * DEEP + 1000))
+    try:
+        return forge(payload, checksum=None)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def case_deep_nesting():
+    p = raw(clean_bytes())
+    node = {"leaf": 0}
+    for _ in range(DEEP):
+        node = {"type": "list", "kind": "LIST", "entries": [0], "children": [node]}
+    p["structure"]["children"][0] = node
+    p["checksum"] = "0" * 64  # repr() of the header would need the recursion limit raised
+    return deep_bytes(p), None
+
+
+def case_unknown_kind():
+    p = raw(clean_bytes())
+    child(p, "opt")["kind"] = "SET"
+    return forge(p), None
+
+
+def case_none_with_children():
+    p = raw(clean_bytes())
+    none = child(p, "opt")["children"][1]
+    none["entries"], none["children"] = [0], [{"leaf": 0}]
+    return forge(p), None
+
+
+def case_tensor_subclass():
+    p = raw(clean_bytes())
+    i = p["leaves"][leaf_index(p, "['w']")]["tensor"]
+    p["tensors"][i] = torch.nn.Parameter(p["tensors"][i])
+    return forge(p), None
+
+
+def case_sparse_tensor():
+    p = raw(clean_bytes())
+    i = leaf_index(p, "['w']")
+    p["tensors"][p["leaves"][i]["tensor"]] = torch.sparse_coo_tensor(
+        torch.zeros(2, 1, dtype=torch.int64), torch.ones(1), (64, 64)
+    )
+    p["leaves"][i]["shape"] = [64, 64]
+    return forge(p), None
+
+
+def case_deflated_record():
+    """A stored record compressed 1000:1: a small file that inflates to 64 MiB."""
+    data = clean_bytes()
+    p = raw(data)
+    i = p["leaves"][leaf_index(p, "['w']")]["tensor"]
+    p["tensors"][i] = torch.zeros(2**24)
+    p["leaves"][leaf_index(p, "['w']")]["shape"] = [2**24]
+    return rezip(forge(p), lambda records: None, compression=zipfile.ZIP_DEFLATED), None
+
+
+def write_zip(records: dict[str, bytes], aliases: dict[str, str]) -> bytes:
+    """A stored zip archive of ``records``, plus a directory entry ``alias`` for each
+    ``aliases[alias]``: a second name for that record's bytes."""
+    out, directory, at = bytearray(), bytearray(), {}
+    for name, body in records.items():
+        n, crc = name.encode(), zlib.crc32(body)
+        at[name] = (len(out), crc, len(body))
+        out += struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, crc, len(body), len(body), len(n), 0
+        )
+        out += n + body
+    entries = [(name, name) for name in records] + list(aliases.items())
+    for name, target in entries:
+        offset, crc, size = at[target]
+        n = name.encode()
+        directory += struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            20,
+            20,
+            0,
+            0,
+            0,
+            0,
+            crc,
+            size,
+            size,
+            len(n),
+            0,
+            0,
+            0,
+            0,
+            0,
+            offset,
+        )
+        directory += n
+    end = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory), len(out), 0
+    )
+    return bytes(out + directory + end)
+
+
+def case_overlapping_records():
+    """200 tensors of 64 KiB whose records are one record's bytes under 200 names:
+    13 MB from a 90 KB file (torch.load alone reads it)."""
+    p = raw(clean_bytes())
+    n = 200
+    p["structure"]["children"][0] = {
+        "type": "list",
+        "kind": "LIST",
+        "entries": list(range(n)),
+        "children": [{"leaf": len(p["leaves"]) + i} for i in range(n)],
+    }
+    first = len(p["tensors"])
+    p["leaves"] += [
+        {
+            "path": f"['w'][{i}]",
+            "tensor": first + i,
+            "dtype": "torch.float32",
+            "shape": [2**14],
+            "device": "cpu",
+        }
+        for i in range(n)
+    ]
+    p["tensors"] += [torch.zeros(2**14) for _ in range(n)]
+    data = forge(p)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        records = {info.filename: z.read(info.filename) for info in z.infolist()}
+    prefix = next(name for name in records if name.endswith("/data.pkl"))[: -len("data.pkl")]
+    keys = [f"{prefix}data/{first + i}" for i in range(n)]
+    kept = {name: body for name, body in records.items() if name not in keys[1:]}
+    return write_zip(kept, {alias: keys[0] for alias in keys[1:]}), None
+
+
+def case_legacy_format():
+    """The pre-zip torch.save format, which declares its storages' sizes itself."""
+    buf = io.BytesIO()
+    torch.save(raw(clean_bytes()), buf, _use_new_zipfile_serialization=False)
+    return buf.getvalue(), None
+
+
+def _v1() -> dict[str, Any]:
+    return torch.load(V1_FILE, weights_only=True)
+
+
+def case_v1_list_contains_itself():
+    p = _v1()
+    history = p["tree"]["values"][p["tree"]["keys"].index("history")]
+    history["items"].append(history)
+    return forge(p), None
+
+
+def case_v1_shared_2_40():
+    p = _v1()
+    bottom = {"kind": "value", "value": 1}
+    top = shared_chain(40, bottom, lambda n: {"kind": "list", "items": [n, n]})
+    p["tree"]["values"][p["tree"]["keys"].index("history")] = top
+    return forge(p, checksum="0" * 64), None
+
+
+def case_v1_deep_nesting():
+    p = _v1()
+    node = {"kind": "value", "value": 1}
+    for _ in range(DEEP):
+        node = {"kind": "list", "items": [node]}
+    p["tree"]["values"][p["tree"]["keys"].index("history")] = node
+    p["checksum"] = "0" * 64
+    return deep_bytes(p), None
+
+
+def case_v1_duplicate_keys():
+    p = _v1()
+    keys = p["tree"]["keys"]
+    keys[keys.index("note")] = "epoch"
+    return forge(p), None
+
+
+def case_v1_list_as_key():
+    p = _v1()
+    keys = p["tree"]["keys"]
+    keys[keys.index("note")] = ["note"]
+    return forge(p), None
+
+
+def case_v1_malformed_config():
+    p = _v1()
+    static = p["tree"]["values"][p["tree"]["keys"].index("static")]
+    static["config"] = [["a", "b", "c"]]
+    return forge(p), None
+
+
+CASES: dict[str, Callable[[], tuple[bytes, Any]]] = {
+    name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
+}
+
+
+def load_outcome(data: bytes, like: Any, path: Path) -> str:
+    """``"ok"``, ``"CheckpointCorruptError: ..."`` (any checkpoint error) or ``"RAW <Type>: ..."``."""
+    path.write_bytes(data)
+    try:
+        ff.load_checkpoint(path, like)
+    except ff.CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    except BaseException as err:  # noqa: BLE001 - reported, not hidden
+        return f"RAW {type(err).__name__}: {str(err)[:300]}"
+    return "ok"
+
+
+def _main(names: list[str]) -> None:
+    import tempfile
+
+    torch.set_num_threads(1)
+    directory = Path(tempfile.mkdtemp())
+    for name in names:
+        data, like = CASES[name]()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.perf_counter()
+        outcome = load_outcome(data, like, directory / f"{name}.ckpt")
+        seconds = time.perf_counter() - start
+        rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        row = {
+            "case": name,
+            "outcome": outcome,
+            "seconds": seconds,
+            "rss_rise_kib": rise,
+            "file_bytes": len(data),
+        }
+        print(json.dumps(row), flush=True)
+        os.unlink(directory / f"{name}.ckpt")
+    os.rmdir(directory)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:] or list(CASES))
