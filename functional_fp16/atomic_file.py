@@ -6,10 +6,12 @@ directory, flushes and fsyncs it, renames it over the target with
 previous file or the new one, never a mixture.
 
 A writer killed before its rename (SIGKILL, power loss) leaves its temporary
-file ``.NAME.HOST.PID.*.tmp`` beside the target. It is never read; the next
-save of the same target on that host deletes the ones whose process is gone
-(:func:`remove_stale_temporaries`). Temporaries of live writers, and of other
-hosts on a shared file system, are left alone.
+file ``.NAME.HOST.PID.RANDOM.tmp`` beside the target. It is never read; the
+next save into the same directory on that host deletes the ones whose
+process is gone, whatever their target's name
+(:func:`remove_stale_temporaries`), so a run that writes a new name each
+epoch does not collect them. Temporaries of live writers, and of other hosts
+on a shared file system, are left alone.
 """
 
 from __future__ import annotations
@@ -58,10 +60,42 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _host() -> str:
+    """This host's name as it appears in temporary file names (no dots)."""
+    return socket.gethostname().replace(".", "_") or "host"
+
+
 def _temp_prefix(path: str) -> str:
     """``.NAME.HOST.`` : the temporary files of ``path``'s writers, named by host and pid."""
-    host = socket.gethostname().replace(".", "_") or "host"
-    return f".{os.path.basename(path)}.{host}."
+    return f".{os.path.basename(path)}.{_host()}."
+
+
+_RANDOM_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")  # tempfile's name characters
+_MAX_PID = 2**22  # Linux's pid_max limit
+
+
+def _temp_writer(name: str, host: str) -> int | None:
+    """The pid in ``name`` if it is a temporary file ``.NAME.HOST.PID.RANDOM.tmp`` of ``host``.
+
+    HOST, PID and RANDOM hold no dots, so the name is read from its end; NAME
+    (the target's name) may hold anything.
+    """
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    parts = name[1 : -len(".tmp")].rsplit(".", 3)
+    if len(parts) != 4:
+        return None
+    target, name_host, pid, random = parts
+    if (
+        not target
+        or name_host != host
+        or not (pid.isascii() and pid.isdigit())
+        or not 0 < int(pid) < _MAX_PID
+        or not random
+        or not set(random) <= _RANDOM_CHARS
+    ):
+        return None
+    return int(pid)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -75,25 +109,32 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(path: PathLike) -> list[str]:
-    """Deletes temporary files of ``path`` left by writers on this host that no longer run.
+    """Deletes the temporary files in ``path``'s directory left by writers on this host that no longer run.
 
     A save killed before its rename (SIGKILL, power loss) leaves its
-    ``.NAME.HOST.PID.*.tmp`` file behind. Files of live processes, and of
-    other hosts (a shared file system), are left alone. Returns the removed paths.
+    ``.NAME.HOST.PID.RANDOM.tmp`` file behind. Those of every target name in
+    the directory are removed, not only ``path``'s, so that a run writing a
+    new name each epoch (``checkpoint_epoch_001.pt``, ...) does not collect
+    them. Files of live processes, and of other hosts (a shared file system),
+    are left alone.
+
+    Args:
+      path: a file in the directory to clean (typically the checkpoint about
+        to be written).
+
+    Returns:
+      The removed paths.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = _temp_prefix(path)
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    host = _host()
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        pid_text = name[len(prefix) :].split(".", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        pid = _temp_writer(name, host)
+        if pid is None or _pid_alive(pid):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -112,9 +153,9 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
 
     A crash at any point leaves either the previous file at ``path`` or the new
     one, never a partial file. A writer killed before its rename leaves a
-    ``.NAME.HOST.PID.*.tmp`` file beside ``path``; the next save of ``path``
-    deletes those of dead processes on this host (see
-    :func:`remove_stale_temporaries`).
+    ``.NAME.HOST.PID.RANDOM.tmp`` file beside ``path``; the next save into
+    the same directory deletes those of dead processes on this host, for
+    every target name (see :func:`remove_stale_temporaries`).
     """
     if _is_path(obj) and not _is_path(path):
         deprecation.warn(

@@ -6,6 +6,10 @@ then serves commands from stdin, one per line:
 * ``fork GEN`` — fork a child that saves generations GEN+1, GEN+2, ... to
   PATH forever, printing ``saved N`` after each save returns; the server
   prints ``pid P``.
+* ``epochs N`` — fork a child that saves generation N to
+  ``checkpoint_epoch_NNN.pt`` beside PATH, then N+1 to the next name, and so
+  on, one new file per epoch as a training run does, printing ``saved N``
+  after each; the server prints ``pid P``.
 * ``reap P`` — wait for child P (killed by the test) and print ``reaped P SIGNAL``.
 
 Forking from a process that has only imported torch is cheap, so the test can
@@ -34,11 +38,22 @@ def payload(gen: int):
     return {"gen": gen, "state": state, "blob": blob, "tag": f"generation {gen}"}
 
 
+EPOCH_NAME = "checkpoint_epoch_{:03d}.pt"
+
+
 def _child(path: str, gen: int) -> None:
     while True:
         gen += 1
         ff.save_checkpoint(path, payload(gen))
         os.write(1, f"saved {gen}\n".encode())
+
+
+def _epochs(path: str, epoch: int) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        ff.save_checkpoint(os.path.join(directory, EPOCH_NAME.format(epoch)), payload(epoch))
+        os.write(1, f"saved {epoch}\n".encode())
+        epoch += 1
 
 
 def main() -> None:
@@ -47,11 +62,11 @@ def main() -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, arg = line.split()
-        if cmd == "fork":
+        if cmd in ("fork", "epochs"):
             pid = os.fork()
             if pid == 0:
                 try:
-                    _child(path, int(arg))
+                    (_child if cmd == "fork" else _epochs)(path, int(arg))
                 finally:
                     os._exit(1)
             print(f"pid {pid}", flush=True)

@@ -5,9 +5,12 @@
 saves a 24 MiB checkpoint over and over; after every kill the checkpoint on
 disk must load, validate against its template and equal, bitwise, the last
 generation that was completely written (or the one whose rename had just
-happened). ``test_interrupted_runs_resume_bit_identically`` stops a small
-training loop at random steps, resumes it from its last checkpoint, and
-compares the end state with an uninterrupted run.
+happened). ``test_killed_saves_of_per_epoch_names_leave_no_temporaries``
+kills writers of one new file per epoch and checks that the temporary
+files of killed saves are removed by later saves of other names.
+``test_interrupted_runs_resume_bit_identically`` stops a small training loop
+at random steps, resumes it from its last checkpoint, and compares the end
+state with an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -284,12 +287,86 @@ def test_a_save_removes_temporaries_of_dead_writers_only(tmp_path):
     )
     host = socket.gethostname().replace(".", "_")
     stale = tmp_path / f".run.ckpt.{host}.{dead}.k3j2.tmp"
+    other = tmp_path / f".checkpoint_epoch_007.pt.{host}.{dead}.zz_9.tmp"  # another name's
+    dotted = tmp_path / f".a.b.{host}.c.pt.{host}.{dead}.q1.tmp"  # the host's name in the name
     live = tmp_path / f".run.ckpt.{host}.{os.getppid()}.a1b2.tmp"  # a running writer
+    live_other = tmp_path / f".epoch_002.pt.{host}.{os.getpid()}.x1.tmp"  # this very process
     remote = tmp_path / f".run.ckpt.otherhost.{dead}.x9y8.tmp"  # another machine's writer
-    other = tmp_path / f".other.ckpt.{host}.{dead}.zz.tmp"  # another checkpoint's file
-    for f in (stale, live, remote, other):
+    # Files that are not temporaries of a writer: left alone whatever their names say.
+    unrelated = [
+        tmp_path / f".notes.{host}.{dead}.tmp",  # no random part
+        tmp_path / f".notes.{host}.{dead}.a.txt",
+        tmp_path / f"notes.{host}.{dead}.ab.tmp.bak",
+        tmp_path / f".{host}.{dead}.ab.tmp",  # no target name
+        tmp_path / f".notes.{host}.12x.ab.tmp",
+        tmp_path / f".notes.{host}.{dead}.A-B.tmp",  # not tempfile's characters
+        tmp_path / f".notes.{host}.{10**30}.ab.tmp",  # no such pid
+    ]
+    for f in (stale, other, dotted, live, live_other, remote, *unrelated):
         f.write_bytes(b"half a checkpoint")
     ff.save_checkpoint(path, {"x": torch.ones(2)})
-    assert not stale.exists()
-    assert live.exists() and remote.exists() and other.exists()
+    assert not stale.exists() and not other.exists() and not dotted.exists()
+    assert live.exists() and live_other.exists() and remote.exists()
+    assert all(f.exists() for f in unrelated)
     assert torch.equal(ff.load_checkpoint(path, {"x": torch.zeros(2)})["x"], torch.ones(2))
+
+
+EPOCH_KILLS_MAX = 30
+EPOCH_MID_WRITE = 3  # kills that must land inside a write
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer forks its children")
+def test_killed_saves_of_per_epoch_names_leave_no_temporaries(tmp_path):
+    """Runs write ``checkpoint_epoch_NNN.pt``, one new name per epoch, and are killed mid-write.
+
+    Each run here numbers its epochs on from the last one any run began, so a
+    killed save's name is never saved again: only a cleanup across names
+    removes its temporary file. Every run's first save removes the one the
+    run before it left, so after each kill at most the killed writer's own
+    temporary file is there. Then a run resumes from the newest checkpoint,
+    its next save removes the last one, and no ``.tmp`` file is left.
+    """
+    writer = _load_writer_module()
+    server = _Server(tmp_path / "anchor")  # the children write beside it
+    rng = random.Random(21)
+    epoch, kills, mid_write, left = 1, 0, 0, []
+    try:
+        while kills < EPOCH_KILLS_MAX and not (mid_write >= EPOCH_MID_WRITE and left):
+            server.send(f"epochs {epoch}")
+            line = server.next_line()
+            assert line.startswith("pid "), line
+            pid = int(line.split()[1])
+            time.sleep(rng.uniform(0.02, 0.4))
+            os.kill(pid, signal.SIGKILL)
+            server.send(f"reap {pid}")
+            last_saved = epoch - 1
+            while True:
+                line = server.next_line()
+                if line.startswith("saved "):
+                    last_saved = int(line.split()[1])
+                elif line.startswith("reaped "):
+                    break
+            kills += 1
+            left = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp"))
+            assert len(left) <= 1, left
+            if left:
+                mid_write += 1
+                # The killed save's file: of the epoch after the last one reported
+                # (or the one after that, killed before it could report).
+                named = [writer.EPOCH_NAME.format(last_saved + k) for k in (1, 2)]
+                assert any(left[0].startswith(f".{n}.") for n in named), (left, named)
+            epoch = last_saved + 3  # past the save that was killed
+    finally:
+        server.close()
+    assert mid_write >= EPOCH_MID_WRITE, f"only {mid_write} of {kills} kills landed in a write"
+    assert len(left) == 1
+    # Resume from the newest checkpoint, as a restarted run does, and save the next epoch.
+    newest = max(tmp_path.glob("checkpoint_epoch_*.pt"))
+    resumed = ff.load_checkpoint(newest, writer.payload(0))
+    assert newest.name == writer.EPOCH_NAME.format(resumed["gen"])
+    assert_bitwise(resumed, writer.payload(resumed["gen"]))
+    ff.save_checkpoint(tmp_path / writer.EPOCH_NAME.format(epoch), writer.payload(epoch))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    print(
+        f"\n[per-epoch kills] kills={kills} killed_mid_write={mid_write} resumed_from={newest.name}"
+    )
