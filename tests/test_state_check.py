@@ -17,16 +17,21 @@ import os
 import subprocess
 import sys
 
+import optree
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functional_fp16 as ff
+from functional_fp16._tree import NAMESPACE, tree_paths
 from functional_fp16.update import state_check
 from tests._state_cases import CASES, IMPLS, make_state, make_tx, on_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("plain", "multisteps", "vmap")
 _results: dict[str, dict] = {}
+_trained: dict[str, ff.FP16State] = {}
 
 
 def _run_mode(mode: str) -> dict:
@@ -127,3 +132,48 @@ def test_compiled_update_refuses_a_mismatched_state():
     ):
         torch.compile(ff.fp16_update)(bad, grads)
     torch._dynamo.reset()
+
+
+_MUTATIONS = {
+    "float16": lambda x, other: x.half(),
+    "float64": lambda x, other: x.double(),
+    "int32": lambda x, other: x.int(),
+    "bool": lambda x, other: x.bool(),
+    "extra dim": lambda x, other: x[None],
+    "flattened": lambda x, other: x.reshape(-1),
+    "meta": lambda x, other: x.to("meta"),
+    "another leaf": lambda x, other: other,
+    "a number": lambda x, other: 1.0,
+}
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(data=st.data())
+def test_any_leaf_changed_by_hand_is_refused_or_fits(data):
+    """Fuzz: one leaf of a trained state changed; refused naming its path, or it still fits."""
+    mode = data.draw(st.sampled_from(["plain", "multisteps"]), label="mode")
+    if mode not in _trained:
+        _trained[mode] = make_state(make_tx(mode))
+    state = _trained[mode]
+    leaves, spec = optree.tree_flatten(state, namespace=NAMESPACE)
+    paths = tree_paths(state)
+    # params are the reference the rest is checked against (their own checks: test_update.py)
+    n_params = len(optree.tree_leaves(state.params, namespace=NAMESPACE))
+    i = data.draw(st.integers(n_params, len(leaves) - 1), label="leaf")
+    j = data.draw(st.integers(0, len(leaves) - 1), label="other")
+    how = data.draw(st.sampled_from(sorted(_MUTATIONS)), label="mutation")
+    new = _MUTATIONS[how](leaves[i], leaves[j])
+    fits = isinstance(new, torch.Tensor) and (new.shape, new.dtype, new.device) == (
+        leaves[i].shape,
+        leaves[i].dtype,
+        leaves[i].device,
+    )
+    mutated = optree.tree_unflatten(spec, [new if k == i else x for k, x in enumerate(leaves)])
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    if fits:
+        assert ff.fp16_update(mutated, grads).step == state.step + 1
+        return
+    with pytest.raises((TypeError, ValueError)) as info:
+        ff.fp16_update(mutated, grads)
+    message = str(info.value)
+    assert message.startswith("state" + paths[i]), (paths[i], how, message)

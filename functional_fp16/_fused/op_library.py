@@ -89,6 +89,11 @@ _triton_proven: set[tuple[str, torch.device]] = set()  # (entry, device) that la
 _triton_failed: dict[tuple[str, torch.device], str] = {}  # (entry, device) -> why it failed
 
 
+def triton_failures() -> int:
+    """How many ``(kernel, device)`` pairs have failed their first Triton launch so far."""
+    return len(_triton_failed)
+
+
 def triton_failure(device: torch.device) -> str | None:
     """Why a Triton kernel failed on its first launch on ``device`` (``None``: none failed).
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.op_library import kernel_for, triton_failure
+from functional_fp16._fused.op_library import kernel_for, triton_failure, triton_failures
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._tree import tree_leaves
@@ -80,11 +80,35 @@ def _warn_generic(device) -> None:
     )
 
 
-def route(state, impl: str = "auto") -> Route:
+_ROUTES: dict = {}  # (signature, impl, kernels available) -> Route
+_ROUTES_KEPT = 256
+
+
+def route(state, impl: str = "auto", signature=None) -> Route:
     """The :class:`Route` of ``state``'s update for ``impl`` (``"auto"`` or one of
-    :data:`IMPLEMENTATIONS`). Reads metadata only; never a tensor's value."""
+    :data:`IMPLEMENTATIONS`). Reads metadata only; never a tensor's value.
+
+    ``signature``, the state's static metadata from
+    :func:`~functional_fp16.update.state_check.check_state`, lets the answer
+    be looked up instead of derived: a route is a function of the signature
+    and of which kernels can run (the C library loaded, Triton kernels that
+    failed), so the lookup returns what deriving it would.
+    """
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    if signature is None or torch.compiler.is_compiling():
+        return _route(state, impl)
+    key = (signature, impl, c_kernel.available(), triton_failures())
+    found = _ROUTES.get(key)
+    if found is None:
+        found = _route(state, impl)
+        if len(_ROUTES) >= _ROUTES_KEPT:
+            del _ROUTES[next(iter(_ROUTES))]
+        _ROUTES[key] = found
+    return found
+
+
+def _route(state, impl: str) -> Route:
     if fp16_accumulates(state.tx):  # MultiSteps: the inner optimiser's route, per micro-batch
         inner = route(inner_fp16_state(state), impl)
 

@@ -37,6 +37,7 @@ from functional_fp16._tree import (
     tree_flatten,
     tree_paths,
 )
+from functional_fp16.base import GradientTransformation
 from functional_fp16.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from functional_fp16.update.state import FP16State, check_params
 
@@ -51,10 +52,15 @@ _good: dict[Any, None] = {}  # signatures of states that matched their template 
 
 
 def _signature(state: FP16State, master_shapes) -> Any:
-    """A hashable key of the state's structure and leaf metadata; ``None`` if it has none."""
+    """A hashable key of the state's structure and leaf metadata (shapes, strides,
+    dtypes, devices); ``None`` if it has none."""
     leaves, spec = tree_flatten(state)
     try:
-        key = (spec, master_shapes, tuple([(x.shape, x.dtype, x.device) for x in leaves]))
+        key = (
+            spec,
+            master_shapes,
+            tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves]),
+        )
         hash(key)
     except (AttributeError, TypeError):  # a non-tensor leaf, or unhashable static metadata
         return None
@@ -77,6 +83,12 @@ def check_state(
       master_shapes: the shapes of the master leaves, in flattening order,
         when they are not the parameters' (a sharded state's pieces).
 
+    Returns:
+      The state's signature: a hashable value of its static metadata alone
+      (what :func:`~functional_fp16.update.dispatch.route` caches its answer
+      by), or ``None`` where there is none (while ``torch.compile`` traces, or
+      for unhashable static configuration).
+
     Raises:
       TypeError: a leaf of the wrong kind or dtype.
       ValueError: a part of another structure, a leaf of the wrong shape or
@@ -85,12 +97,13 @@ def check_state(
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _signature(state, master_shapes)
     if key is not None and key in _good:
-        return
+        return key
     _compare(state, _template(state, master_shapes))
     if key is not None:
         if len(_good) >= _CACHE_SIZE:
             del _good[next(iter(_good))]
         _good[key] = None
+    return key
 
 
 def _empty(shape, dtype, device=_META) -> torch.Tensor:
@@ -99,6 +112,13 @@ def _empty(shape, dtype, device=_META) -> torch.Tensor:
 
 def _template(state: FP16State, master_shapes) -> FP16State:
     """The state ``state.tx`` and ``state.params`` imply, with ``meta`` tensors for the rest."""
+    if not isinstance(state.tx, GradientTransformation):
+        raise TypeError(f"state.tx must be a GradientTransformation, got {type(state.tx).__name__}")
+    if not isinstance(state.loss_scale, _KNOWN_SCALES):
+        raise TypeError(
+            "state.loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "
+            f"got {type(state.loss_scale).__name__}"
+        )
     params = check_params(state.params, name="state.params")
     device = params[0].device
     leaves, spec = tree_flatten(state.params)
@@ -118,9 +138,8 @@ def _template(state: FP16State, master_shapes) -> FP16State:
             spec.unflatten([_empty(s, torch.float32, device) for s in shapes])
         )
     scale = state.loss_scale
-    if isinstance(scale, _KNOWN_SCALES):
-        tensors = [_empty((), dtype, where) for dtype in type(scale).TENSOR_DTYPES]
-        scale = type(scale)._from_parts(scale.config(), tensors)
+    tensors = [_empty((), dtype, where) for dtype in type(scale).TENSOR_DTYPES]
+    scale = type(scale)._from_parts(scale.config(), tensors)
     return FP16State(
         params=state.params,
         master=master,

@@ -80,7 +80,7 @@ def fp16_update(
     Returns:
       The next :class:`FP16State`; ``grads_finite`` says whether it was applied.
     """
-    _check_state(state)
+    signature = _check_state(state)
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
@@ -94,7 +94,7 @@ def fp16_update(
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if any(g.requires_grad for g in g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
-    chosen = route(state, impl)
+    chosen = route(state, impl, signature)
     decision = Decision(
         require=None if loss is None else torch.isfinite(loss.detach()).all(), agree=agree
     )
@@ -113,12 +113,13 @@ def _step_member(state, grads, loss, impl: str, agree) -> FP16State:
     return route(state, impl).run(state, grads, decision, False)
 
 
-def _check_state(state) -> None:
+def _check_state(state):
+    """Refuses what is not a whole, unsharded state; returns its signature (see ``check_state``)."""
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     if state.shard is not None:
         raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
-    check_state(state)
+    return check_state(state)
 
 
 def update_path(state: FP16State, impl: str = "auto") -> str:
