@@ -85,6 +85,10 @@ from functional_fp16.distributed.process_group import (
 )
 from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout
+from functional_fp16.distributed.sharded_checkpoints import (
+    load_checkpoint_sharded,
+    save_checkpoint_sharded,
+)
 from functional_fp16.distributed.sharded_step import sharded_update
 from functional_fp16.distributed.sharding import is_sharded, shard_state, unshard_state
 
@@ -106,6 +110,8 @@ __all__ = [
     "broadcast_state",
     "save_checkpoint_rank0",
     "load_checkpoint_broadcast",
+    "save_checkpoint_sharded",
+    "load_checkpoint_sharded",
     "ShardLayout",
     "shard_state",
     "unshard_state",

@@ -12,7 +12,12 @@ from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import PyTree, describe_tensor, tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.base import EmptyState, GradientTransformation
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
-from functional_fp16.distributed.fingerprint import agree_once, describe_tree, leaf_key
+from functional_fp16.distributed.fingerprint import (
+    agree_once,
+    describe_arguments,
+    describe_tree,
+    leaf_key,
+)
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.replicas import check_same_tree
 
@@ -126,21 +131,31 @@ def tree_all_reduce_mean(
       ValueError: on every rank, when the ranks' configurations differ.
     """
     _require_group("tree_all_reduce_mean")
+    world = dist.get_world_size(group)
+    # The ranks agree on the configuration first (once per configuration), so that
+    # a refusal below happens on every rank alike and none waits in the all-reduce.
+    flat, spec = tree_flatten(tree)
+    agree_once(
+        ("tree_all_reduce_mean", spec, leaf_key(flat), bucket_bytes, comm_dtype, predivide_factor),
+        lambda: (
+            describe_tree(tree)
+            + describe_arguments(
+                world,
+                bucket_bytes=bucket_bytes,
+                comm_dtype=comm_dtype,
+                predivide_factor=predivide_factor,
+            )
+        ),
+        group,
+        name="tree",
+        what="tree_all_reduce_mean: the ranks disagree",
+    )
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
     comm_dtype = _check_comm_dtype(comm_dtype)
     predivide_factor = _check_predivide(predivide_factor)
     leaves, spec, _ = _float_leaves(tree, "tree")
     if not leaves:
         return tree
-    world = dist.get_world_size(group)
-    settings = (bucket_bytes, comm_dtype, predivide_factor)
-    agree_once(
-        ("tree_all_reduce_mean", spec, leaf_key(leaves), settings),
-        lambda: describe_tree(tree) + _describe_settings(world, *settings),
-        group,
-        name="tree",
-        what="tree_all_reduce_mean: the ranks disagree",
-    )
     dtypes = [comm_dtype or leaf.dtype for leaf in leaves]
     pending = []
     for indices in _buckets(leaves, dtypes, bucket_bytes):
@@ -156,21 +171,6 @@ def tree_all_reduce_mean(
             flat.div_(post)
         _unpack(flat, leaves, indices, out)
     return tree_unflatten(spec, out)
-
-
-def _describe_settings(
-    world: int,
-    bucket_bytes: int,
-    comm_dtype: torch.dtype | None,
-    predivide_factor: float | None,
-) -> list[tuple[str, str]]:
-    """The communication arguments and the world size, as fingerprint entries."""
-    return [
-        ("<world size>", str(world)),
-        ("<bucket_bytes>", repr(bucket_bytes)),
-        ("<comm_dtype>", str(comm_dtype)),
-        ("<predivide_factor>", repr(predivide_factor)),
-    ]
 
 
 @keyword_only("group")

@@ -186,18 +186,19 @@ def describe_layout(layout: Any) -> str:
 
 
 def _is_builtin(node: Any) -> bool:
-    return (
-        type(node) in _BUILTIN_NODES or optree.is_namedtuple(node) or optree.is_structseq(node)
-    )
+    return type(node) in _BUILTIN_NODES or optree.is_namedtuple(node) or optree.is_structseq(node)
 
 
-def describe_tree(tree: PyTree, *, leaves: bool = True, layouts: bool = True) -> Entries:
+def describe_tree(
+    tree: PyTree, *, leaves: bool = True, layouts: bool = True, tx: bool = True
+) -> Entries:
     """``(path, description)`` for every node and leaf of ``tree`` (see the module docstring).
 
     Args:
       tree: any pytree of the library's namespace.
       leaves: include the leaves (else only the nodes and their static configuration).
       layouts: include every ``FP16State``'s shard layout (less the rank).
+      tx: include every ``FP16State``'s ``tx`` (its ``spec``).
 
     Returns:
       The entries in flattening order; paths as :func:`~functional_fp16._tree.tree_paths`
@@ -216,11 +217,14 @@ def describe_tree(tree: PyTree, *, leaves: bool = True, layouts: bool = True) ->
         out.append((path, f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"))
         in_pieces = [False] * len(children)
         if isinstance(node, FP16State):
-            out.extend(describe_static(node.tx, f"{path}.tx"))
+            if tx:
+                out.extend(describe_static(node.tx, f"{path}.tx"))
             if layouts:
                 out.append((f"{path}.shard", describe_layout(node.shard)))
             if node.shard is not None:
                 in_pieces[1] = in_pieces[2] = True  # master, opt_state
+                if leaves:
+                    out.append((f"{path} pieces", _pieces_fit(node)))
         elif not _is_builtin(node) and meta is not None:
             if optree.is_namedtuple(meta):
                 for field in meta._fields:
@@ -233,29 +237,70 @@ def describe_tree(tree: PyTree, *, leaves: bool = True, layouts: bool = True) ->
     return out
 
 
+def _pieces_fit(state: FP16State) -> str:
+    """Whether a sharded state's pieces have the lengths its layout gives this rank, in words."""
+    from functional_fp16.distributed.sharding import owners  # sharding imports this module
+
+    layout = state.shard
+    try:
+        m_leaves = optree.tree_leaves(state.master, namespace=NAMESPACE)
+        o_leaves = optree.tree_leaves(state.opt_state, namespace=NAMESPACE)
+        parts = [("master", i, m) for i, m in enumerate(m_leaves)]
+        parts += [("opt_state", i, x) for i, x in zip(owners(state), o_leaves) if i is not None]
+        if len(m_leaves) != len(layout.sizes):
+            return f"{len(m_leaves)} master leaves for {len(layout.sizes)} parameters"
+        for field, i, x in parts:
+            lo, hi = layout.piece(i)
+            if not isinstance(x, torch.Tensor) or x.numel() != hi - lo:
+                held = f"{x.numel()} elements" if isinstance(x, torch.Tensor) else describe_leaf(x)
+                return (
+                    f"the {field} piece of parameter {i} holds {held} where the layout "
+                    f"gives {hi - lo}"
+                )
+    except Exception as err:  # a malformed state: described, refused later by the caller
+        return f"not checked ({type(err).__name__}: {err})"
+    return "fit the layout"
+
+
 def first_difference(name: str, ref: Entries, ref_rank: int, other: Entries, rank: int) -> str:
-    """The first entry where ``other`` (rank ``rank``) differs from ``ref`` (rank ``ref_rank``), in words."""
+    """The first entry where ``other`` (rank ``rank``) differs from ``ref`` (rank ``ref_rank``), in words.
+
+    A path is shown after ``name`` (``state.params['w']``), except the entries
+    of arguments and the world size, whose paths are words (``argument bucket_bytes``).
+    """
+
+    def label(path: str) -> str:
+        return path if path.startswith(("argument ", "the ")) else f"{name}{path}"
+
     ref_paths, other_paths = {p for p, _ in ref}, {p for p, _ in other}
     for (p, d), (q, e) in zip(ref, other):
         if (p, d) == (q, e):
             continue
         if p == q:
-            return f"{name}{p} is {d} on rank {ref_rank} but {e} on rank {rank}"
+            return f"{label(p)} is {d} on rank {ref_rank} but {e} on rank {rank}"
         if p not in other_paths:
-            return f"{name}{p} ({d}) exists on rank {ref_rank} but not on rank {rank}"
+            return f"{label(p)} ({d}) exists on rank {ref_rank} but not on rank {rank}"
         if q not in ref_paths:
-            return f"{name}{q} ({e}) exists on rank {rank} but not on rank {ref_rank}"
+            return f"{label(q)} ({e}) exists on rank {rank} but not on rank {ref_rank}"
         return (
             f"{name} flattens in a different order on rank {rank} than on rank {ref_rank} "
-            f"({name}{q} where rank {ref_rank} has {name}{p})"
+            f"({label(q)} where rank {ref_rank} has {label(p)})"
         )
     if len(ref) > len(other):
         p, d = ref[len(other)]
-        return f"{name}{p} ({d}) exists on rank {ref_rank} but not on rank {rank}"
+        return f"{label(p)} ({d}) exists on rank {ref_rank} but not on rank {rank}"
     if len(other) > len(ref):
         q, e = other[len(ref)]
-        return f"{name}{q} ({e}) exists on rank {rank} but not on rank {ref_rank}"
+        return f"{label(q)} ({e}) exists on rank {rank} but not on rank {ref_rank}"
     return f"{name} is described differently on rank {rank} than on rank {ref_rank}"
+
+
+def describe_arguments(world: int, **arguments: Any) -> Entries:
+    """Fingerprint entries for the world size and a call's arguments (``argument NAME``)."""
+    out = [("the world size", str(world))]
+    for key, value in arguments.items():
+        out.extend(describe_static(value, f"argument {key}"))
+    return out
 
 
 def digest(entries: Entries) -> str:

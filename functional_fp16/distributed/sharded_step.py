@@ -19,7 +19,13 @@ from functional_fp16.distributed.all_reduce import (
     default_predivide,
 )
 from functional_fp16.distributed.buckets import all_gather_flat, fill, reduce_scatter_flat
-from functional_fp16.distributed.fingerprint import agree_once, describe_tree
+from functional_fp16.distributed.fingerprint import (
+    agree_once,
+    describe_arguments,
+    describe_leaf,
+    describe_tree,
+    leaf_key,
+)
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
@@ -91,8 +97,19 @@ def sharded_update(
       The next sharded state.
     """
     _require_group("sharded_update")
-    # Everything that can be refused is refused before the first collective,
-    # so that a mistake made on every rank raises on every rank without a hang.
+    # The ranks first agree on the configuration (one small collective, once per
+    # configuration), so that whatever is refused below is refused on every
+    # rank alike, before the first collective of the step: no rank waits alone.
+    _agree_on_configuration(
+        state,
+        grads,
+        group,
+        comm_dtype=comm_dtype,
+        bucket_bytes=bucket_bytes,
+        predivide_factor=predivide_factor,
+        impl=impl,
+        loss=loss,
+    )
     layout = check_layout(state, group, "sharded_update")
     refuse_replicated_steps(state.tx)
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
@@ -106,24 +123,6 @@ def sharded_update(
     if is_batched([state.step, loss, *g_leaves]):
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
-    settings = (comm_dtype, bucket_bytes, predivide_factor)
-    # The key stands for the configuration at a cost of a few tuples per call.
-    agree_once(
-        (
-            "sharded_update",
-            state.tx,
-            layout,
-            tree_flatten(state.loss_scale)[1],
-            p_spec,
-            tuple((p.dtype, p.shape) for p in p_leaves),
-            tuple(g.dtype for g in g_leaves),
-            settings,
-        ),
-        lambda: _describe_step(state, grads, layout.world_size, settings),
-        group,
-        name="",
-        what="sharded_update: the ranks disagree",
-    )
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
     mean = _reduce_scatter(
         [g.detach().reshape(-1) for g in g_leaves],
@@ -156,21 +155,51 @@ def sharded_update(
     return stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)
 
 
-def _describe_step(
-    state: FP16State, grads: PyTree, world: int, settings: tuple[Any, ...]
-) -> list[tuple[str, str]]:
-    """The fingerprint entries of one ``sharded_update`` configuration (every rank must agree)."""
-    comm_dtype, bucket_bytes, predivide_factor = settings
-    return (
-        [(f"state{p}", d) for p, d in describe_tree(state)]
-        + [(f"grads{p}", d) for p, d in describe_tree(grads)]
-        + [
-            ("<world size>", str(world)),
-            ("<comm_dtype>", str(comm_dtype)),
-            ("<bucket_bytes>", repr(bucket_bytes)),
-            ("<predivide_factor>", repr(predivide_factor)),
-        ]
+def _agree_on_configuration(
+    state: Any, grads: PyTree, group: ProcessGroup, *, loss: Any, **arguments: Any
+) -> None:
+    """:func:`~functional_fp16.distributed.fingerprint.agree_once` on one step's configuration.
+
+    The key (a few tuples per call) stands for the configuration: the state's
+    ``tx``, layout, loss-scale settings, parameter structure, dtypes, shapes
+    and devices; the gradients' structure, dtypes, shapes and devices; the
+    arguments; the kind of ``loss``. Its description (on the first call of
+    a configuration only) is the state's and the gradients'
+    :func:`~functional_fp16.distributed.fingerprint.describe_tree`, the
+    arguments and the world size. Nothing here refuses anything: malformed
+    inputs are described as they are and refused after the agreement.
+    """
+    g_leaves, g_spec = tree_flatten(grads)
+    loss_kind = describe_leaf(loss) if loss is not None else "None"
+    if isinstance(state, FP16State):
+        p_leaves, p_spec = tree_flatten(state.params)
+        head: tuple[Any, ...] = (
+            state.tx,
+            state.shard,
+            tree_flatten(state.loss_scale)[1],
+            p_spec,
+            leaf_key(p_leaves),
+        )
+    else:
+        head = (type(state),)
+    key = (
+        "sharded_update",
+        head,
+        g_spec,
+        leaf_key(g_leaves),
+        loss_kind,
+        tuple(arguments.items()),
     )
+    world = dist.get_world_size(group)
+
+    def describe() -> list[tuple[str, str]]:
+        return (
+            [(f"state{p}", d) for p, d in describe_tree(state)]
+            + [(f"grads{p}", d) for p, d in describe_tree(grads)]
+            + describe_arguments(world, loss=loss_kind, **arguments)
+        )
+
+    agree_once(key, describe, group, name="", what="sharded_update: the ranks disagree")
 
 
 def _sum_over_ranks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:

@@ -155,7 +155,9 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
     piece is a fresh 1-D tensor, so once the full state is dropped only
     :math:`1/N` of its FP32 bytes remain. No communication beyond a check
     that every rank holds the same structure (the values must already be
-    the same on every rank, e.g. after :func:`broadcast_state`).
+    the same on every rank, e.g. after :func:`broadcast_state`), made first so
+    that a state that differs on one rank (structure, shapes, dtypes,
+    ``tx.spec``) raises on every rank, naming the rank and the difference.
 
     Args:
       state: a full :class:`~functional_fp16.FP16State` (not already sharded).
@@ -171,6 +173,8 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
         whose per-parameter tensors are not shaped like their parameters.
     """
     _require_group("shard_state")
+    # First, so that every refusal below happens on every rank alike (no rank waits alone).
+    check_same_tree(state, group, name="state")
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     if state.shard is not None:
@@ -178,7 +182,6 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
             f"state is already sharded (shard {state.shard.rank} of {state.shard.world_size})"
         )
     refuse_replicated_steps(state.tx)
-    check_same_tree(state, group, name="state")
     owner = owners(state)
     _check_full(state, owner)
     p_leaves, p_spec = tree_flatten(state.params)
