@@ -6,11 +6,12 @@ gives back, and writes it again with ``torch.save``, with a checksum computed
 the way the loader computes it wherever one can be computed: whoever can
 write a file can compute its checksum, so the checksum proves nothing.
 
-``python -m tests._hostile_checkpoints CASE [CASE ...]`` loads the named
-cases, one after another, in a fresh process and prints one JSON line per
-case: the outcome, the seconds the load took and how far the process's peak
-resident memory rose. The tests run it in a subprocess, so that a load that
-hangs or allocates gigabytes fails the test instead of taking the run down.
+:func:`write_cases` writes the cases' files into a folder;
+``python -m tests._hostile_checkpoints FOLDER`` then loads them, one after
+another, in a fresh process, and prints one JSON line per case: the outcome,
+the seconds the load took and how far the process's peak resident memory
+rose. The tests run it in a subprocess, so that a load that hangs or
+allocates gigabytes fails the test instead of taking the run down.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import copy
 import functools
 import io
 import json
-import os
 import resource
 import struct
 import sys
@@ -149,7 +149,8 @@ def shared_chain(depth: int, bottom: Any, make: Callable[[Any], Any]) -> Any:
 
 
 # -- the cases ---------------------------------------------------------------------
-# Each returns (file bytes, like). The loader must raise a CheckpointError.
+# Each returns (file bytes, whether to load with like=clean_like()). Every one
+# must be refused with a CheckpointError.
 
 
 def case_v2_cycle():
@@ -157,14 +158,14 @@ def case_v2_cycle():
     opt = child(p, "opt")
     opt["children"].append(opt)
     opt["entries"].append(3)
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_cycle_with_like():
     p = raw(clean_bytes())
     opt = child(p, "opt")
     opt["children"][1] = opt  # where like holds None
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_v2_shared_2_40():
@@ -176,20 +177,20 @@ def case_v2_shared_2_40():
         lambda n: {"type": "list", "kind": "LIST", "entries": [0, 1], "children": [n, n]},
     )
     p["structure"]["children"][0] = top
-    return forge(p, checksum="0" * 64), None
+    return forge(p, checksum="0" * 64), False
 
 
 def case_v2_shared_leaf_table():
     p = raw(clean_bytes())
     p["leaves"] = [p["leaves"][0]] * len(p["leaves"])
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_leaf_used_twice():
     p = raw(clean_bytes())
     w = p["structure"]["children"][0]
     child(p, "b")["leaf"] = w["leaf"]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_tensor_used_twice():
@@ -197,7 +198,7 @@ def case_v2_tensor_used_twice():
     i = leaf_index(p, "['b']")
     p["leaves"][i] = copy.deepcopy(p["leaves"][leaf_index(p, "['w']")])
     p["leaves"][i]["path"] = "['b']"
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_shared_storage():
@@ -207,14 +208,14 @@ def case_v2_shared_storage():
     t = p["tensors"][w["tensor"]]
     p["tensors"][b["tensor"]] = t
     b["dtype"], b["shape"] = str(t.dtype), list(t.shape)
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_duplicate_keys():
     p = raw(clean_bytes())
     root = p["structure"]
     root["entries"][root["entries"].index("b")] = "w"
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_equal_keys_of_two_types():
@@ -222,47 +223,47 @@ def case_v2_equal_keys_of_two_types():
     opt = child(p, "opt")
     opt["type"], opt["kind"] = "dict", "DICT"
     opt["entries"] = [1, True, 1.0]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_list_as_key():
     p = raw(clean_bytes())
     p["structure"]["entries"][0] = ["w"]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v2_list_as_key_with_like():
     p = raw(clean_bytes())
     p["structure"]["entries"][0] = ["w"]
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_v2_scale_meta_list():
     p = raw(clean_bytes())
     child(p, "scale")["meta"] = [1, 2]
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_v2_scale_meta_str():
     p = raw(clean_bytes())
     child(p, "scale")["meta"] = "growth_interval"
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_v2_scale_meta_mixed_keys():
     p = raw(clean_bytes())
     meta = child(p, "scale")["meta"]
     meta[7] = meta.pop("growth_interval")
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_v2_scale_meta_nested():
     p = raw(clean_bytes())
     child(p, "scale")["meta"]["growth_interval"] = {"a": [1]}
-    return forge(p), clean_like()
+    return forge(p), True
 
 
-def _device(device: str, like: Any = None):
+def _device(device: Any, like: bool = False):
     p = raw(clean_bytes())
     p["leaves"][leaf_index(p, "['w']")]["device"] = device
     return forge(p), like
@@ -285,12 +286,13 @@ def case_device_not_a_str():
 
 
 def case_stride_0_view():
+    """A 4-byte storage viewed as 2**24 floats: 64 MiB from a 4 KB file."""
     p = raw(clean_bytes())
     i = leaf_index(p, "['w']")
-    n = 2**22
+    n = 2**24
     p["tensors"][p["leaves"][i]["tensor"]] = torch.zeros(1).expand(n)
     p["leaves"][i]["shape"] = [n]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_stride_0_huge():
@@ -300,7 +302,7 @@ def case_stride_0_huge():
     n = 2**40
     p["tensors"][p["leaves"][i]["tensor"]] = torch.zeros(1).expand(n)
     p["leaves"][i]["shape"] = [n]
-    return forge(p, checksum="0" * 64), None
+    return forge(p, checksum="0" * 64), False
 
 
 def case_view_of_a_larger_storage():
@@ -308,7 +310,7 @@ def case_view_of_a_larger_storage():
     i = leaf_index(p, "['b']")
     big = torch.arange(4096, dtype=torch.float16)
     p["tensors"][p["leaves"][i]["tensor"]] = big[5:8]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_transposed_tensor():
@@ -316,13 +318,13 @@ def case_transposed_tensor():
     i = leaf_index(p, "['w']")
     t = p["tensors"][p["leaves"][i]["tensor"]]
     p["tensors"][p["leaves"][i]["tensor"]] = t.reshape(3, 2).t()
-    return forge(p), None
+    return forge(p), False
 
 
 def case_huge_declared_shape():
     p = raw(clean_bytes())
     p["leaves"][leaf_index(p, "['w']")]["shape"] = [2**40]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_control_characters_in_path():
@@ -330,19 +332,19 @@ def case_control_characters_in_path():
     i = leaf_index(p, "['w']")
     p["leaves"][i]["path"] = "['w']\n\x1b[31mERROR: all is lost\x1b[0m\r"
     p["leaves"][i]["device"] = "hpu"
-    return forge(p), None
+    return forge(p), False
 
 
 def case_control_characters_in_type():
     p = raw(clean_bytes())
     child(p, "scale")["type"] = "Evil\n\x1b[2J"
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 def case_control_characters_in_meta_key():
     p = raw(clean_bytes())
     child(p, "scale")["meta"]["\x1b[2Jx\n"] = 1
-    return forge(p), clean_like()
+    return forge(p), True
 
 
 DEEP = 3000  # levels: past Python's recursion limit, within what pickle writes
@@ -365,37 +367,37 @@ def case_deep_nesting():
         node = {"type": "list", "kind": "LIST", "entries": [0], "children": [node]}
     p["structure"]["children"][0] = node
     p["checksum"] = "0" * 64  # repr() of the header would need the recursion limit raised
-    return deep_bytes(p), None
+    return deep_bytes(p), False
 
 
 def case_unknown_kind():
     p = raw(clean_bytes())
     child(p, "opt")["kind"] = "SET"
-    return forge(p), None
+    return forge(p), False
 
 
 def case_none_with_children():
     p = raw(clean_bytes())
     none = child(p, "opt")["children"][1]
     none["entries"], none["children"] = [0], [{"leaf": 0}]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_tensor_subclass():
     p = raw(clean_bytes())
     i = p["leaves"][leaf_index(p, "['w']")]["tensor"]
     p["tensors"][i] = torch.nn.Parameter(p["tensors"][i])
-    return forge(p), None
+    return forge(p), False
 
 
 def case_sparse_tensor():
     p = raw(clean_bytes())
     i = leaf_index(p, "['w']")
     p["tensors"][p["leaves"][i]["tensor"]] = torch.sparse_coo_tensor(
-        torch.zeros(2, 1, dtype=torch.int64), torch.ones(1), (64, 64)
+        torch.zeros(2, 1, dtype=torch.int64), torch.ones(1), (64, 64), check_invariants=True
     )
     p["leaves"][i]["shape"] = [64, 64]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_deflated_record():
@@ -405,7 +407,7 @@ def case_deflated_record():
     i = p["leaves"][leaf_index(p, "['w']")]["tensor"]
     p["tensors"][i] = torch.zeros(2**24)
     p["leaves"][leaf_index(p, "['w']")]["shape"] = [2**24]
-    return rezip(forge(p), lambda records: None, compression=zipfile.ZIP_DEFLATED), None
+    return rezip(forge(p), lambda records: None, compression=zipfile.ZIP_DEFLATED), False
 
 
 def write_zip(records: dict[str, bytes], aliases: dict[str, str]) -> bytes:
@@ -451,10 +453,10 @@ def write_zip(records: dict[str, bytes], aliases: dict[str, str]) -> bytes:
 
 
 def case_overlapping_records():
-    """200 tensors of 64 KiB whose records are one record's bytes under 200 names:
-    13 MB from a 90 KB file (torch.load alone reads it)."""
+    """300 tensors of 128 KiB whose records are one record's bytes under 300 names:
+    39 MB from a 150 KB file (torch.load alone reads it)."""
     p = raw(clean_bytes())
-    n = 200
+    n, size = 300, 2**15
     p["structure"]["children"][0] = {
         "type": "list",
         "kind": "LIST",
@@ -467,26 +469,26 @@ def case_overlapping_records():
             "path": f"['w'][{i}]",
             "tensor": first + i,
             "dtype": "torch.float32",
-            "shape": [2**14],
+            "shape": [size],
             "device": "cpu",
         }
         for i in range(n)
     ]
-    p["tensors"] += [torch.zeros(2**14) for _ in range(n)]
+    p["tensors"] += [torch.zeros(size) for _ in range(n)]
     data = forge(p)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         records = {info.filename: z.read(info.filename) for info in z.infolist()}
     prefix = next(name for name in records if name.endswith("/data.pkl"))[: -len("data.pkl")]
     keys = [f"{prefix}data/{first + i}" for i in range(n)]
     kept = {name: body for name, body in records.items() if name not in keys[1:]}
-    return write_zip(kept, {alias: keys[0] for alias in keys[1:]}), None
+    return write_zip(kept, {alias: keys[0] for alias in keys[1:]}), False
 
 
 def case_legacy_format():
     """The pre-zip torch.save format, which declares its storages' sizes itself."""
     buf = io.BytesIO()
     torch.save(raw(clean_bytes()), buf, _use_new_zipfile_serialization=False)
-    return buf.getvalue(), None
+    return buf.getvalue(), False
 
 
 def _v1() -> dict[str, Any]:
@@ -497,7 +499,7 @@ def case_v1_list_contains_itself():
     p = _v1()
     history = p["tree"]["values"][p["tree"]["keys"].index("history")]
     history["items"].append(history)
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v1_shared_2_40():
@@ -505,7 +507,7 @@ def case_v1_shared_2_40():
     bottom = {"kind": "value", "value": 1}
     top = shared_chain(40, bottom, lambda n: {"kind": "list", "items": [n, n]})
     p["tree"]["values"][p["tree"]["keys"].index("history")] = top
-    return forge(p, checksum="0" * 64), None
+    return forge(p, checksum="0" * 64), False
 
 
 def case_v1_deep_nesting():
@@ -515,38 +517,50 @@ def case_v1_deep_nesting():
         node = {"kind": "list", "items": [node]}
     p["tree"]["values"][p["tree"]["keys"].index("history")] = node
     p["checksum"] = "0" * 64
-    return deep_bytes(p), None
+    return deep_bytes(p), False
 
 
 def case_v1_duplicate_keys():
     p = _v1()
     keys = p["tree"]["keys"]
     keys[keys.index("note")] = "epoch"
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v1_list_as_key():
     p = _v1()
     keys = p["tree"]["keys"]
     keys[keys.index("note")] = ["note"]
-    return forge(p), None
+    return forge(p), False
 
 
 def case_v1_malformed_config():
     p = _v1()
     static = p["tree"]["values"][p["tree"]["keys"].index("static")]
     static["config"] = [["a", "b", "c"]]
-    return forge(p), None
+    return forge(p), False
 
 
-CASES: dict[str, Callable[[], tuple[bytes, Any]]] = {
+CASES: dict[str, Callable[[], tuple[bytes, bool]]] = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }
 
 
-def load_outcome(data: bytes, like: Any, path: Path) -> str:
-    """``"ok"``, ``"CheckpointCorruptError: ..."`` (any checkpoint error) or ``"RAW <Type>: ..."``."""
-    path.write_bytes(data)
+def write_cases(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Writes the named cases' files, and ``cases.json`` listing them, into ``directory``."""
+    table = {}
+    for name in names:
+        data, like = CASES[name]()
+        path = directory / f"{name}.ckpt"
+        path.write_bytes(data)
+        table[name] = {"file": str(path), "like": like, "file_bytes": len(data)}
+    (directory / "clean.ckpt").write_bytes(clean_bytes())
+    (directory / "cases.json").write_text(json.dumps(table))
+    return table
+
+
+def load_outcome(path: Path, like: Any) -> str:
+    """``"ok"``, ``"<ErrorType>: message"`` for a checkpoint error, or ``"RAW <Type>: ..."``."""
     try:
         ff.load_checkpoint(path, like)
     except ff.CheckpointError as err:
@@ -556,29 +570,24 @@ def load_outcome(data: bytes, like: Any, path: Path) -> str:
     return "ok"
 
 
-def _main(names: list[str]) -> None:
-    import tempfile
-
+def _main(directory: Path) -> None:
     torch.set_num_threads(1)
-    directory = Path(tempfile.mkdtemp())
-    for name in names:
-        data, like = CASES[name]()
+    table = json.loads((directory / "cases.json").read_text())
+    for like in (None, clean_like()):  # warm up: lazy imports, allocator pools
+        assert load_outcome(directory / "clean.ckpt", like) == "ok"
+    for name, case in table.items():
+        like = clean_like() if case["like"] else None
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
-        outcome = load_outcome(data, like, directory / f"{name}.ckpt")
-        seconds = time.perf_counter() - start
-        rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        outcome = load_outcome(Path(case["file"]), like)
         row = {
             "case": name,
             "outcome": outcome,
-            "seconds": seconds,
-            "rss_rise_kib": rise,
-            "file_bytes": len(data),
+            "seconds": time.perf_counter() - start,
+            "rss_rise_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
         }
         print(json.dumps(row), flush=True)
-        os.unlink(directory / f"{name}.ckpt")
-    os.rmdir(directory)
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1:] or list(CASES))
+    _main(Path(sys.argv[1]))

@@ -1,0 +1,519 @@
+"""Hostile checkpoint files: forged, with checksums that match, refused cleanly and quickly.
+
+Whoever can write a checkpoint can compute its checksum, so a file whose
+checksum matches may still be built to hang the loader, make it allocate
+far more than the file holds, drop data silently, or escape as a raw
+exception. The cases of ``tests/_hostile_checkpoints.py`` are loaded in a
+child process (a hang or a runaway allocation fails a test instead of the
+run): each must raise the library's checkpoint error, within
+:data:`SECONDS` and without the process's peak memory rising by more than
+:data:`RSS_RISE_KIB`. Then targeted tests of the messages and of what is
+still accepted, and a hypothesis test that mutates valid files at random.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import functional_fp16 as ff
+from functional_fp16 import _checkpoint_format as fmt
+from functional_fp16._tree import tree_leaves, tree_paths
+from tests import _hostile_checkpoints as hostile
+from tests.helpers import bits
+
+ROOT = Path(__file__).resolve().parent.parent
+SECONDS = 2.0  # per load
+RSS_RISE_KIB = 16 * 1024  # each forged file is under 160 KB; an unchecked one expands to 39-64 MB
+CHILD_SECONDS = 120  # for the child process loading all the cases
+
+# What each refusal must say: the error type and a part of the message.
+EXPECTED = {
+    "v2_cycle": ("CheckpointCorruptError", "not a tree"),
+    "v2_cycle_with_like": ("CheckpointCorruptError", "not a tree"),
+    "v2_shared_2_40": ("CheckpointCorruptError", "not a tree"),
+    "v2_shared_leaf_table": ("CheckpointCorruptError", "not a tree"),
+    "v2_leaf_used_twice": ("CheckpointCorruptError", "leaf record 0 is used by two nodes"),
+    "v2_tensor_used_twice": ("CheckpointCorruptError", "leaf ['b']: tensor 0 belongs to two"),
+    "v2_shared_storage": ("CheckpointCorruptError", "share one storage"),
+    "v2_duplicate_keys": ("CheckpointCorruptError", "checkpoint root: the key 'w' is stored twice"),
+    "v2_equal_keys_of_two_types": (
+        "CheckpointCorruptError",
+        "checkpoint['opt']: the key True is stored twice",
+    ),
+    "v2_list_as_key": ("CheckpointCorruptError", "the key ['w'] of type list is not a plain"),
+    "v2_list_as_key_with_like": ("CheckpointCorruptError", "the key ['w'] of type list"),
+    "v2_scale_meta_list": ("CheckpointCorruptError", "checkpoint['scale']: malformed static"),
+    "v2_scale_meta_str": ("CheckpointCorruptError", "checkpoint['scale']: malformed static"),
+    "v2_scale_meta_mixed_keys": ("CheckpointCorruptError", "checkpoint['scale']: malformed"),
+    "v2_scale_meta_nested": ("CheckpointCorruptError", "checkpoint['scale']: malformed"),
+    "device_meta": ("CheckpointCorruptError", "leaf ['w']: stored on device 'meta'"),
+    "device_hpu": ("CheckpointError", "checkpoint['w'] was saved on hpu, a device this torch"),
+    "device_privateuseone": ("CheckpointError", "saved on privateuseone, a device this torch"),
+    "device_not_a_str": ("CheckpointCorruptError", "device ['cpu'] is not a device name"),
+    "stride_0_view": ("CheckpointCorruptError", "strides [0]"),
+    "stride_0_huge": ("CheckpointCorruptError", "must own exactly its 4398046511104 bytes"),
+    "view_of_a_larger_storage": ("CheckpointCorruptError", "at offset 5 of a 8192-byte storage"),
+    "transposed_tensor": ("CheckpointCorruptError", "strides [1, 2]"),
+    "huge_declared_shape": ("CheckpointCorruptError", "the tensor disagrees with its record"),
+    "control_characters_in_path": (
+        "CheckpointError",
+        r"checkpoint['w']\n\x1b[31mERROR: all is lost\x1b[0m\r was saved on hpu",
+    ),
+    "control_characters_in_type": ("CheckpointMismatchError", r"holds a Evil\n\x1b[2J"),
+    "control_characters_in_meta_key": (
+        "CheckpointMismatchError",
+        r"checkpoint['scale'].\x1b[2Jx\n does not match",
+    ),
+    "deep_nesting": ("CheckpointCorruptError", "nests deeper than 100 levels"),
+    "unknown_kind": ("CheckpointCorruptError", "checkpoint['opt']: malformed structure node"),
+    "none_with_children": ("CheckpointCorruptError", "checkpoint['opt'][1]: None with children"),
+    "tensor_subclass": ("CheckpointCorruptError", "holds Parameter"),
+    "sparse_tensor": ("CheckpointCorruptError", "holds a torch.sparse_coo"),
+    "deflated_record": ("CheckpointCorruptError", "is compressed"),
+    "overlapping_records": ("CheckpointCorruptError", "declare 39"),
+    "legacy_format": ("CheckpointCorruptError", "not a zip archive"),
+    "v1_list_contains_itself": ("CheckpointCorruptError", "not a tree"),
+    "v1_shared_2_40": ("CheckpointCorruptError", "not a tree"),
+    "v1_deep_nesting": ("CheckpointCorruptError", "nests deeper than 100 levels"),
+    "v1_duplicate_keys": ("CheckpointCorruptError", "the key 'epoch' is stored twice"),
+    "v1_list_as_key": ("CheckpointCorruptError", "the key ['note'] of type list"),
+    "v1_malformed_config": ("CheckpointCorruptError", "malformed version-1 structure"),
+}
+
+
+def test_every_forged_case_has_an_expectation():
+    assert sorted(EXPECTED) == sorted(hostile.CASES)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Each case's row from one child process that loads them all (see the module docstring)."""
+    directory = tmp_path_factory.mktemp("hostile")
+    table = hostile.write_cases(directory, list(hostile.CASES))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests._hostile_checkpoints", str(directory)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_SECONDS,
+        )
+        out, err = done.stdout, done.stderr
+    except subprocess.TimeoutExpired as timeout:
+        out = timeout.stdout.decode() if isinstance(timeout.stdout, bytes) else timeout.stdout or ""
+        err = "timed out"
+    rows = {}
+    for line in out.splitlines():
+        row = json.loads(line)
+        rows[row["case"]] = dict(row, file_bytes=table[row["case"]]["file_bytes"])
+    return rows, err
+
+
+@pytest.mark.parametrize("case", sorted(hostile.CASES))
+def test_forged_file_is_refused_quickly_and_within_its_size(outcomes, case):
+    rows, err = outcomes
+    assert case in rows, f"no result: the loader hung or crashed on it or before it ({err[-2000:]})"
+    row = rows[case]
+    kind, fragment = EXPECTED[case]
+    assert row["outcome"].startswith(f"{kind}: "), row["outcome"]
+    assert fragment in row["outcome"], row["outcome"]
+    assert f"{case}.ckpt: " in row["outcome"]  # the file is named
+    assert row["seconds"] < SECONDS, row
+    assert row["rss_rise_kib"] < RSS_RISE_KIB, row
+
+
+def test_the_clean_file_loads_in_the_same_child_process(outcomes, tmp_path):
+    """The cases differ from a file the loader takes only in what they forge."""
+    rows, _ = outcomes
+    assert rows, "the child process reported nothing"
+    path = tmp_path / "clean.ckpt"
+    path.write_bytes(hostile.clean_bytes())
+    assert hostile.load_outcome(path, None) == "ok"
+    assert hostile.load_outcome(path, hostile.clean_like()) == "ok"
+
+
+# -- targeted ---------------------------------------------------------------------------
+
+
+def _load(tmp_path, data: bytes, like=None, **kw):
+    path = tmp_path / "forged.ckpt"
+    path.write_bytes(data)
+    return ff.load_checkpoint(path, like, **kw)
+
+
+def _refusal(tmp_path, case: str, with_like: bool | None = None) -> str:
+    """The message of the case's refusal, loaded with a template as the case says or as asked."""
+    data, like = hostile.CASES[case]()
+    like = like if with_like is None else with_like
+    with pytest.raises(ff.CheckpointError) as info:
+        _load(tmp_path, data, hostile.clean_like() if like else None)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["control_characters_in_path", "control_characters_in_type", "control_characters_in_meta_key"],
+)
+def test_messages_escape_the_control_characters_of_a_file(tmp_path, case):
+    message = _refusal(tmp_path, case)
+    assert message.isprintable(), repr(message)
+    assert "\\x1b[" in message  # shown escaped, not sent to the terminal
+
+
+def test_shown_text_is_escaped_and_cut():
+    assert fmt._show("a\nb\x1b[2J\u202e") == "a\\nb\\x1b[2J\\u202e"
+    assert fmt._show("ok ['w'] é") == "ok ['w'] é"
+    assert fmt._show("x" * 500) == "x" * 120 + "..."
+    assert fmt._show(10**5000).startswith("<int of ")
+    assert fmt._show("k", quoted=True) == "'k'"
+
+
+def test_stored_meta_device_is_refused_but_a_meta_template_still_loads(tmp_path):
+    data, _ = hostile.case_device_meta()
+    for like in (None, hostile.clean_like()):
+        with pytest.raises(ff.CheckpointCorruptError, match=r"stored on device 'meta'"):
+            _load(tmp_path, data, like)
+    # The caller may still ask for meta tensors (shapes only), from a clean file.
+    clean = hostile.clean_bytes()
+    assert all(
+        t.is_meta
+        for t in tree_leaves(_load(tmp_path, clean, map_location="meta"))
+        if torch.is_tensor(t)
+    )
+
+
+@pytest.mark.parametrize("device", ["hpu", "privateuseone", "hpu:0", "nonsense"])
+def test_a_device_this_build_lacks_is_used_only_when_nothing_overrides_it(tmp_path, device):
+    data, _ = hostile._device(device)
+    with pytest.raises(
+        ff.CheckpointError, match=r"checkpoint\['w'\] was saved on .* map_location="
+    ):
+        _load(tmp_path, data)
+    expected = hostile.clean_tree()["w"]
+    assert torch.equal(_load(tmp_path, data, map_location="cpu")["w"], expected)
+    assert torch.equal(_load(tmp_path, data, hostile.clean_like())["w"], expected)
+
+
+@pytest.mark.parametrize(
+    "case", ["v2_duplicate_keys", "v2_equal_keys_of_two_types", "v1_duplicate_keys"]
+)
+def test_duplicate_keys_are_refused_not_dropped(tmp_path, case):
+    assert "is stored twice" in _refusal(tmp_path, case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["v2_scale_meta_list", "v2_scale_meta_str", "v2_scale_meta_mixed_keys", "v2_list_as_key"],
+)
+def test_malformed_keys_and_configurations_are_checkpoint_errors_with_a_template(tmp_path, case):
+    message = _refusal(tmp_path, case, with_like=True)
+    assert "checkpoint['scale']: malformed static" in message or "of type list" in message
+
+
+def test_save_refuses_a_tree_deeper_than_a_checkpoint_holds_and_loads_the_deepest(tmp_path):
+    def nest(levels):
+        tree = torch.ones(1)
+        for _ in range(levels):
+            tree = [tree]
+        return tree
+
+    ff.save_checkpoint(tmp_path / "deep.ckpt", nest(fmt.MAX_DEPTH))
+    out = ff.load_checkpoint(tmp_path / "deep.ckpt", nest(fmt.MAX_DEPTH))
+    assert torch.equal(tree_leaves(out)[0], torch.ones(1))
+    with pytest.raises(ValueError, match=rf"nested deeper than {fmt.MAX_DEPTH} levels"):
+        ff.save_checkpoint(tmp_path / "deeper.ckpt", nest(fmt.MAX_DEPTH + 1))
+
+
+def test_a_file_object_is_checked_the_same_way(tmp_path):
+    data, _ = hostile.case_stride_0_view()
+    with pytest.raises(ff.CheckpointCorruptError, match="strides"):
+        ff.load_checkpoint(io.BytesIO(data))
+    out = ff.load_checkpoint(io.BytesIO(hostile.clean_bytes()), hostile.clean_like())
+    assert out["name"] == "run" and torch.equal(out["w"], hostile.clean_tree()["w"])
+
+
+# -- random mutations of valid files ------------------------------------------------------
+
+JUNK = [
+    None,
+    True,
+    0,
+    -1,
+    7,
+    2**70,
+    1.5,
+    math.nan,
+    "",
+    "x\n\x1b[0m",
+    "meta",
+    "hpu",
+    "LIST",
+    "torch.float32",
+    [],
+    {},
+    [0],
+    [2**40],
+    {"leaf": 0},
+    {"a": 1},
+    ["w"],
+]
+TENSOR_TRICKS = ["expand", "slice", "transpose", "share", "parameter", "empty_huge", "int64"]
+MUTATIONS = [
+    "junk",
+    "share",
+    "cycle",
+    "duplicate_key",
+    "tensor",
+    "delete",
+    "swap",
+    # These leave a well-formed file, with other content or the same.
+    "value",
+    "rename",
+    "reorder",
+]
+PLAIN = st.one_of(
+    st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.sampled_from(["w", "b"])
+)
+BIG = 2**20  # elements: 4 MiB from a stride-0 view in a 4-12 KB file
+
+
+def _sites(payload) -> list[tuple[object, object]]:
+    """Every (container, key) slot of the payload's dicts and lists, tensors' slots included."""
+    sites, seen, stack = [], set(), [payload]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or not isinstance(x, (dict, list)):
+            continue
+        seen.add(id(x))
+        for key in list(x) if isinstance(x, dict) else range(len(x)):
+            sites.append((x, key))
+            stack.append(x[key])
+    return sites
+
+
+def _trick(kind: str, t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    if kind == "expand":
+        return t.reshape(-1)[:1].expand(BIG)
+    if kind == "slice":
+        return torch.cat([t.reshape(-1), t.reshape(-1)])[1 : 1 + t.numel()]
+    if kind == "transpose":
+        return t.reshape(-1, 1).expand(-1, 2).t()
+    if kind == "share":
+        return other
+    if kind == "parameter":
+        return torch.nn.Parameter(t.float())
+    if kind == "empty_huge":
+        return torch.zeros(2**40, 0)
+    return t.to(torch.int64)
+
+
+def _nodes(payload) -> list[dict]:
+    """The structure's nodes (either format), found without recursion, cycles and all."""
+    root = payload.get("structure", payload.get("tree")) if isinstance(payload, dict) else None
+    nodes, seen, stack = [], set(), [root]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, dict) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        nodes.append(x)
+        for key in ("children", "items", "values"):
+            if isinstance(x.get(key), list):
+                stack.extend(x[key])
+        if isinstance(x.get("fields"), dict):
+            stack.extend(x["fields"].values())
+    return nodes
+
+
+def _mutate(payload, data, n: int) -> list[str]:
+    """Applies ``n`` drawn mutations to ``payload``; returns their kinds."""
+    kinds = []
+    for _ in range(n):
+        kind = data.draw(st.sampled_from(MUTATIONS))
+        kinds.append(kind)
+        sites = _sites(payload)
+        nodes = _nodes(payload)
+        pick = data.draw(st.integers(0, 10**6))
+        box, key = sites[pick % len(sites)]
+        if kind == "junk":
+            box[key] = data.draw(st.sampled_from(JUNK))
+        elif kind in ("share", "swap"):
+            other_box, other_key = sites[data.draw(st.integers(0, 10**6)) % len(sites)]
+            if kind == "share":
+                box[key] = other_box[other_key]
+            else:
+                box[key], other_box[other_key] = other_box[other_key], box[key]
+        elif kind == "cycle":
+            box[key] = box
+        elif kind in ("duplicate_key", "rename"):
+            keyed = [
+                node[name]
+                for node in nodes
+                for name in ("entries", "keys")
+                if isinstance(node.get(name), list) and len(node[name]) >= 2
+            ]
+            if keyed:
+                target = keyed[pick % len(keyed)]
+                target[1] = target[0] if kind == "duplicate_key" else data.draw(PLAIN)
+        elif kind == "value":
+            leaves = payload.get("leaves") if isinstance(payload, dict) else None
+            holders = [
+                x for x in (leaves if isinstance(leaves, list) else nodes) if isinstance(x, dict)
+            ]
+            holders = [x for x in holders if "value" in x and x.get("value") is not None]
+            if holders:
+                holders[pick % len(holders)]["value"] = data.draw(PLAIN)
+        elif kind == "reorder":
+            _swap_leaf_records(payload, nodes, pick, data.draw(st.integers(0, 10**6)))
+        elif kind == "tensor":
+            tensors = payload.get("tensors") if isinstance(payload, dict) else None
+            if isinstance(tensors, list) and tensors:
+                i = pick % len(tensors)
+                other = tensors[(i + 1) % len(tensors)]
+                if not isinstance(tensors[i], torch.Tensor):
+                    continue
+                other = other if isinstance(other, torch.Tensor) else tensors[i]
+                trick = data.draw(st.sampled_from(TENSOR_TRICKS))
+                tensors[i] = _trick(trick, tensors[i], other)
+                if data.draw(st.booleans()):  # the records follow the tensor, or not
+                    _follow(payload, i)
+        elif isinstance(box, dict):
+            del box[key]
+        else:
+            box.pop(key)
+    return kinds
+
+
+def _swap_leaf_records(payload, nodes, i: int, j: int) -> None:
+    """Swaps two format-2 leaf records and the nodes' references to them: the same content."""
+    leaves = payload.get("leaves") if isinstance(payload, dict) else None
+    if payload.get("version") != 2 or not isinstance(leaves, list) or len(leaves) < 2:
+        return
+    i, j = i % len(leaves), j % len(leaves)
+    leaves[i], leaves[j] = leaves[j], leaves[i]
+    for node in nodes:
+        if node.get("leaf") in (i, j) and type(node.get("leaf")) is int:
+            node["leaf"] = i + j - node["leaf"]
+
+
+def _follow(payload, i: int) -> None:
+    """Makes the leaf records of tensor ``i`` (either format) describe it."""
+    t = payload["tensors"][i]
+    records = payload.get("leaves") or payload.get("tensor_info") or []
+    for j, rec in enumerate(records if isinstance(records, list) else []):
+        if not isinstance(rec, dict):
+            continue
+        if (rec.get("tensor") == i) if "leaves" in payload else (j == i):
+            rec["dtype"], rec["shape"] = str(t.dtype), list(t.shape)
+
+
+def _checksummed(payload) -> bytes:
+    try:
+        return hostile.forge(payload)
+    except Exception:  # nothing the checksum can be computed over: a wrong one
+        return hostile.forge(payload, checksum="0" * 64)
+
+
+def _owned_bytes(tree) -> int:
+    total = 0
+    for t in tree_leaves(tree):
+        if torch.is_tensor(t):
+            storage = t.untyped_storage()
+            assert t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+            total += storage.nbytes()
+    return total
+
+
+def _assert_same(a, b) -> None:
+    assert tree_paths(a) == tree_paths(b)
+    for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
+        if torch.is_tensor(x):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+        else:
+            assert type(x) is type(y) and (x == y or x != x and y != y)
+
+
+def _record_bytes(data: bytes) -> int:
+    """The bytes of a file's tensor records (``.../data/N``)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+
+
+def _check_load(path: Path, like, size: int, stats: dict, same_as=None) -> None:
+    start = time.perf_counter()
+    try:
+        out = ff.load_checkpoint(path, like)
+    except ff.CheckpointError:
+        stats["refused"] += 1
+        return
+    finally:
+        assert time.perf_counter() - start < SECONDS
+    stats["loaded"] += 1
+    # No more tensor bytes than the file's tensor records hold, each tensor
+    # with storage of its own ...
+    assert _owned_bytes(out) <= size
+    # ... and exactly what a clean file of the same content loads.
+    clean = path.with_suffix(".clean")
+    ff.save_checkpoint(clean, out)
+    _assert_same(out, ff.load_checkpoint(clean, like))
+    if same_as is not None:  # the content was not changed: the original file's
+        _assert_same(out, ff.load_checkpoint(same_as, like))
+        stats["same as the original"] += 1
+
+
+def test_mutated_files_with_valid_checksums_load_exactly_or_are_refused(tmp_path):
+    originals = {"v2": tmp_path / "clean_v2.ckpt", "v1": hostile.V1_FILE}
+    originals["v2"].write_bytes(hostile.clean_bytes())
+    likes = {"v2": [None, hostile.clean_like()], "v1": [None]}
+    stats = {"loaded": 0, "refused": 0, "same as the original": 0}
+    path = tmp_path / "mutated.ckpt"
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        version=st.sampled_from(sorted(originals)),
+        trick=st.none() | st.sampled_from(TENSOR_TRICKS),
+        which=st.integers(0, 2),
+        n=st.integers(0, 3),
+        data=st.data(),
+    )
+    def case(version, trick, which, n, data):
+        payload = hostile.raw(originals[version].read_bytes())
+        if trick is not None:  # one tensor trick, its records made to agree
+            tensors = payload["tensors"]
+            tensors[which] = _trick(trick, tensors[which], tensors[(which + 1) % len(tensors)])
+            _follow(payload, which)
+        kinds = _mutate(payload, data, n) + ([trick] if trick else [])
+        forged = _checksummed(payload)
+        path.write_bytes(forged)
+        same = originals[version] if set(kinds) == {"reorder"} else None
+        for like in likes[version]:
+            _check_load(path, like, _record_bytes(forged), stats, same)
+
+    # A hang is reported with every thread's traceback instead of waiting forever.
+    faulthandler.dump_traceback_later(240, exit=True)
+    try:
+        case()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    print(f"\n[mutated checkpoints] {stats}")
+    assert stats["refused"] >= 50 and stats["loaded"] >= 20 and stats["same as the original"] >= 2
