@@ -191,8 +191,8 @@ def _check_tensor(t: Any, storages: set[int], file: str) -> None:
         or t.is_conj()
         or t.is_neg()
     ):
-        what = type(t).__name__ if type(t) is not torch.Tensor else f"a {t.layout} {t.dtype} tensor"
-        raise _corrupt(file, f"holds {what}; a checkpoint holds plain dense tensors only")
+        what = type(t).__name__ if type(t) is not torch.Tensor else f"{t.layout} {t.dtype} tensor"
+        raise _corrupt(file, f"holds a {what}; a checkpoint holds plain dense tensors only")
     storage = t.untyped_storage()
     nbytes = t.numel() * t.element_size()
     if not t.is_contiguous() or t.storage_offset() != 0 or storage.nbytes() != nbytes:

@@ -81,7 +81,7 @@ EXPECTED = {
     "deep_nesting": ("CheckpointCorruptError", "nests deeper than 100 levels"),
     "unknown_kind": ("CheckpointCorruptError", "checkpoint['opt']: malformed structure node"),
     "none_with_children": ("CheckpointCorruptError", "checkpoint['opt'][1]: None with children"),
-    "tensor_subclass": ("CheckpointCorruptError", "holds Parameter"),
+    "tensor_subclass": ("CheckpointCorruptError", "holds a Parameter"),
     "sparse_tensor": ("CheckpointCorruptError", "holds a torch.sparse_coo"),
     "deflated_record": ("CheckpointCorruptError", "is compressed"),
     "overlapping_records": ("CheckpointCorruptError", "declare 39"),
