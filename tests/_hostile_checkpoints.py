@@ -89,8 +89,7 @@ def _dense(tensors: list[Any]) -> list[Any]:
     out = []
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            t = t.to_dense() if t.layout != torch.strided else t.contiguous()
-            t = torch.Tensor._make_subclass(torch.Tensor, t) if type(t) is not torch.Tensor else t
+            t = (t.to_dense() if t.layout != torch.strided else t.contiguous()).detach()
         out.append(t)
     return out
 
@@ -107,7 +106,7 @@ def v1_checksum(payload: dict[str, Any]) -> str:
     return _checksum(header, _dense(payload["tensors"]))
 
 
-def forge(payload: dict[str, Any], checksum: str = "valid") -> bytes:
+def forge(payload: dict[str, Any], checksum: str | None = "valid") -> bytes:
     """``payload`` saved with a valid checksum (``"valid"``), or the given one, or as it is (``None``)."""
     payload = dict(payload)
     if checksum is None:
