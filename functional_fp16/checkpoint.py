@@ -491,8 +491,12 @@ def load_checkpoint(
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      CheckpointCorruptError: the file is truncated, modified after writing, or
-        not a checkpoint of this library.
+      CheckpointCorruptError: the file is truncated, modified after writing,
+        forged (its checksum proves nothing: see the module's description of
+        what is checked, before anything large is allocated or walked), or not
+        a checkpoint of this library.
+      CheckpointError: a tensor's stored device is to be used (no ``like``, no
+        ``map_location``) and this torch build lacks it, or it cannot be placed.
       CheckpointMismatchError: the file differs from ``like``; the message names
         the path and what differs.
       TypeError: ``like`` holds something that cannot be a template (its path is named).
