@@ -286,7 +286,20 @@ def scenario_resume_two(rank: int, out: str) -> dict[str, Any]:
     for step in range(FIRST_STEPS + MORE_STEPS, FIRST_STEPS + 2 * MORE_STEPS):
         state = advance(state, step)
     save_both("ckpt", "three_full.ckpt", state, FIRST_STEPS + 2 * MORE_STEPS, bucket_bytes=16)
-    return {**both["result"], "before": before, "after": sorted(os.listdir(ckpt("ckpt")))}
+    after = sorted(os.listdir(ckpt("ckpt")))
+    # A replicated state saves the same way (each element written once) and loads
+    # sharded; a sharded checkpoint loads into a replicated template.
+    full = ffd.unshard_state(state)
+    ffd.save_checkpoint_sharded(ckpt("replicated"), {"state": full}, bucket_bytes=16)
+    as_sharded = ffd.load_checkpoint_sharded(ckpt("replicated"), {"state": like()["state"]})
+    as_full = ffd.load_checkpoint_sharded(ckpt("ckpt"), {"state": make_state(), "epoch": 0})
+    return {
+        **both["result"],
+        "before": before,
+        "after": after,
+        "replicated_to_sharded": (raw(as_sharded), raw({"state": ffd.shard_state(full)})),
+        "sharded_to_replicated": (raw(as_full), raw({"state": full, "epoch": 7})),
+    }
 
 
 class _Counter:
@@ -347,6 +360,13 @@ def scenario_fingerprint(rank: int, out: str) -> dict[str, Any]:
         "grads_dtype": (sharded, {**g, "b1": g["b1"].float()}, {}),
         "comm_dtype": (sharded, g, {"comm_dtype": torch.float32}),
         "bucket_bytes": (sharded, g, {"bucket_bytes": 64}),
+        "piece_length": (
+            sharded.replace(
+                master={**sharded.master, "b1": torch.cat([sharded.master["b1"], torch.zeros(1)])}
+            ),
+            g,
+            {},
+        ),
     }
     for kind, (st, gr, kwargs) in update_variants.items():
         st, gr, kw = (st, gr, kwargs) if odd else (sharded, g, {})

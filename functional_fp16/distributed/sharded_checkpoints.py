@@ -4,7 +4,7 @@
 sharded (ZeRO-1) states through DCP, the format torchtitan and FSDP2 use, and
 :func:`load_checkpoint_sharded` reads it back at any world size. No rank ever
 gathers the whole FP32 state: a rank writes the elements it owns, and reads
-the elements it will own, in chunks of at most one bucket.
+the elements it will own, in chunks of a quarter of a bucket.
 
 **The DCP content.** One DCP entry per tensor leaf of the tree, keyed by the
 leaf's path (``"['state'].master['fc.weight']"``, as
@@ -18,8 +18,11 @@ leaf's path (``"['state'].master['fc.weight']"``, as
   :class:`~functional_fp16.distributed.ShardLayout` gives it (of ``params``
   too, which every rank holds whole, so each element is written once); a
   replicated state's tensors are offered whole by every rank and written
-  once. Each rank's part is cut into chunks of at most ``bucket_bytes``,
-  each a DCP chunk at its global offset;
+  once. Each rank's part is cut into chunks of at most ``bucket_bytes / 4``,
+  each a DCP chunk at its global offset (DCP's reader holds up to three
+  stored chunks at once: the bytes it read, the tensor made of them, and the
+  previous chunk's tensor, so a quarter keeps a load's overhead within one
+  bucket);
 * every other tensor (the loss scale, counters, ``step``, tensors outside a
   state) is stored as it is, written once (DCP keeps one copy of an entry
   that every rank offers).
@@ -100,6 +103,7 @@ VERSION = 1
 _FOLDER = re.compile(r"step-[0-9a-f]{32}")
 _MARKER_TEMP = re.compile(r"\.checkpoint\.json\..*\.tmp")
 _MAX_MARKER_BYTES = 1 << 28
+_CHUNKS_PER_BUCKET = 4  # a stored chunk is a quarter of bucket_bytes (see the module docstring)
 _VALUES = (bool, int, float, str)
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _ERRORS = {
@@ -350,7 +354,7 @@ def _plan_save(directory: str, tree: PyTree, group: ProcessGroup, bucket_bytes: 
             flat = x.detach().reshape(-1)  # a copy only for a leaf that is not contiguous
             if not slot.piece:
                 flat = flat[lo:hi]
-            chunk = max(1, bucket_bytes // x.element_size())
+            chunk = max(1, bucket_bytes // (_CHUNKS_PER_BUCKET * x.element_size()))
             state_dict[slot.path] = _chunked(flat.view(-1), _numel(slot.shape), lo, chunk)
     body = {
         "format": FORMAT,
@@ -380,7 +384,7 @@ def save_checkpoint_sharded(
     ``torch.distributed.checkpoint.save`` with a ``FileSystemWriter``, the
     elements of every per-parameter tensor that its shard layout gives it,
     :math:`[lo_r, hi_r)` of the leaf flattened, in chunks of at most
-    ``bucket_bytes``; the other tensors are written once. No rank gathers
+    ``bucket_bytes / 4``; the other tensors are written once. No rank gathers
     anything, so the memory a save needs beyond the state is one chunk (the
     copy DCP makes of a chunk that is a slice of a larger tensor). See the
     module docstring for the format. Any world size can load the checkpoint
@@ -401,7 +405,8 @@ def save_checkpoint_sharded(
         (sharded over ``group`` or replicated), loss scales, bool, int, float,
         str and ``None``, the same structure on every rank.
       group: the process group (default: the default group).
-      bucket_bytes: the largest chunk, in bytes.
+      bucket_bytes: four times the largest chunk, in bytes: what a load of
+        the checkpoint needs beyond its result.
 
     Raises:
       TypeError, ValueError: a leaf that cannot be stored, or a state that
@@ -674,8 +679,8 @@ def load_checkpoint_sharded(
     stored chunks that overlap) and the whole ``params``; for a replicated
     state, every tensor whole. The result is bitwise the tree that
     ``shard_state(unshard_state(saved))`` would give on this group. Beyond
-    the result, a load holds one stored chunk at a time (at most the
-    writer's ``bucket_bytes``).
+    the result, a load holds at most three stored chunks at once (each a
+    quarter of the writer's ``bucket_bytes``), never the whole FP32 state.
 
     Before any data are read, every rank checks the marker against ``like``
     (leaf paths, kinds, dtypes and full shapes, value types, node types, loss
