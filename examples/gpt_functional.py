@@ -1,0 +1,637 @@
+"""Train a character-level GPT on Tiny Shakespeare in FP16 mixed precision, functionally.
+
+A decoder-only transformer in the GPT-2 layout (token and position
+embeddings, pre-LayerNorm blocks of causal self-attention and a GELU MLP, a
+final LayerNorm, an output head tied to the token embedding, nanoGPT's
+initialisation) written with ``functional_fp16``: the parameters are a dict
+of FP16 tensors with FP32 master copies inside an ``FP16State``, the
+optimiser is ``clip_by_global_norm`` + ``adamw`` with weight decay on the
+weight matrices only (``masked``) and a warmup-cosine schedule, optionally
+inside ``MultiSteps`` for gradient accumulation, and the training step is a
+pure function
+
+    state, metrics = train_step(state, inputs, targets)
+
+built from ``torch.func`` (``make_apply`` + ``scaled_grad_and_value``) and
+``fp16_update`` (dynamic loss scaling with hysteresis). Per-module policies
+keep the LayerNorms, the attention (its logits and softmax), the embeddings
+and the tied head with the cross-entropy in FP32, and so the residual stream
+too. This file holds the model, the precision and optimiser settings, the
+pure steps and :func:`main`; its siblings hold the flags (``gpt_cli.py``),
+the loop and what a run writes and resumes from (``gpt_loop.py``) and the
+text (``gpt_data.py``).
+
+    python examples/gpt_functional.py --download                   # Tiny Shakespeare into ./data
+    python examples/gpt_functional.py --text PATH                  # any UTF-8 text
+    python examples/gpt_functional.py --synthetic --max-steps 50   # seconds, generated text
+    torchrun --nproc-per-node 2 examples/gpt_functional.py --distributed   # data parallel
+    python examples/gpt_functional.py --preset gpt2 --device cuda  # 124M: one step, its memory
+
+Outputs in ``--out-dir`` (default ``runs/gpt``): ``metrics.jsonl`` (one line
+per step: step, loss, loss_scale, skipped, lr; one per evaluation: step,
+val_loss), ``summary.json``, ``training.png`` (train and validation loss,
+loss scale, learning rate), ``sample.txt`` (the characters sampled at the
+end) and a checkpoint per evaluation (``checkpoint_step_NNNNNN.pt``);
+``--resume`` continues from one so that the run ends bit-identical to an
+uninterrupted one.
+
+With ``--distributed`` (under ``torchrun``) each of the ``WORLD_SIZE`` ranks
+takes its ``batch-size / WORLD_SIZE`` share of every micro-batch (all ranks
+draw the same windows), the scaled FP16 gradients are averaged with
+``tree_all_reduce_mean`` and every rank applies the same ``fp16_update`` with
+``agree=agree_finite``; only rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The sibling modules, importable from any working directory; the device and
+# CPU settings are the CIFAR-10 example's.
+import gpt_data  # noqa: E402
+from cifar10_functional import configure_process, cpu_has_fast_bf16, resolve_device  # noqa: E402
+from gpt_cli import PRECISIONS, parse_args  # noqa: E402
+from gpt_loop import fit, load_resume, peak_memory, plot_metrics, run_config  # noqa: E402
+
+import functional_fp16 as ff  # noqa: E402
+from functional_fp16 import distributed as ffd  # noqa: E402
+from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
+from functional_fp16.policy import Policy, default_loss_scale  # noqa: E402
+
+# -- the model ----------------------------------------------------------------------
+
+
+class GPTConfig(NamedTuple):
+    """The transformer's size."""
+
+    vocab_size: int
+    context: int = 128  # the longest sequence (the position embedding's rows)
+    layers: int = 4
+    heads: int = 4
+    width: int = 128  # the embedding width; each head gets width / heads
+    dropout: float = 0.0
+
+
+class CausalAttention(nn.Module):
+    r"""Causal scaled dot-product attention of given queries, keys and values.
+
+    .. math:: \operatorname{softmax}\!\Big(\frac{Q K^\top}{\sqrt{d}} + M\Big) V,
+        \qquad M_{ij} = -\infty \text{ for } j > i
+
+    A module of its own, with no parameters, so that a per-module policy can
+    run it (the logits, the softmax and the weighted sum) in FP32:
+    ``(batch, heads, T, d)`` in, the same out.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head causal self-attention: one linear layer for Q, K, V; one for the output."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.attend = CausalAttention(cfg.dropout)
+        self.proj = nn.Linear(cfg.width, cfg.width)  # a residual projection
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, t, c / heads)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(b, t, c)
+        return self.drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """``width -> 4 width -> GELU -> width``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.width, 4 * cfg.width)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(4 * cfg.width, cfg.width)  # a residual projection
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    r"""A pre-LayerNorm transformer block: :math:`x + \text{attn}(\text{ln}(x))`, then the MLP's."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.width)
+        self.attn = SelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.width)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TiedHead(nn.Linear):
+    """The output layer, ``logits = x W^T`` with ``W`` the token embedding (set by :class:`GPT`).
+
+    A type of its own so that a per-module policy can name it.
+    """
+
+
+class GPT(nn.Module):
+    r"""A decoder-only transformer in the GPT-2 layout.
+
+    .. math::
+        h_0 = E[x] + P[0..T), \quad h_{l} = \text{Block}_l(h_{l-1}), \quad
+        \text{logits} = \text{LN}(h_L)\, E^\top
+
+    ``head.weight`` *is* ``wte.weight`` (one tensor), so ``named_parameters``
+    and :func:`~functional_fp16.split_module` list it once, as
+    ``wte.weight``. Construction allocates the tensors uninitialised; see
+    :func:`init_weights`.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.wpe = nn.Embedding(cfg.context, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.head = TiedHead(cfg.width, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, T, vocab)`` for token ids ``(batch, T)``, ``T <= context``."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
+
+
+@torch.no_grad()
+def init_weights(model: GPT, generator: torch.Generator) -> None:
+    r"""nanoGPT's initialisation, drawn from ``generator`` in ``named_parameters`` order.
+
+    Weight matrices and embeddings :math:`\sim \mathcal{N}(0, 0.02^2)`, the
+    residual projections (each block's ``attn.proj`` and ``mlp.proj``)
+    :math:`\sim \mathcal{N}(0, (0.02/\sqrt{2L})^2)` so that the residual
+    stream's variance does not grow with the depth :math:`L`; biases 0,
+    LayerNorm scales 1 and shifts 0.
+    """
+    std = 0.02
+    for name, p in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, nn.LayerNorm):
+            p.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        elif name.endswith(RESIDUAL_PROJECTIONS):
+            p.normal_(0.0, std / math.sqrt(2 * model.cfg.layers), generator=generator)
+        else:
+            p.normal_(0.0, std, generator=generator)
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The model on the CPU in FP32, initialised from ``seed``."""
+    model = GPT(cfg)
+    init_weights(model, torch.Generator().manual_seed(seed))
+    return model
+
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The model's size from the flags; the vocabulary is the text's (or the preset's if larger)."""
+    return GPTConfig(
+        vocab_size=max(vocab_size, args.vocab_size),
+        context=args.context,
+        layers=args.layers,
+        heads=args.heads,
+        width=args.width,
+        dropout=args.dropout,
+    )
+
+
+def decay_mask(model: nn.Module) -> dict[str, bool]:
+    """Which parameters AdamW decays: the linear layers' weight matrices, nothing else.
+
+    Keyed like :func:`~functional_fp16.split_module` (tied parameters once,
+    under their first name), so the tied ``wte.weight`` is an embedding and
+    is not decayed; nor are biases, LayerNorm parameters and ``wpe.weight``.
+    """
+    mask = {}
+    for name, _ in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(module_name)
+        mask[name] = isinstance(owner, nn.Linear) and leaf == "weight"
+    return mask
+
+
+# -- precision ---------------------------------------------------------------------
+
+
+def resolve_policy(args: argparse.Namespace, device: torch.device) -> Policy:
+    """The model's policy from ``--precision`` and ``--compute-dtype``.
+
+    As in the CIFAR-10 example: on CUDA the computation runs in the parameter
+    dtype; a CPU has no fast FP16 arithmetic, so there FP16 parameters are
+    computed in BF16 when the CPU has native BF16 and in FP32 otherwise, and
+    still get FP16 gradients (so loss scaling is exercised). Outputs are FP32.
+    """
+    param = PRECISIONS[args.precision]
+    if args.compute_dtype != "auto":
+        compute = PRECISIONS[args.compute_dtype]
+    elif device.type == "cpu" and param == torch.float16:
+        compute = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    else:
+        compute = param
+    return Policy(param, compute, torch.float32)
+
+
+def module_policies(policy: Policy) -> dict[type[nn.Module], Policy]:
+    r"""Which modules run in FP32 when the model computes in FP16 or BF16.
+
+    * the LayerNorms (:func:`~functional_fp16.default_module_policies`) and
+      the attention core :class:`CausalAttention`
+      (:func:`~functional_fp16.norm_policy`): inputs and parameters in FP32,
+      outputs back in the compute dtype. The attention logits
+      :math:`QK^\top/\sqrt d` and their softmax are where FP16 overflows;
+    * the embeddings and the tied head (``nn.Embedding``, :class:`TiedHead`):
+      FP32 in and out. The head's logits reach the cross-entropy in FP32,
+      and the embeddings hand the residual stream over in FP32, so each
+      block adds its compute-dtype branches to an FP32 stream (type
+      promotion), as under ``torch.autocast``.
+
+    With FP32 compute there is nothing to override: ``{}``.
+    """
+    islands = ff.default_module_policies(policy)
+    if islands:
+        islands[CausalAttention] = ff.norm_policy(policy)
+        full = Policy(policy.param_dtype, torch.float32, torch.float32)
+        islands[nn.Embedding] = full
+        islands[TiedHead] = full
+    return islands
+
+
+def resolve_loss_scale(args: argparse.Namespace, policy: Policy) -> ff.LossScale:
+    """``--loss-scale`` (``auto``: dynamic when the policy involves FP16), with hysteresis."""
+    kind = args.loss_scale
+    if kind == "auto":
+        kind = "dynamic" if isinstance(default_loss_scale(policy), ff.DynamicLossScale) else "none"
+    if kind == "none":
+        return ff.NoOpLossScale()
+    return ff.DynamicLossScale(
+        init_scale=args.init_scale,
+        growth_interval=args.growth_interval,
+        hysteresis=args.hysteresis,
+    )
+
+
+# -- the optimiser -----------------------------------------------------------------
+
+
+def lr_schedule(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.Tensor]:
+    r"""Linear warmup from ``lr / warmup`` to ``lr``, then cosine decay to ``min_lr`` at ``max_steps``.
+
+    .. math::
+        \eta_t = \begin{cases}
+          \eta_0 + (\eta - \eta_0)\, t / W & t < W, \quad \eta_0 = \eta / W \\
+          \eta_{min} + (\eta - \eta_{min})\,\tfrac12\big(1 + \cos\tfrac{\pi (t - W)}{S - W}\big)
+            & W \le t \le S
+        \end{cases}
+
+    with :math:`t` the number of applied optimiser steps before this one.
+    """
+    warmup = args.warmup_steps
+    return ff.warmup_cosine_decay_schedule(
+        init_value=args.lr / warmup if warmup else args.lr,
+        peak_value=args.lr,
+        warmup_steps=warmup,
+        decay_steps=args.max_steps,
+        end_value=args.min_lr,
+    )
+
+
+def build_optimizer(args: argparse.Namespace, mask: dict[str, bool]) -> ff.GradientTransformation:
+    """``clip_by_global_norm`` then AdamW (decay on ``mask`` only), in ``MultiSteps`` if accumulating."""
+    adamw = ff.adamw(
+        lr_schedule(args),
+        b1=args.beta1,
+        b2=args.beta2,
+        eps=args.eps,
+        weight_decay=args.weight_decay,
+        mask=mask,
+    )
+    tx = ff.chain(ff.clip_by_global_norm(args.clip), adamw) if args.clip > 0 else adamw
+    return ff.MultiSteps(tx, args.grad_accum) if args.grad_accum > 1 else tx
+
+
+def build_state(
+    model: GPT, policy: Policy, loss_scale: ff.LossScale, args: argparse.Namespace, device
+) -> ff.FP16State:
+    """The initial ``FP16State``: FP32 master, working copy in the policy's param dtype."""
+    params, buffers = split_module(model)
+    assert not buffers, "the model has no buffers"
+    params = {k: v.to(device) for k, v in params.items()}
+    tx = build_optimizer(args, decay_mask(model))
+    return ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+
+
+def applied_steps(opt_state: Any) -> torch.Tensor:
+    """The learning-rate schedule's step count in ``opt_state`` (applied optimiser steps)."""
+    is_count = lambda x: isinstance(x, ff.ScaleByScheduleState)
+    found = [
+        x
+        for x in optree.tree_leaves(opt_state, is_leaf=is_count, namespace=ff.NAMESPACE)
+        if is_count(x)
+    ]
+    return found[0].count
+
+
+# -- the pure steps ----------------------------------------------------------------
+
+
+class StepMetrics(NamedTuple):
+    """What one optimiser step reports (0-d tensors, left on the device)."""
+
+    loss: torch.Tensor  # float32: the unscaled loss, mean over the micro-batches
+    loss_scale: torch.Tensor  # float32: the scale this step's gradients were computed with
+    skipped: torch.Tensor  # bool: the step overflowed and was not applied
+    lr: torch.Tensor  # float32: the learning rate of this step
+
+
+def make_loss_fn(model: GPT, policy: Policy, *, train: bool) -> Callable[..., torch.Tensor]:
+    r"""``loss_fn(params, inputs, targets)``: the mean cross-entropy in FP32, pure.
+
+    .. math:: L = -\frac{1}{BT} \sum_{b,t} \log \operatorname{softmax}(z_{b,t})_{y_{b,t}}
+
+    with :math:`z` the FP32 logits that :func:`make_apply` returns under
+    ``policy`` and :func:`module_policies`.
+    """
+    apply = make_apply(model, train=train, policy=policy, module_policies=module_policies(policy))
+
+    def loss_fn(params, inputs, targets):
+        logits, _ = apply(params, {}, inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return loss_fn
+
+
+def make_train_step(
+    model: GPT,
+    policy: Policy,
+    schedule: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    distributed: bool = False,
+    compile_grads: bool = False,
+) -> Callable[..., tuple[ff.FP16State, StepMetrics]]:
+    """``train_step(state, inputs, targets) -> (state, StepMetrics)``, pure.
+
+    ``inputs`` and ``targets`` are ``(k, batch, T)``: the ``k`` micro-batches
+    of one optimiser step (``k = --grad-accum``; the optimiser is then
+    ``MultiSteps``, which applies the step after the ``k``-th
+    ``fp16_update``). With ``distributed`` the gradients and the loss are
+    averaged over the ranks and the overflow decision is agreed. With
+    ``compile_grads`` the forward and backward pass run under
+    ``torch.compile(fullgraph=True)``; the update stays eager.
+    """
+    grad_fn = scaled_grad_and_value(make_loss_fn(model, policy, train=True))
+    if compile_grads:
+        grad_fn = torch.compile(grad_fn, fullgraph=True)
+
+    def train_step(state: ff.FP16State, inputs: torch.Tensor, targets: torch.Tensor):
+        scale = state.loss_scale.loss_scale
+        lr = schedule(applied_steps(state.opt_state))
+        losses = []
+        for x, y in zip(inputs.unbind(0), targets.unbind(0)):
+            grads, loss = grad_fn(state.loss_scale, state.params, x, y)
+            if distributed:
+                grads = ff.tree_all_reduce_mean(grads)  # scaled FP16 gradients, mean over ranks
+                loss = ff.tree_all_reduce_mean(loss.float())
+                state = ff.fp16_update(state, grads, loss=loss, agree=ff.agree_finite)
+            else:
+                state = ff.fp16_update(state, grads, loss=loss)
+            losses.append(loss.float())
+        # After the last micro-batch grads_finite says whether the window was applied.
+        metrics = StepMetrics(torch.stack(losses).mean(), scale, ~state.grads_finite, lr)
+        return state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: GPT, policy: Policy) -> Callable[..., torch.Tensor]:
+    """``eval_step(params, inputs, targets) -> summed cross-entropy`` (0-d float32), pure."""
+    apply = make_apply(model, train=False, policy=policy, module_policies=module_policies(policy))
+
+    def eval_step(params, inputs, targets):
+        logits, _ = apply(params, {}, inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    return eval_step
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    policy: Policy,
+    params: dict[str, torch.Tensor],
+    prompt: list[int],
+    n: int,
+    seed: int,
+) -> list[int]:
+    r"""``n`` tokens sampled after ``prompt``, one at a time, from a generator seeded with ``seed``.
+
+    Token :math:`t` is drawn from :math:`\operatorname{softmax}(z_t)`, the
+    logits of the last position given the previous ``context`` tokens.
+    """
+    apply = make_apply(model, train=False, policy=policy, module_policies=module_policies(policy))
+    device = next(iter(params.values())).device
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(n):
+        window = torch.tensor([ids[-model.cfg.context :]], dtype=torch.int64, device=device)
+        logits, _ = apply(params, {}, window)
+        probs = torch.softmax(logits[0, -1].float().cpu(), dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return ids[len(prompt) :]
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs the example; returns a summary dict (also written to ``summary.json``)."""
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    info = None
+    if args.distributed:
+        info = ffd.init_from_env(device if device.type == "cpu" else None)
+        device = info.device
+        if args.batch_size % info.world_size:
+            raise SystemExit(
+                f"error: --batch-size {args.batch_size} must be divisible by WORLD_SIZE "
+                f"{info.world_size} (it is the global batch)"
+            )
+        if not info.is_main:  # rank 0 alone prints, shows progress and writes files
+            sys.stdout = open(os.devnull, "w")
+            args.no_progress = True
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    configure_process(args, device)
+    policy = resolve_policy(args, device)
+    loss_scale = resolve_loss_scale(args, policy)
+    if info is not None and args.download and not info.is_main:
+        torch.distributed.barrier()  # rank 0 downloads first
+    try:
+        data = gpt_data.load_text(
+            text=args.text,
+            data_dir=args.data_dir,
+            download=args.download,
+            synthetic=args.synthetic,
+            synthetic_chars=args.synthetic_chars,
+            val_fraction=args.val_fraction,
+            context=args.context,
+        )
+    except gpt_data.DataError as err:
+        raise SystemExit(f"error: {err}") from None
+    if info is not None and args.download and info.is_main:
+        torch.distributed.barrier()
+    out_dir = Path(args.out_dir)
+    if ffd.is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    cfg = model_config(args, data.vocab_size)
+    model = build_model(cfg, args.seed)
+    state = build_state(model, policy, loss_scale, args, device)
+    if info is not None:  # every rank starts from rank 0's values
+        state = ffd.broadcast_state(state)
+    n_params = sum(p.numel() for p in state.params.values())
+    print(
+        f"data: {'SYNTHETIC text' if data.synthetic else data.describe()}, "
+        f"{data.train.numel()} train / {data.val.numel()} validation characters, "
+        f"vocabulary {data.vocab_size}",
+        flush=True,
+    )
+    print(
+        f"model: {cfg.layers} layers, {cfg.heads} heads, width {cfg.width}, context "
+        f"{cfg.context}, {n_params} parameters; batch {args.batch_size} x {args.grad_accum} "
+        f"micro-batches",
+        flush=True,
+    )
+    print(
+        f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
+        f"compile: {args.compile}",
+        flush=True,
+    )
+    if info is not None:
+        print(
+            f"distributed: {info.world_size} ranks ({info.backend}), global batch "
+            f"{args.batch_size} = {args.batch_size // info.world_size} per rank",
+            flush=True,
+        )
+
+    schedule = lr_schedule(args)
+    train_step = make_train_step(
+        model, policy, schedule, distributed=info is not None, compile_grads=args.compile
+    )
+    eval_step = make_eval_step(model, policy)
+    config = run_config(args, policy, data, cfg)
+    data_rng = torch.Generator().manual_seed(args.seed)
+    start = {"step": 0, "rows": [], "evals": []}
+    if args.resume:
+        ckpt = load_resume(args.resume, state, config)
+        state = ckpt["state"]
+        data_rng.set_state(ckpt["data_rng"])
+        start = {"step": ckpt["step"], "rows": ckpt["rows"], "evals": ckpt["evals"]}
+        print(f"resumed from {args.resume} at step {ckpt['step']}", flush=True)
+    result = fit(args, data, state, train_step, eval_step, device, config, data_rng, start)
+    state = result["state"]
+
+    sample = ""
+    if args.sample_chars:
+        prompt = [data.chars.index("\n")] if "\n" in data.chars else [0]
+        ids = generate(model, policy, state.params, prompt, args.sample_chars, args.sample_seed)
+        sample = data.decode(ids)
+    memory = peak_memory(device)
+    evals = result["evals"]
+    val_loss = evals[-1][1] if evals else float("nan")
+    skipped_at = [r["step"] for r in result["rows"] if r["skipped"]]
+    summary = {
+        "dataset": data.source,
+        "synthetic": data.synthetic,
+        "device": str(device),
+        "policy": str(policy),
+        "precision": args.precision,
+        "compile": args.compile,
+        "world_size": ffd.get_world_size(),
+        "model": cfg._asdict(),
+        "parameters": n_params,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "tokens_per_step": args.batch_size * args.grad_accum * cfg.context,
+        "steps": result["step"],
+        "val_loss": val_loss,
+        "val_losses": [[step, loss] for step, loss in evals],
+        "train_tokens_per_s": result["tokens_per_s"],
+        "final_loss_scale": float(state.loss_scale.loss_scale),
+        "skipped_steps": len(skipped_at),
+        "skipped_at": skipped_at,
+        "peak_memory_mib": memory[0] / 2**20,
+        "peak_memory_kind": memory[1],
+        "sample_seed": args.sample_seed,
+        "sample": sample,
+    }
+    if ffd.is_main_process():
+        with open(out_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+        (out_dir / "sample.txt").write_text(sample, encoding="utf-8")
+        if not args.no_plot:
+            title = f"{'SYNTHETIC text' if data.synthetic else data.describe()}, {policy}, {device}"
+            plot_metrics(out_dir / "training.png", result["rows"], evals, title)
+    print(
+        f"training throughput: {result['tokens_per_s']:.0f} tokens/s ({device}, {policy}); "
+        f"peak memory {memory[0] / 2**20:.0f} MiB ({memory[1]})"
+    )
+    if sample:
+        print(f"--- {len(sample)} characters sampled with seed {args.sample_seed} ---")
+        print(sample)
+        print("---")
+    print(
+        f"validation loss on {data.describe()} after {result['step']} steps: "
+        f"{val_loss:.4f} nats/character",
+        flush=True,
+    )
+    summary["state"] = state
+    summary["model_object"] = model
+    if info is not None:
+        ffd.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
