@@ -50,6 +50,7 @@ sys.path.insert(1, ROOT)
 import gpt_cli  # noqa: E402
 import gpt_data  # noqa: E402
 import gpt_functional as example  # noqa: E402
+import gpt_model  # noqa: E402
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -85,12 +86,12 @@ class StockGPT:
     """``step(inputs, targets)`` and ``evaluate(windows)`` of the imperative recipe."""
 
     def __init__(
-        self, cfg: example.GPTConfig, args: argparse.Namespace, device, precision: str
+        self, cfg: gpt_model.GPTConfig, args: argparse.Namespace, device, precision: str
     ) -> None:
         self.args = args
         self.device = device
-        self.model = example.build_model(cfg, args.seed).to(device)
-        decays = example.decay_mask(self.model)
+        self.model = gpt_model.build_model(cfg, args.seed).to(device)
+        decays = gpt_model.decay_mask(self.model)
         named = dict(self.model.named_parameters())
         groups = [
             {
@@ -189,7 +190,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: {err}") from None
     out_dir = Path(args.out_dir or f"runs/stock_gpt_{precision}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = example.model_config(args, data.vocab_size)
+    cfg = gpt_model.model_config(args, data.vocab_size)
     recipe = StockGPT(cfg, args, device, precision)
     n_params = sum(p.numel() for p in recipe.model.parameters())
     print(

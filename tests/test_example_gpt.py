@@ -7,6 +7,7 @@ synthetic text, on the CPU.
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tests.helpers import EXAMPLES, load_example, load_module
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 example = load_example("gpt_functional")
+model_mod = sys.modules["gpt_model"]
 stock = load_module(EXAMPLES.parent / "benchmarks" / "stock_gpt.py", "stock_gpt_under_test")
 
 SIZE = ["--layers", "1", "--heads", "2", "--width", "32", "--context", "16", "--batch-size", "8"]
@@ -46,8 +48,8 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def tiny_model(seed: int = 0, vocab: int = 11):
-    cfg = example.GPTConfig(vocab_size=vocab, context=16, layers=2, heads=2, width=32)
-    return example.build_model(cfg, seed)
+    cfg = model_mod.GPTConfig(vocab_size=vocab, context=16, layers=2, heads=2, width=32)
+    return model_mod.build_model(cfg, seed)
 
 
 def test_tiny_run_learns_and_writes_its_outputs(tmp_path, capsys):
@@ -228,7 +230,7 @@ def test_tied_head_stays_tied_after_module_state_dict():
 
 def test_weight_decay_reaches_only_the_matrices():
     model = tiny_model()
-    mask = example.decay_mask(model)
+    mask = model_mod.decay_mask(model)
     decayed = sorted(k for k, v in mask.items() if v)
     assert decayed == sorted(
         f"blocks.{i}.{name}.weight"
@@ -337,7 +339,7 @@ def test_presets_and_the_124m_configuration():
     assert (args.batch_size, args.max_steps) == (8, 1)
     cfg = example.model_config(args, vocab_size=65)
     with torch.device("meta"):
-        model = example.GPT(cfg)
+        model = model_mod.GPT(cfg)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808  # GPT-2 small
     small = example.parse_args(["--preset", "gpt2", "--layers", "2", "--batch-size", "4"])
     assert (small.layers, small.width, small.batch_size) == (2, 768, 4)
@@ -348,7 +350,7 @@ def test_presets_and_the_124m_configuration():
 
 def test_nanogpt_initialisation():
     model = tiny_model()
-    std = {n: float(p.std()) for n, p in model.named_parameters()}
+    std = {n: float(p.detach().std()) for n, p in model.named_parameters()}
     assert std["blocks.0.attn.qkv.weight"] == pytest.approx(0.02, rel=0.1)
     assert std["blocks.1.mlp.proj.weight"] == pytest.approx(0.02 / math.sqrt(4), rel=0.1)
     assert torch.equal(model.blocks[0].ln_1.weight, torch.ones(32))
@@ -433,7 +435,7 @@ def test_bad_flags_are_rejected(capsys):
 
 def test_nn_module_subclasses_name_the_fp32_islands():
     islands = example.module_policies(ff.Policy(torch.float16, torch.float16, torch.float32))
-    for cls in (nn.LayerNorm, example.CausalAttention, nn.Embedding, example.TiedHead):
+    for cls in (nn.LayerNorm, model_mod.CausalAttention, nn.Embedding, model_mod.TiedHead):
         assert cls in islands and islands[cls].compute_dtype == torch.float32
-    assert islands[example.CausalAttention].output_dtype == torch.float16
-    assert islands[example.TiedHead].output_dtype == torch.float32
+    assert islands[model_mod.CausalAttention].output_dtype == torch.float16
+    assert islands[model_mod.TiedHead].output_dtype == torch.float32

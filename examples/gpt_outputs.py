@@ -1,0 +1,249 @@
+"""What a run of ``gpt_functional.py`` writes and reads back.
+
+* Checkpoints: one per evaluation (``checkpoint_step_NNNNNN.pt``, the newest
+  ``--keep-checkpoints`` kept), holding everything a resumed run needs to
+  end bit-identical to an uninterrupted one: the state, the batch
+  generator's and the global generator's states, and the metrics so far (so
+  that a run resumed into another ``--out-dir`` still writes the whole
+  run's metrics and summary); :func:`load_resume` reads one back and checks
+  that it belongs to this run's settings.
+* ``metrics.jsonl``: one line per step (step, loss, loss_scale, skipped,
+  lr) and one per evaluation (step, val_loss), see :func:`metrics_lines`.
+* The plot (``training.png``): train and validation loss, loss scale, learning rate.
+* :func:`peak_memory`: what the run's summary reports as its memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import gpt_data
+import torch
+
+import functional_fp16 as ff
+from functional_fp16.policy import Policy
+
+CHECKPOINT_PATTERN = "checkpoint_step_{:06d}.pt"
+
+# -- checkpoints and the metrics history ------------------------------------------------
+
+RESUME_KEYS = (
+    "seed",
+    "batch_size",
+    "grad_accum",
+    "max_steps",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "betas",
+    "weight_decay",
+    "clip",
+    "policy",
+    "model",
+    "text",
+)
+
+
+def run_config(args: argparse.Namespace, policy: Policy, data: gpt_data.TextData, cfg) -> dict:
+    """The settings a resumed run must share with the run that wrote the checkpoint."""
+    return {
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "max_steps": args.max_steps,
+        "lr": float(args.lr),
+        "min_lr": float(args.min_lr),
+        "warmup_steps": args.warmup_steps,
+        "betas": f"{args.beta1},{args.beta2},{args.eps}",
+        "weight_decay": float(args.weight_decay),
+        "clip": float(args.clip),
+        "policy": str(policy),
+        "model": ",".join(f"{k}={v}" for k, v in cfg._asdict().items()),
+        "text": f"{data.source}:{data.digest[:16]}:{data.val.numel()}",
+    }
+
+
+HISTORY_COLUMNS = ("step", "loss", "loss_scale", "skipped", "lr")
+
+
+def history_tensor(rows: list[dict]) -> torch.Tensor:
+    """The per-step metrics so far as a float64 ``(steps, 5)`` tensor (for checkpoints)."""
+    values = [[float(r[c]) for c in HISTORY_COLUMNS] for r in rows]
+    return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(HISTORY_COLUMNS))
+
+
+def history_rows(history: torch.Tensor) -> list[dict]:
+    """The inverse of :func:`history_tensor`: metrics rows as written to ``metrics.jsonl``."""
+    rows = []
+    for values in history.tolist():
+        row = dict(zip(HISTORY_COLUMNS, values))
+        row["step"], row["skipped"] = int(row["step"]), bool(row["skipped"])
+        rows.append(row)
+    return rows
+
+
+def metrics_lines(rows: list[dict], evals: list[tuple[int, float]]) -> list[str]:
+    """``metrics.jsonl``'s lines: each step's row, an evaluation's row after its step's."""
+    by_step: dict[int, list[float]] = {}
+    for step, loss in evals:
+        by_step.setdefault(step, []).append(loss)
+    lines = []
+    for row in rows:
+        lines.append(json.dumps(row) + "\n")
+        for loss in by_step.pop(row["step"], []):
+            lines.append(json.dumps({"step": row["step"], "val_loss": loss}) + "\n")
+    return lines
+
+
+def checkpoint_tree(state, step, data_rng, rows, evals, config) -> dict:
+    """Everything needed to continue bit-identically, as plain tensors and numbers."""
+    return {
+        "history": history_tensor(rows),
+        "evals": torch.tensor(evals, dtype=torch.float64).reshape(len(evals), 2),
+        "state": state,
+        "step": step,  # optimiser steps completed
+        "data_rng": data_rng.get_state(),  # draws the batches
+        "torch_rng": torch.get_rng_state(),  # dropout
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "config": config,
+    }
+
+
+CHECKPOINT_KEYS = (
+    "history",
+    "evals",
+    "state",
+    "step",
+    "data_rng",
+    "torch_rng",
+    "cuda_rng",
+    "config",
+)
+
+
+def load_resume(path: str, state: ff.FP16State, config: dict) -> dict:
+    """Reads a checkpoint, checks it belongs to this run's settings, restores the RNG states.
+
+    The file is read twice: once without a template to learn its sizes and
+    settings, then against a template built from this run's fresh state,
+    which checks every tensor's shape and dtype and puts the state on this
+    run's device. Returns the tree with ``rows`` and ``evals`` decoded.
+    """
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --resume {path}: no such file")
+    try:
+        plain = ff.load_checkpoint(path, map_location="cpu")
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    if not isinstance(plain, dict) or any(k not in plain for k in CHECKPOINT_KEYS):
+        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
+    stored = plain["config"] if isinstance(plain["config"], dict) else {}
+    for key in RESUME_KEYS:
+        if stored.get(key) != config[key]:
+            raise SystemExit(
+                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
+                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
+            )
+    like = {
+        "history": torch.empty_like(plain["history"]),
+        "evals": torch.empty_like(plain["evals"]),
+        "state": state,
+        "step": 0,
+        "data_rng": torch.empty_like(plain["data_rng"]),
+        "torch_rng": torch.empty_like(plain["torch_rng"]),
+        "cuda_rng": None if plain["cuda_rng"] is None else torch.empty_like(plain["cuda_rng"]),
+        "config": config,
+    }
+    try:
+        ckpt = ff.load_checkpoint(path, like=like)
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["cuda_rng"])
+    ckpt["rows"] = history_rows(ckpt["history"])
+    ckpt["evals"] = [(int(s), v) for s, v in ckpt["evals"].tolist()]
+    return ckpt
+
+
+def prune_checkpoints(out_dir: Path, keep: int) -> None:
+    """Deletes all but the newest ``keep`` step checkpoints (``keep <= 0``: none)."""
+    if keep <= 0:
+        return
+    pattern = re.compile(r"checkpoint_step_(\d{6,})\.pt")
+    found = sorted(
+        (int(m.group(1)), p) for p in out_dir.iterdir() if (m := pattern.fullmatch(p.name))
+    )
+    for _, path in found[:-keep]:
+        path.unlink(missing_ok=True)
+
+
+# -- memory and the plot ---------------------------------------------------------------
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak bytes and what they measure: CUDA's allocated memory, or the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "process peak RSS"
+    except (OSError, ValueError):
+        pass
+    return 0, "unknown"
+
+
+def plot_metrics(path: Path, rows: list[dict], evals: list[tuple[int, float]], title: str) -> None:
+    """PNG with train and validation loss, the loss scale and the learning rate per step."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed, so no plot (pip install matplotlib)", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in rows]
+    losses = [r["loss"] for r in rows]
+    ax = axes[0]
+    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="train, per step")
+    w = max(1, len(losses) // 50)
+    if w > 1:
+        smooth = [
+            sum(losses[max(0, i - w + 1) : i + 1]) / min(w, i + 1) for i in range(len(losses))
+        ]
+        ax.plot(steps, smooth, lw=1.5, label=f"train, mean of {w}")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/character)", title="loss")
+    ax.legend()
+    ax = axes[1]
+    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
+    skipped = [r for r in rows if r["skipped"]]
+    if skipped:
+        ax.scatter(
+            [r["step"] for r in skipped],
+            [r["loss_scale"] for r in skipped],
+            color="red",
+            marker="x",
+            s=20,
+            label=f"skipped ({len(skipped)})",
+            zorder=3,
+        )
+        ax.legend()
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+    ax = axes[2]
+    ax.plot(steps, [r["lr"] for r in rows], lw=1.0)
+    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
