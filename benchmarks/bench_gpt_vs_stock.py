@@ -147,7 +147,25 @@ def worker(args) -> None:
     print(json.dumps({"side": args.side, "tokens_per_s": tokens / seconds, "first_call_s": first}))
 
 
-def main(argv=None) -> int:
+def side_command(args, side: str) -> list[str]:
+    """The command line of one side's worker process for one round."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
+    for key in ("device", "steps", "warmup", "threads", "text", *SIZE_FLAGS):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return cmd
+
+
+def run_side(args, side: str) -> dict | None:
+    """Runs one side for one round in a fresh process; its JSON line, or None if it failed."""
+    out = subprocess.run(side_command(args, side), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(out.stdout + out.stderr, file=sys.stderr)
+        return None
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--text", default=None, help="a UTF-8 text (default: synthetic text)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -162,7 +180,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled", action="store_true", help="also the example under torch.compile")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the markdown here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.side:
         worker(args)
         return 0
@@ -180,15 +202,9 @@ def main(argv=None) -> int:
     first_calls: dict[str, list[float]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
-            for key in ("device", "steps", "warmup", "threads", "text", *SIZE_FLAGS):
-                if getattr(args, key) is not None:
-                    cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                print(out.stdout + out.stderr, file=sys.stderr)
+            line = run_side(args, side)
+            if line is None:
                 return 1
-            line = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
             results[side].append(line["tokens_per_s"])
             first_calls[side].append(line["first_call_s"])
             print(f"[round {r + 1}] {side}: {results[side][-1]:.0f} tokens/s", file=sys.stderr)

@@ -5,8 +5,13 @@ The example runs in-process through its ``main(argv)``: one layer of width
 synthetic text, on the CPU.
 """
 
+import contextlib
+import hashlib
+import io
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -439,3 +444,139 @@ def test_nn_module_subclasses_name_the_fp32_islands():
         assert cls in islands and islands[cls].compute_dtype == torch.float32
     assert islands[model_mod.CausalAttention].output_dtype == torch.float16
     assert islands[model_mod.TiedHead].output_dtype == torch.float32
+
+
+def test_benchmark_alternates_the_sides_and_prints_its_table(monkeypatch, capsys):
+    # Each round's worker runs in this process, from the command line its
+    # process would get; the glibc setting it would make is recorded instead.
+    bench = load_module(EXAMPLES.parent / "benchmarks" / "bench_gpt_vs_stock.py", "bench_gpt")
+    ran, tuned = [], []
+    monkeypatch.setattr(ff, "tune_malloc", lambda: tuned.append(True) or False)
+
+    def in_process(args, side):
+        cmd = bench.side_command(args, side)
+        assert cmd[1].endswith("bench_gpt_vs_stock.py")
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            bench.worker(bench.parser().parse_args(cmd[2:]))
+        ran.append(side)
+        return json.loads(out.getvalue().strip().splitlines()[-1])
+
+    monkeypatch.setattr(bench, "run_side", in_process)
+    tiny = [*SIZE[:-2], "--batch-size", "4", "--rounds", "2", "--steps", "2", "--warmup", "1"]
+    assert bench.main([*tiny, "--fp32"]) == 0
+    sides = ["example", "stock", "stock-tuned", "stock-fp32"]
+    assert ran == sides + sides[::-1]
+    assert len(tuned) == 4  # the example's two rounds and stock-tuned's
+    table = capsys.readouterr().out
+    assert "layers 1, heads 2, width 32, context 16, batch size 4; 2 rounds of 2 steps" in table
+    for label in (
+        "example (functional FP16, defaults)",
+        "stock recipe (autocast)",
+        "stock recipe, FP32",
+    ):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        assert len(row.split(" | ")[2].split(", ")) == 2  # every round
+    assert "**example / stock: " in table and "example / stock FP32: " in table
+
+
+def test_the_compiled_forward_and_backward_trace_as_one_graph():
+    # What --compile relies on: the gradient function (casts, per-module
+    # policies, torch.func) is one graph. The eager backend checks tracing
+    # without code generation; the update stays eager.
+    args = example.parse_args([*TINY, "--max-steps", "10"])
+    policy = example.resolve_policy(args, torch.device("cpu"))
+    model = tiny_model()
+    state = example.build_state(
+        model, policy, example.resolve_loss_scale(args, policy), args, "cpu"
+    )
+    grad_fn = ff.scaled_grad_and_value(example.make_loss_fn(model, policy, train=True))
+    x = torch.randint(0, 11, (4, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(grad_fn, fullgraph=True, backend="eager")
+    grads, loss = compiled(state.loss_scale, state.params, x, x.roll(-1, dims=-1))
+    want_grads, want_loss = grad_fn(state.loss_scale, state.params, x, x.roll(-1, dims=-1))
+    assert torch.equal(loss, want_loss)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_train_like_one_process(tmp_path):
+    common = [*TINY, "--precision", "fp32", "--max-steps", "4", "--eval-interval", "2", "--no-plot"]
+    one = example.main([*common, "--out-dir", str(tmp_path / "one")])
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "gpt_functional.py"),
+            *common,
+            "--distributed",
+            "--out-dir",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,  # a bound for a slow shared machine, not a timing assertion
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("step 2/4:") == 1  # rank 0 alone prints
+    assert "global batch 8 = 4 per rank" in proc.stdout
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    a, b = jsonl(tmp_path / "one" / "metrics.jsonl"), jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [sorted(r) for r in a] == [sorted(r) for r in b] and len(a) == 6
+    for x, y in zip(a, b):  # the ranks' mean loss is the whole batch's; evaluation is split
+        key = "loss" if "loss" in x else "val_loss"
+        assert x[key] == pytest.approx(y[key], rel=1e-5)
+    state = ff.load_checkpoint(tmp_path / "two" / "checkpoint_step_000004.pt")["state"]
+    # Elementwise within 1 % of the learning rate: Adam turns the rounding
+    # noise of a zero gradient (the keys' bias) into steps of up to lr.
+    for name, master in one["state"].master.items():
+        assert (state["master"][name] - master).abs().max() <= 1e-5, name
+
+
+def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):
+    data_mod = sys.modules["gpt_data"]
+    blob = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 50).encode()
+    served = []
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def urlopen(url, timeout):
+        served.append(url)
+        return Response(blob)
+
+    monkeypatch.setattr(data_mod.urllib.request, "urlopen", urlopen)
+    kwargs = {"text": None, "data_dir": tmp_path, "context": 16}
+    # Not the expected size and digest: refused, nothing kept.
+    with pytest.raises(data_mod.DataError, match="not Tiny Shakespeare.*nothing was kept"):
+        data_mod.load_text(download=True, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(data_mod, "SHAKESPEARE_BYTES", len(blob))
+    monkeypatch.setattr(data_mod, "SHAKESPEARE_SHA256", hashlib.sha256(blob).hexdigest())
+    data = data_mod.load_text(download=True, **kwargs)
+    assert data.source == "tinyshakespeare" and not data.synthetic
+    assert data.describe() == "Tiny Shakespeare"
+    assert (tmp_path / "tinyshakespeare.txt").read_bytes() == blob
+    again = data_mod.load_text(download=True, **kwargs)  # read from data_dir, not fetched
+    assert len(served) == 2 and torch.equal(again.train, data.train)
+    assert data.decode(torch.cat([data.train, data.val]).tolist()) == blob.decode()
+
+    def offline(url, timeout):
+        raise data_mod.urllib.error.URLError("no network")
+
+    monkeypatch.setattr(data_mod.urllib.request, "urlopen", offline)
+    with pytest.raises(data_mod.DataError, match="--download failed .*no network"):
+        data_mod.load_text(download=True, **{**kwargs, "data_dir": tmp_path / "empty"})
