@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from functional_fp16 import distributed as ffd
 from functional_fp16._tree import tree_flatten, tree_paths
 from functional_fp16.distributed.shard_layout import layout_for
-from functional_fp16.distributed.sharded_checkpoints import MARKER
+from functional_fp16.distributed.sharded_checkpoints import MARKER, _AliasingSavePlanner, _chunked
 from tests import _sharded_checkpoint_workers as W
 from tests._launch import launch_workers, results
 from tests.helpers import bits
@@ -299,3 +299,20 @@ def test_sharded_checkpoints_need_a_process_group(tmp_path):
         with pytest.raises(RuntimeError, match="needs a torch.distributed process group"):
             fn()
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_the_writer_gets_each_chunk_as_an_alias_of_its_bytes():
+    # DCP's writer copies a tensor whose storage is larger than itself and keeps
+    # the last tensor of every entry until the file is complete; the planner hands
+    # it chunks that alias exactly their bytes, so a save copies nothing.
+    piece = torch.arange(10, dtype=torch.float32)
+    flat = _chunked(piece.view(-1), 25, 7, 4)  # elements 7 .. 16 of 25, chunks of 4
+    planner = _AliasingSavePlanner()
+    planner.set_up_planner({"w": flat, "s": torch.tensor(3)}, None, True)
+    items = [i for i in planner.create_local_plan().items if i.index.fqn == "w"]
+    assert [tuple(i.index.offset) for i in items] == [(7,), (11,), (15,)]
+    for item, start in zip(items, (0, 4, 8), strict=True):
+        chunk = planner.resolve_data(item)
+        assert chunk.untyped_storage().nbytes() == chunk.nbytes  # written as it is
+        assert chunk.data_ptr() == piece.data_ptr() + 4 * start  # no copy
+        assert torch.equal(chunk, piece[start : start + 4])

@@ -229,6 +229,36 @@ def _chunked(flat: torch.Tensor, total: int, start: int, chunk: int) -> torch.Te
     return flat
 
 
+class _AliasingSavePlanner(dcp.DefaultSavePlanner):
+    """DCP's default save planner, handing the writer each CPU chunk as a tensor whose
+    storage is exactly the chunk's bytes, aliasing the piece (no copy).
+
+    DCP's writer copies a tensor whose storage is larger than the tensor (a
+    chunk of a piece, a slice of ``params``) so as not to write the whole
+    storage, and keeps the last tensor of every entry until the rank's file is
+    complete; with copies, that would hold one chunk per leaf. An alias of the
+    chunk's bytes is written as it is and holds no memory of its own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True
+        )
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if (
+            isinstance(data, torch.Tensor)
+            and data.device.type == "cpu"
+            and data.is_contiguous()
+            and data.untyped_storage().nbytes() != data.nbytes
+        ):
+            start = data.storage_offset() * data.element_size()
+            storage = data.untyped_storage()[start : start + data.nbytes]
+            data = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape, data.stride())
+        return data
+
+
 # -- agreeing before DCP's collectives ---------------------------------------------------
 
 
@@ -385,8 +415,10 @@ def save_checkpoint_sharded(
     elements of every per-parameter tensor that its shard layout gives it,
     :math:`[lo_r, hi_r)` of the leaf flattened, in chunks of at most
     ``bucket_bytes / 4``; the other tensors are written once. No rank gathers
-    anything, so the memory a save needs beyond the state is one chunk (the
-    copy DCP makes of a chunk that is a slice of a larger tensor). See the
+    or copies anything on the CPU (each chunk goes to DCP as an alias of its
+    bytes), so a save needs next to no memory beyond the state; from CUDA,
+    DCP copies each chunk to the host and keeps the last chunk of every leaf
+    until the rank's file is complete. See the
     module docstring for the format. Any world size can load the checkpoint
     with :func:`load_checkpoint_sharded`.
 
@@ -434,11 +466,7 @@ def save_checkpoint_sharded(
         dcp.save(
             plan.state_dict,
             storage_writer=dcp.FileSystemWriter(os.path.join(directory, folder), sync_files=True),
-            planner=dcp.DefaultSavePlanner(
-                flatten_state_dict=False,
-                flatten_sharded_tensors=False,
-                dedup_save_to_lowest_rank=True,
-            ),
+            planner=_AliasingSavePlanner(),
             process_group=group,
         )
     except (CheckpointException, Exception) as err:  # DCP raises on every rank
