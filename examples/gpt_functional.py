@@ -453,7 +453,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         flush=True,
     )
     summary["state"] = state
-    summary["model_object"] = model
     if info is not None:
         ffd.shutdown()
     return summary
