@@ -3,8 +3,8 @@
 The cases (``tests/_state_cases.py``) are states assembled by hand the way a
 user or a migration might: momentum of another shape, dtype or slot, a
 master in FP16 or of another shape or keys, counters and scale of other
-dtypes. Each runs against every implementation, plain, under ``MultiSteps``
-and under ``vmap``, in child processes, so a crash (a kernel writing past a
+dtypes. Each runs against every implementation, plain, under ``MultiSteps``,
+under ``vmap`` and sharded over two gloo ranks, in child processes, so a crash (a kernel writing past a
 buffer) fails the test instead of ending the run. Every case must be refused
 with the right exception type, a message naming the part and the leaf path,
 and the given state bitwise untouched.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -29,23 +30,58 @@ from functional_fp16.update import state_check
 from tests._state_cases import CASES, IMPLS, make_state, make_tx, on_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("plain", "multisteps", "vmap")
+MODES = ("plain", "multisteps", "vmap", "sharded")
 _results: dict[str, dict] = {}
 _trained: dict[str, ff.FP16State] = {}
 
 
-def _run_mode(mode: str) -> dict:
-    """``{(impl, case): result}`` from one child process running every case of ``mode``."""
-    if mode not in _results:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests._state_cases", mode],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
+def _child(mode: str) -> tuple[int, str, str]:
+    """Runs ``tests._state_cases MODE``; ``sharded`` as two gloo ranks. Returns rank 0's
+    exit status (or -1 when the ranks had to be stopped), stdout and stderr."""
+    command = [sys.executable, "-m", "tests._state_cases", mode]
+    if mode != "sharded":
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return proc.returncode, proc.stdout, proc.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
+    try:
+        out, err = procs[0].communicate(timeout=240)  # a hang is a failure, not a wait
+        procs[1].communicate(timeout=30)
+        return procs[0].returncode, out, err
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        out, err = procs[0].communicate()
+        return -1, out, "the ranks hung and were stopped\n" + err
+
+
+def _run_mode(mode: str) -> dict:
+    """``{(impl, case): result}`` from the child process(es) running every case of ``mode``."""
+    if mode not in _results:
+        returncode, stdout, stderr = _child(mode)
         found, running = {}, None
-        for line in proc.stdout.splitlines():
+        for line in stdout.splitlines():
             record = json.loads(line)
             if "start" in record:
                 running = tuple(record["start"])
@@ -55,8 +91,8 @@ def _run_mode(mode: str) -> dict:
         _results[mode] = {
             "found": found,
             "crash": None
-            if proc.returncode == 0
-            else f"exit status {proc.returncode} while running {running}: {proc.stderr[-2000:]}",
+            if returncode == 0
+            else f"exit status {returncode} while running {running}: {stderr[-2000:]}",
         }
     return _results[mode]
 

@@ -24,7 +24,6 @@ from functional_fp16.distributed.fingerprint import (
     describe_arguments,
     describe_leaf,
     describe_tree,
-    leaf_key,
 )
 from functional_fp16.distributed.process_group import ProcessGroup, _require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
@@ -32,6 +31,7 @@ from functional_fp16.distributed.sharding import check_layout, refuse_replicated
 from functional_fp16.update import FP16State, fp16_update
 from functional_fp16.update.batching import is_batched
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
+from functional_fp16.update.state_check import check_state
 
 __all__ = ["sharded_update"]
 
@@ -124,6 +124,14 @@ def sharded_update(
         raise TypeError("sharded_update cannot run under torch.func.vmap")
     p_leaves, p_spec = tree_flatten(state.params)
     pieces = [layout.piece(i) for i in range(len(p_leaves))]
+    shapes = [piece_shape(p.ndim, hi - lo) for p, (lo, hi) in zip(p_leaves, pieces)]
+    # This rank's pieces as a plain state, which fp16_update steps like any other;
+    # checked as a whole before the first collective of the step.
+    p_pieces = [
+        p.reshape(-1)[lo:hi].view(shape) for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
+    ]
+    inner = state.replace(params=tree_unflatten(p_spec, p_pieces), shard=None)
+    check_state(inner)
     mean = _reduce_scatter(
         [g.detach().reshape(-1) for g in g_leaves],
         pieces,
@@ -133,14 +141,7 @@ def sharded_update(
         bucket_bytes,
         predivide_factor,
     )
-    shapes = [piece_shape(p.ndim, hi - lo) for p, (lo, hi) in zip(p_leaves, pieces)]
     g_pieces = [g.view(shape) for g, shape in zip(mean, shapes)]
-
-    # This rank's pieces as a plain state, which fp16_update steps like any other.
-    p_pieces = [
-        p.reshape(-1)[lo:hi].view(shape) for p, (lo, hi), shape in zip(p_leaves, pieces, shapes)
-    ]
-    inner = state.replace(params=tree_unflatten(p_spec, p_pieces), shard=None)
     # Global norms (clip_by_global_norm) add up the shards' sums of squares.
     with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
         stepped = fp16_update(
@@ -161,9 +162,9 @@ def _agree_on_configuration(
     """:func:`~functional_fp16.distributed.fingerprint.agree_once` on one step's configuration.
 
     The key (a few tuples per call) stands for the configuration: the state's
-    ``tx``, layout, loss-scale settings, parameter structure, dtypes, shapes
-    and devices; the gradients' structure, dtypes, shapes and devices; the
-    arguments; the kind of ``loss``. Its description (on the first call of
+    ``tx``, layout (the parameters' sizes and dtype groups), loss-scale
+    settings and parameter structure; the gradients' structure and dtypes;
+    the arguments; the kind of ``loss``. Its description (on the first call of
     a configuration only) is the state's and the gradients'
     :func:`~functional_fp16.distributed.fingerprint.describe_tree`, the
     arguments and the world size. Nothing here refuses anything: malformed
@@ -172,13 +173,13 @@ def _agree_on_configuration(
     g_leaves, g_spec = tree_flatten(grads)
     loss_kind = describe_leaf(loss) if loss is not None else "None"
     if isinstance(state, FP16State):
-        p_leaves, p_spec = tree_flatten(state.params)
+        # The layout stands for the parameters' sizes and dtype groups; their
+        # shapes and the gradients' shapes are compared on the first call.
         head: tuple[Any, ...] = (
             state.tx,
             state.shard,
             tree_flatten(state.loss_scale)[1],
-            p_spec,
-            leaf_key(p_leaves),
+            tree_flatten(state.params)[1],
         )
     else:
         head = (type(state),)
@@ -186,7 +187,7 @@ def _agree_on_configuration(
         "sharded_update",
         head,
         g_spec,
-        leaf_key(g_leaves),
+        tuple(g.dtype if isinstance(g, torch.Tensor) else type(g) for g in g_leaves),
         loss_kind,
         tuple(arguments.items()),
     )
