@@ -21,6 +21,7 @@ the same state loaded by ``load_checkpoint_broadcast``, which is
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -299,6 +300,10 @@ def test_sharded_checkpoints_need_a_process_group(tmp_path):
         with pytest.raises(RuntimeError, match="needs a torch.distributed process group"):
             fn()
     assert not os.path.exists(tmp_path / "c")
+    for fn in (ffd.save_checkpoint_sharded, ffd.load_checkpoint_sharded):
+        params = inspect.signature(fn).parameters
+        assert list(params)[:2] in (["path", "tree"], ["path", "like"])
+        assert params["group"].kind == inspect.Parameter.KEYWORD_ONLY
 
 
 def test_the_writer_gets_each_chunk_as_an_alias_of_its_bytes():
