@@ -56,10 +56,18 @@ rank's slice and all-gathers the FP16 parameters::
 The package's modules, one job each: :mod:`.process_group` (set-up under
 torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
 flag), :mod:`.replicas` (identical trees on every rank),
-:mod:`.checkpoints` (rank-0 writes, broadcast resumes), and for the sharded
-state :mod:`.shard_layout` (who owns which elements), :mod:`.sharding`
-(:func:`shard_state`, :func:`unshard_state`) and :mod:`.sharded_step`
-(:func:`sharded_update`).
+:mod:`.fingerprint` (the ranks' agreement on a configuration before they
+communicate), :mod:`.checkpoints` (rank-0 writes, broadcast resumes), and for
+the sharded state :mod:`.shard_layout` (who owns which elements),
+:mod:`.sharding` (:func:`shard_state`, :func:`unshard_state`),
+:mod:`.sharded_step` (:func:`sharded_update`) and :mod:`.sharded_checkpoints`
+(:func:`save_checkpoint_sharded`, :func:`load_checkpoint_sharded`: each rank
+writes and reads its own part through ``torch.distributed.checkpoint``, and a
+checkpoint loads at any world size)::
+
+    ffd.save_checkpoint_sharded("ckpt", {"state": state, "epoch": epoch})
+    like = {"state": shard_state(fp16_init(params, adamw(1e-3))), "epoch": 0}
+    resumed = ffd.load_checkpoint_sharded("ckpt", like)
 """
 
 from functional_fp16.distributed.all_reduce import (
