@@ -79,7 +79,7 @@ from functional_fp16._checkpoint_format import (
     CheckpointMismatchError,
 )
 from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_flatten, tree_paths
-from functional_fp16.atomic_file import _fsync_dir
+from functional_fp16.atomic_file import _file_mode, _fsync_dir
 from functional_fp16.distributed.all_reduce import DEFAULT_BUCKET_BYTES, _check_bucket_bytes
 from functional_fp16.distributed.fingerprint import (
     describe_arguments,
@@ -330,6 +330,8 @@ def _commit(directory: str, body: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
+                os.fchmod(f.fileno(), _file_mode(os.path.join(directory, MARKER)))
             f.write(json.dumps(body))
             f.flush()
             os.fsync(f.fileno())
