@@ -30,7 +30,7 @@ __all__ = ["atomic_torch_save", "remove_stale_temporaries"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _file_mode(path: str) -> int:
+def file_mode(path: str) -> int:
     """The mode for a new checkpoint: the replaced file's, else what ``open`` would give."""
     try:
         return os.stat(path).st_mode & 0o777
@@ -47,7 +47,7 @@ def _file_mode(path: str) -> int:
     return 0o666 & ~umask
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. Windows cannot open directories
@@ -171,7 +171,7 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
-                os.fchmod(f.fileno(), _file_mode(path))
+                os.fchmod(f.fileno(), file_mode(path))
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -182,4 +182,4 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)

@@ -93,10 +93,6 @@ from functional_fp16.distributed.process_group import (
 )
 from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout
-from functional_fp16.distributed.sharded_checkpoints import (
-    load_checkpoint_sharded,
-    save_checkpoint_sharded,
-)
 from functional_fp16.distributed.sharded_step import sharded_update
 from functional_fp16.distributed.sharding import is_sharded, shard_state, unshard_state
 
@@ -126,3 +122,19 @@ __all__ = [
     "is_sharded",
     "sharded_update",
 ]
+
+_LAZY = {"save_checkpoint_sharded", "load_checkpoint_sharded"}
+
+
+def __getattr__(name: str):
+    # The sharded checkpoints import torch.distributed.checkpoint (most of a
+    # second); they are loaded on first use, not with the package.
+    if name in _LAZY:
+        from functional_fp16.distributed import sharded_checkpoints
+
+        return getattr(sharded_checkpoints, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

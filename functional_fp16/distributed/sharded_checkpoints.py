@@ -79,7 +79,7 @@ from functional_fp16._checkpoint_format import (
     CheckpointMismatchError,
 )
 from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_flatten, tree_paths
-from functional_fp16.atomic_file import _file_mode, _fsync_dir
+from functional_fp16.atomic_file import file_mode, fsync_dir
 from functional_fp16.distributed.all_reduce import DEFAULT_BUCKET_BYTES, _check_bucket_bytes
 from functional_fp16.distributed.fingerprint import (
     describe_arguments,
@@ -331,7 +331,7 @@ def _commit(directory: str, body: dict[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
-                os.fchmod(f.fileno(), _file_mode(os.path.join(directory, MARKER)))
+                os.fchmod(f.fileno(), file_mode(os.path.join(directory, MARKER)))
             f.write(json.dumps(body))
             f.flush()
             os.fsync(f.fileno())
@@ -342,7 +342,7 @@ def _commit(directory: str, body: dict[str, Any]) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _remove_old(directory: str, keep: str) -> None:
@@ -476,7 +476,7 @@ def save_checkpoint_sharded(
     error = None
     if rank == 0:
         try:
-            _fsync_dir(os.path.join(directory, folder))  # the data files' and .metadata's entries
+            fsync_dir(os.path.join(directory, folder))  # the data files' and .metadata's entries
             _commit(directory, {**plan.body, "folder": folder})
         except Exception as err:  # reported to every rank below
             error = err
