@@ -538,6 +538,7 @@ def failing_triton(monkeypatch):
     count a launch and raise as a compile or driver failure would. Returns the
     number of launches each failing call makes before it raises.
     """
+    from functional_fp16._fused import triton_fallback
     from functional_fp16._kernels import triton_steps
     from functional_fp16.update import dispatch
 
@@ -556,8 +557,8 @@ def failing_triton(monkeypatch):
 
     monkeypatch.setattr(op_library, "kernel_for", on_cpu)
     monkeypatch.setattr(dispatch, "kernel_for", on_cpu)
-    monkeypatch.setattr(op_library, "_triton_proven", set())
-    monkeypatch.setattr(op_library, "_triton_failed", {})
+    monkeypatch.setattr(triton_fallback, "_proven", set())
+    monkeypatch.setattr(triton_fallback, "_failed", {})
     for name in ("grad_stats", "sgd_update", "adam_update"):
         monkeypatch.setattr(triton_steps, name, failing(name))
     return launches
@@ -594,3 +595,41 @@ def test_a_donated_step_that_failed_after_a_launch_raises_instead_of_redoing(fai
     grads = {"w": torch.ones(8, dtype=torch.float16)}
     with pytest.raises(RuntimeError, match="partially updated"):
         ff.fp16_update(state, grads, donate=True)
+
+
+def test_triton_fallback_is_per_configuration_and_never_for_out_of_memory(monkeypatch, recwarn):
+    from functional_fp16._fused import triton_fallback as tf
+
+    monkeypatch.setattr(tf, "_proven", set())
+    monkeypatch.setattr(tf, "_failed", {})
+    dev = torch.device("cpu")
+    calls = []
+
+    def ok():
+        calls.append("triton")
+        return "triton"
+
+    def broken():
+        raise RuntimeError("no kernel image for this architecture (forced)")
+
+    def fallback():
+        calls.append("plain")
+        return "plain"
+
+    def run(config, launch):
+        return tf.with_triton(config, dev, launch, fallback, lambda: 0, writes_inputs=False)
+
+    assert run(("sgd_update", "torch.float16"), ok) == "triton"  # proven
+    assert run(("sgd_update", "torch.bfloat16"), broken) == "plain"  # another configuration
+    assert tf.triton_failure(dev).startswith("sgd_update")
+    assert run(("sgd_update", "torch.bfloat16"), ok) == "plain"  # remembered: not launched
+    with pytest.raises(RuntimeError, match="no kernel image"):  # proven: errors propagate
+        run(("sgd_update", "torch.float16"), broken)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory (forced)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        run(("adam_update", "torch.float16"), out_of_memory)
+    assert ("adam_update", "torch.float16", dev) not in tf._failed
+    assert len([w for w in recwarn if "first launch" in str(w.message)]) == 1  # one per device

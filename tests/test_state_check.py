@@ -126,7 +126,11 @@ def test_a_state_seen_before_is_not_checked_again():
     grads = {k: torch.ones_like(v) for k, v in state.params.items()}
     try:
         state_check._template = counting
-        for _ in range(3):
+        for _ in range(3):  # rebuilt by hand each time, so not carrying a signature
+            state = ff.fp16_update(state.replace(), grads)
+        assert len(built) == 1
+        state_check._good.clear()  # forgotten: only the signature a state carries can help
+        for _ in range(3):  # states the update returned carry theirs
             state = ff.fp16_update(state, grads)
         assert len(built) == 1
         bad = on_trace(state, lambda t: t._replace(trace={**t.trace, "w": t.trace["w"].half()}))
@@ -213,3 +217,64 @@ def test_any_leaf_changed_by_hand_is_refused_or_fits(data):
         ff.fp16_update(mutated, grads)
     message = str(info.value)
     assert message.startswith("state" + paths[i]), (paths[i], how, message)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_every_update_keeps_the_signature_it_carries_forward(param_dtype):
+    """A state ``fp16_update`` returns is not checked again: it carries its input's
+    signature. That is sound only if every implementation keeps every leaf's
+    structure, shape, strides, dtype and device; this holds them to it, for every
+    optimiser of the matrix, plain and under MultiSteps, pure and donated, with a
+    channels-last leaf, a skipped step, and a float32 working copy that is its master."""
+    from tests.helpers import random_tree
+    from tests.test_fast_update import _grads, _txs
+
+    tree = random_tree(0)
+    tree["conv"] = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    for name, tx in _txs().items():
+        for outer in (tx, ff.MultiSteps(tx, 2)):
+            for impl in ("auto", "foreach", "reference"):
+                for donate in (False, True):
+                    state = ff.fp16_init(tree, outer, param_dtype=param_dtype)
+                    before = state_check._signature(state)
+                    for bad in (None, float("inf")):
+                        grads = _grads(state, 0, 0, bad=bad)
+                        state = ff.fp16_update(state, grads, impl=impl, donate=donate)
+                        where = (name, impl, donate, bad)
+                        assert state._checked == before, where
+                        assert state_check._signature(state) == before, where
+
+
+def test_a_state_made_by_hand_is_checked_again_and_states_are_immutable():
+    state = make_state(make_tx("plain"))
+    assert state._checked is not None  # made by fp16_update
+    with pytest.raises(AttributeError, match="immutable"):
+        state.master = {}
+    rebuilt = optree.tree_unflatten(*reversed(optree.tree_flatten(state, namespace=NAMESPACE)))
+    changed = state.replace(step=state.step.long())
+    assert rebuilt._checked is None and changed._checked is None
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    with pytest.raises(TypeError, match=r"state\.step: dtype torch\.int64"):
+        ff.fp16_update(changed, grads)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "reference", "auto"])
+def test_a_donated_state_whose_leaves_share_memory_is_refused(impl):
+    state = ff.fp16_init({"w": torch.randn(6), "b": torch.randn(6)}, ff.sgd(0.1, momentum=0.9))
+    grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+    state = ff.fp16_update(state, grads)
+    shared = on_trace(state, lambda t: t._replace(trace={**t.trace, "w": state.master["w"]}))
+    with pytest.raises(ValueError, match="share memory"):
+        ff.fp16_update(shared, grads, impl=impl, donate=True)
+    # Pure, the same state computes: nothing is written in place.
+    assert ff.fp16_update(shared, grads, impl=impl).step == 2
+
+
+def test_a_state_tensor_with_overlapping_elements_is_refused():
+    state = ff.fp16_init({"w": torch.randn(4, 4)}, ff.sgd(0.1, momentum=0.9))
+    grads = {"w": torch.ones(4, 4, dtype=torch.float16)}
+    expanded = state.replace(master={"w": torch.randn(4, 1).expand(4, 4)})
+    with pytest.raises(ValueError, match=r"state\.master\['w'\]: strides \(1, 0\)"):
+        ff.fp16_update(expanded, grads, donate=True)
+    transposed = state.replace(master={"w": state.master["w"].t().contiguous().t()})
+    assert ff.fp16_update(transposed, grads).step == 1  # dense in another order: fine

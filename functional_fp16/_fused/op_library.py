@@ -34,7 +34,6 @@ kernels), in CUDA graphs and under ``vmap``.
 from __future__ import annotations
 
 import struct
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -42,6 +41,7 @@ import torch
 from torch import Tensor
 
 from functional_fp16._fused.memory import fresh_like
+from functional_fp16._fused.triton_fallback import with_triton
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense, members_outermost
 
@@ -81,74 +81,13 @@ def _triton():
     return triton_steps
 
 
-# ---------------------------------------------------------------------------
-# Triton's first launch: a failure falls back instead of reaching the training loop
-# ---------------------------------------------------------------------------
-
-_triton_proven: set[tuple[str, torch.device]] = set()  # (entry, device) that launched once
-_triton_failed: dict[tuple[str, torch.device], str] = {}  # (entry, device) -> why it failed
+def _launches() -> int:
+    return sum(_triton().launch_counts.values())
 
 
-def triton_failures() -> int:
-    """How many ``(kernel, device)`` pairs have failed their first Triton launch so far."""
-    return len(_triton_failed)
-
-
-def triton_failure(device: torch.device) -> str | None:
-    """Why a Triton kernel failed on its first launch on ``device`` (``None``: none failed).
-
-    :func:`~functional_fp16.update.dispatch.route` then sends the device's
-    fused states to the multi-tensor path.
-    """
-    for (entry, where), reason in _triton_failed.items():
-        if where == device:
-            return f"{entry}: {reason}"
-    return None
-
-
-def _with_triton(entry: str, device: torch.device, launch, fallback, writes_inputs: bool):
-    """``launch()``, or ``fallback()`` if ``entry`` failed on its first launch on ``device``.
-
-    A Triton kernel that has never run on this Triton, driver and GPU can fail
-    to compile or launch. The first failure on a device is reported as a
-    warning; that call, and every later call of ``(entry, device)``, runs
-    ``fallback`` (the op's plain PyTorch kernel: the same decisions) instead. After one
-    successful launch, errors propagate as they are. A donated call whose
-    failure came after an earlier launch of the same call had written into its
-    inputs cannot be redone and raises.
-    """
-    key = (entry, device)
-    if key in _triton_failed:
-        return fallback()
-    if key in _triton_proven:
-        return launch()
-    counts = _triton().launch_counts
-    before = sum(counts.values())
-    try:
-        result = launch()
-    except Exception as err:
-        if writes_inputs and sum(counts.values()) - before > 1:
-            raise RuntimeError(
-                f"{NS}: the Triton kernel {entry} failed on {device} after part of a donated "
-                f"step was written ({type(err).__name__}: {err}); the donated state is "
-                "partially updated: resume from the last checkpoint with donate=False"
-            ) from err
-        first_on_device = triton_failure(device) is None
-        _triton_failed[key] = f"{type(err).__name__}: {err}"
-        if first_on_device:  # one warning per device
-            warnings.warn(
-                f"{NS}: the Triton kernel {entry} failed on its first launch on {device} "
-                f"({type(err).__name__}: {err}). Kernels that fail here run the op's plain "
-                "PyTorch kernel instead, and eager updates on this device take the "
-                "multi-tensor path: correct, but slower. Please report it to the "
-                "functional_fp16 maintainers with this message, torch "
-                f"{torch.__version__}, the triton version and the GPU.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return fallback()
-    _triton_proven.add(key)
-    return result
+def _dtypes(xs: list[Tensor]) -> tuple[str, ...]:
+    """The distinct dtypes of ``xs``, in a fixed order (part of a Triton configuration)."""
+    return tuple(sorted({str(x.dtype) for x in xs}))
 
 
 def f32(x: float) -> float:
@@ -316,8 +255,8 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
             sum_sq_out=sq if sum_squares else None,
         )
     elif kernel == "triton":
-        _with_triton(
-            "grad_stats",
+        with_triton(
+            ("grad_stats", *_dtypes(grads), sum_squares, inv is None),
             device,
             lambda: _triton().grad_stats(
                 n_groups=groups,
@@ -328,6 +267,7 @@ def _stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:
                 sum_sq_out=sq if sum_squares else None,
             ),
             lambda: _stats_generic(grads, inv, groups, members, sum_squares, peak, sq),
+            _launches,
             writes_inputs=False,
         )
     else:
@@ -496,11 +436,13 @@ def _run(
         )
     elif kernel == "triton":
         views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
-        _with_triton(
-            spec.entry,
+        given = tuple(sorted(k for k, v in kw.items() if v is not None and not isinstance(v, list)))
+        with_triton(
+            (spec.entry, *_dtypes(a["grads"]), *_dtypes(inputs["params"]), *sorted(used), *given),
             a["grads"][0].device,
             lambda: getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views),
             lambda: spec.generic(members=members, apply=finite, **kw),
+            _launches,
             writes_inputs=donated,
         )
     else:

@@ -79,16 +79,21 @@ def _inv_scale(loss_scale: Any) -> tuple[bool, torch.Tensor | None]:
 
 
 def _unscale(
-    grads: list[torch.Tensor], inv: torch.Tensor | None, *, negate: bool = False
+    grads: list[torch.Tensor],
+    inv: torch.Tensor | None,
+    like: list[torch.Tensor],
+    *,
+    negate: bool = False,
 ) -> list[torch.Tensor]:
-    """New float32 buffers holding ``g.float() * inv`` (bitwise the loss scale's ``unscale``).
+    """New float32 buffers holding ``g.float() * inv`` (bitwise the loss scale's ``unscale``),
+    laid out like ``like`` (the masters), so that every new state tensor keeps its layout.
 
     With ``negate``, the buffers hold the exact negation ``g.float() * (-inv)``.
     """
     if torch.compiler.is_compiling():
         out = [g.float() for g in grads]
         return out if inv is None else [g * inv for g in out]
-    out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+    out = [torch.empty_like(m, dtype=torch.float32) for m in like]
     torch._foreach_copy_(out, grads)
     if inv is not None:
         torch._foreach_mul_(out, -inv if negate else inv)
@@ -155,7 +160,7 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
         # negates after adding the decay, so that exact cancellations keep
         # the reference's signed zero.
         negate = cfg is not None and cfg.weight_decay == 0.0
-        g32 = _unscale(g_leaves, inv, negate=negate)
+        g32 = _unscale(g_leaves, inv, m_leaves, negate=negate)
     else:  # a loss scale this module does not know: use its own unscale
         g32 = tree_flatten(state.loss_scale.unscale(grads))[0]
         finite = torch.stack([torch.isfinite(g).all() for g in g32]).all()

@@ -71,7 +71,7 @@ class FP16State:
     1-D pieces, one per parameter leaf, in the parameters' tree structure).
     """
 
-    __slots__ = _FIELDS + ("tx", "shard")
+    __slots__ = _FIELDS + ("tx", "shard", "_checked")
 
     def __init__(
         self,
@@ -84,14 +84,31 @@ class FP16State:
         tx: GradientTransformation,
         shard: Any = None,
     ) -> None:
-        self.params = params
-        self.master = master
-        self.opt_state = opt_state
-        self.loss_scale = loss_scale
-        self.step = step
-        self.grads_finite = grads_finite
-        self.tx = tx
-        self.shard = shard
+        init = object.__setattr__
+        init(self, "params", params)
+        init(self, "master", master)
+        init(self, "opt_state", opt_state)
+        init(self, "loss_scale", loss_scale)
+        init(self, "step", step)
+        init(self, "grads_finite", grads_finite)
+        init(self, "tx", tx)
+        init(self, "shard", shard)
+        # The signature under which fp16_update checked this state's parts when it
+        # made the state (functional_fp16.update.state_check); None for a state
+        # made any other way. Never copied: replace() and tree_unflatten() build
+        # states without it, which are then checked again.
+        init(self, "_checked", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"FP16State is immutable: use state.replace({name}=...) for a changed copy"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("FP16State is immutable")
+
+    def __reduce__(self) -> tuple:
+        return FP16State, tuple(getattr(self, n) for n in _FIELDS + ("tx", "shard"))
 
     def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""

@@ -6,27 +6,30 @@ layout), so every update first compares the state with its *template*, the
 state its ``tx`` and parameters imply:
 
 * ``master`` has the tree structure of ``params`` and float32 leaves of their
-  shapes (for a sharded state, the rank's pieces: ``master_shapes``);
+  shapes (for a sharded state, checked as this rank's pieces);
 * ``opt_state`` has exactly the structure, leaf dtypes and leaf shapes of
   ``tx.init(master)``;
 * the loss scale's tensors are 0-d, of their declared dtypes (a float32
   scale, int32 counters);
 * ``step`` is a 0-d int32 tensor and ``grads_finite`` a 0-d bool tensor;
-* every tensor lives on the parameters' device.
+* every tensor lives on the parameters' device;
+* every tensor is dense, without gaps or overlapping elements.
 
 The template is built from ``meta`` tensors (``tx.init`` allocates nothing),
 once per configuration. A state that matches is remembered by its
-*signature*, the tree structure (with ``tx`` and the loss scale's settings in
-its static metadata) and every leaf's shape, dtype and device; the check of a
-state seen before costs one flatten and one set lookup, whatever the number
-of leaves. A refusal is a ``TypeError`` (wrong dtype or kind) or
+*signature*: the tree structure (with ``tx`` and the loss scale's settings in
+its static metadata) and every leaf's shape, strides, dtype and device. A
+state seen before costs one flatten and one lookup (a few microseconds per
+leaf, no template). A state that :func:`~functional_fp16.fp16_update`
+returned carries the signature it was checked under, since an update keeps
+every leaf's metadata, so checking it costs one attribute read whatever the
+number of leaves. A refusal is a ``TypeError`` (wrong dtype or kind) or
 ``ValueError`` (wrong structure, shape or device) naming the part and the
 leaf path; nothing is computed and the inputs are untouched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,37 +54,33 @@ _CACHE_SIZE = 256
 _good: dict[Any, None] = {}  # signatures of states that matched their template (insertion order)
 
 
-def _signature(state: FP16State, master_shapes) -> Any:
+def _signature(state: FP16State) -> Any:
     """A hashable key of the state's structure and leaf metadata (shapes, strides,
     dtypes, devices); ``None`` if it has none."""
     leaves, spec = tree_flatten(state)
     try:
-        key = (
-            spec,
-            master_shapes,
-            tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves]),
-        )
+        key = (spec, tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves]))
         hash(key)
     except (AttributeError, TypeError):  # a non-tensor leaf, or unhashable static metadata
         return None
     return key
 
 
-def check_state(
-    state: FP16State, *, master_shapes: Sequence[tuple[int, ...]] | None = None
-) -> None:
+def check_state(state: FP16State) -> Any:
     r"""Refuses a state whose parts do not belong together (see the module docstring).
 
     .. math:: \text{opt\_state} \simeq \text{tx.init}(\text{master}), \quad
         \text{master} \simeq \operatorname{fl}_{32}(\text{params}),
 
     where :math:`\simeq` means the same tree structure and, leaf by leaf, the
-    same dtype, shape and device. Reads metadata only, never a value.
+    same dtype, shape and device; every tensor is dense without overlapping
+    elements. Reads metadata only, never a value. A state that
+    :func:`~functional_fp16.fp16_update` returned carries the signature it
+    was checked under (:func:`mark_checked`) and is not checked again.
 
     Args:
-      state: the state to check.
-      master_shapes: the shapes of the master leaves, in flattening order,
-        when they are not the parameters' (a sharded state's pieces).
+      state: the state to check (for a sharded state, this rank's pieces as
+        a plain state: their ``params`` are the pieces).
 
     Returns:
       The state's signature: a hashable value of its static metadata alone
@@ -95,10 +94,12 @@ def check_state(
         on another device. Both name the part and the leaf path.
     """
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else _signature(state, master_shapes)
+    if not compiling and state._checked is not None:
+        return state._checked
+    key = None if compiling else _signature(state)
     if key is not None and key in _good:
         return key
-    _compare(state, _template(state, master_shapes))
+    _compare(state, _template(state))
     if key is not None:
         if len(_good) >= _CACHE_SIZE:
             del _good[next(iter(_good))]
@@ -110,7 +111,21 @@ def _empty(shape, dtype, device=_META) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _template(state: FP16State, master_shapes) -> FP16State:
+def mark_checked(state: FP16State, signature: Any) -> FP16State:
+    """Records on ``state`` (just made by the update) the signature it shares with its input.
+
+    An update keeps every leaf's structure, shape, strides, dtype and device,
+    so the state it returns has its input's signature
+    (``tests/test_state_check.py`` holds every implementation to that). The
+    state is returned for chaining; nothing is recorded while
+    ``torch.compile`` traces or without a signature.
+    """
+    if signature is not None and not torch.compiler.is_compiling():
+        object.__setattr__(state, "_checked", signature)
+    return state
+
+
+def _template(state: FP16State) -> FP16State:
     """The state ``state.tx`` and ``state.params`` imply, with ``meta`` tensors for the rest."""
     if not isinstance(state.tx, GradientTransformation):
         raise TypeError(f"state.tx must be a GradientTransformation, got {type(state.tx).__name__}")
@@ -121,12 +136,8 @@ def _template(state: FP16State, master_shapes) -> FP16State:
         )
     params = check_params(state.params, name="state.params")
     device = params[0].device
-    leaves, spec = tree_flatten(state.params)
-    shapes = [tuple(p.shape) for p in params] if master_shapes is None else list(master_shapes)
-    if len(shapes) != len(leaves):
-        raise ValueError(
-            f"master_shapes has {len(shapes)} shapes for {len(leaves)} parameter leaves"
-        )
+    spec = tree_flatten(state.params)[1]
+    shapes = [tuple(p.shape) for p in params]
     # While torch.compile traces, tensors of the parameters' device (the traced
     # allocations have no use and are dropped from the graph); else ``meta``.
     where = device if torch.compiler.is_compiling() else _META
@@ -161,9 +172,28 @@ _WHAT = {
 }
 
 
+def dense_without_overlap(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill ``numel`` consecutive slots of memory, each once
+    (any order of dimensions: channels-last and transposed tensors qualify)."""
+    if x.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _compare(state: FP16State, template: FP16State) -> None:
     """Raises at the first part or leaf where ``state`` departs from ``template``."""
     device = tree_flatten(state.params)[0][0].device
+    for path, p in zip(tree_paths(state.params), tree_flatten(state.params)[0]):
+        if not dense_without_overlap(p):
+            raise ValueError(
+                f"state.params{path}: strides {p.stride()} for shape {tuple(p.shape)} leave "
+                "gaps or overlap elements; a state tensor must be dense (e.g. .contiguous())"
+            )
     for field in _FIELDS[1:]:
         want, got = getattr(template, field), getattr(state, field)
         want_leaves, want_spec = tree_flatten(want)
@@ -200,3 +230,38 @@ def _compare(state: FP16State, template: FP16State) -> None:
                 )
             if g.layout != torch.strided:
                 raise TypeError(f"{name}{path}: layout {g.layout}, expected a dense tensor")
+            if not dense_without_overlap(g):
+                raise ValueError(
+                    f"{name}{path}: strides {g.stride()} for shape {tuple(g.shape)} leave gaps "
+                    "or overlap elements; a state tensor must be dense (e.g. .contiguous())"
+                )
+
+
+def check_disjoint(state: FP16State, grads: list[torch.Tensor]) -> None:
+    """Refuses to donate a state whose tensors share memory with each other or the gradients.
+
+    A donated update writes the new values into the state's tensors, so two
+    leaves over the same bytes would be written twice. A working copy that
+    *is* its master (a float32 working copy) is one tensor, not two. The
+    tensors are dense (:func:`check_state`), so each covers
+    ``[data_ptr, data_ptr + nbytes)``.
+    """
+    masters = tree_flatten(state.master)[0]
+    leaves, paths = [], []
+    for path, x in zip(tree_paths(state), tree_flatten(state)[0]):
+        if isinstance(x, torch.Tensor) and not (
+            path.startswith(".params") and any(x is m for m in masters)
+        ):
+            leaves.append(x)
+            paths.append(f"state{path}")
+    leaves += grads
+    paths += [f"grads[{i}]" for i in range(len(grads))]
+    spans = sorted(
+        (x.data_ptr(), x.data_ptr() + x.nbytes, k) for k, x in enumerate(leaves) if x.nbytes
+    )
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(
+                f"{paths[first]} and {paths[second]} share memory; a donated update writes "
+                "the state in place (pass separate tensors, or donate=False)"
+            )

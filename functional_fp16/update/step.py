@@ -18,7 +18,7 @@ from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
 from functional_fp16.update.state import FP16State
-from functional_fp16.update.state_check import check_state
+from functional_fp16.update.state_check import check_disjoint, check_state, mark_checked
 
 __all__ = ["fp16_update", "update_path"]
 
@@ -102,7 +102,10 @@ def fp16_update(
     # batches inside itself; the other implementations run once per member.
     if not chosen.batches and is_batched([state.step, loss, *g_leaves]):
         return per_member(lambda s, g, lo: _step_member(s, g, lo, impl, agree), state, grads, loss)
-    return chosen.run(state, grads, decision, donate)
+    # The fused op checks its own arguments; Dynamo traces no data pointers.
+    if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
+        check_disjoint(state, g_leaves)
+    return mark_checked(chosen.run(state, grads, decision, donate), signature)
 
 
 def _step_member(state, grads, loss, impl: str, agree) -> FP16State:
