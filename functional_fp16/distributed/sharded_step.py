@@ -97,9 +97,13 @@ def sharded_update(
       The next sharded state.
     """
     _require_group("sharded_update")
-    # The ranks first agree on the configuration (one small collective, once per
-    # configuration), so that whatever is refused below is refused on every
-    # rank alike, before the first collective of the step: no rank waits alone.
+    # The ranks first agree on the configuration (one small collective, the first
+    # time each configuration is seen), so that whatever is refused below on a
+    # first call is refused on every rank alike, before the step's first
+    # collective: no rank waits alone. A rank whose inputs change later while
+    # the others keep an agreed configuration is not compared again (that would
+    # take a collective every step), and the others then wait until the
+    # process group's timeout.
     _agree_on_configuration(
         state,
         grads,
