@@ -11,8 +11,10 @@ name, with ``fields`` (its children by name) and, for a loss scale,
 :func:`convert` checks the version-1 checksum and rewrites the file's
 contents into the version-2 form (``structure``, ``leaves``, ``tensors``), so
 that one loader, with one set of checks against the template, serves both.
-It is given only what :func:`functional_fp16._checkpoint_format._check_objects`
-has passed: a tree of bounded depth, so its recursion is bounded too.
+It is given only what :func:`functional_fp16._checkpoint_format.check_objects`
+has passed: a tree of bounded depth, so its recursion is bounded too, whose
+text, counted at each reference, is bounded by the file's size, so its
+checksum's ``repr`` is too.
 """
 
 from __future__ import annotations
@@ -77,18 +79,18 @@ def convert(payload: dict[str, Any], name: str) -> dict[str, Any]:
         raise corrupt(f"{name}: the tensor table is malformed")
     header = (fmt.FORMAT, 1, payload["tree"], info)
     try:
-        expected = fmt._checksum(header, tensors)
+        expected = fmt.checksum(header, tensors)
     except Exception as err:
-        raise corrupt(f"{name}: cannot checksum the contents: {fmt._show(str(err))}") from None
+        raise corrupt(f"{name}: cannot checksum the contents: {fmt.show(str(err))}") from None
     if expected != payload["checksum"]:
         raise corrupt(
             f"{name}: checksum mismatch, the file was modified or damaged after it was written "
-            f"(stored {fmt._show(payload['checksum'], 16)}, computed {expected[:16]}...)"
+            f"(stored {fmt.show(payload['checksum'], 16)}, computed {expected[:16]}...)"
         )
     leaves: list[dict] = []
     try:
         structure = _node(payload["tree"], payload, leaves)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-        raise corrupt(f"{name}: malformed version-1 structure: {fmt._show(err)}") from None
-    fmt._check_payload(structure, leaves, tensors, name)
+        raise corrupt(f"{name}: malformed version-1 structure: {fmt.show(err)}") from None
+    fmt.check_payload(structure, leaves, tensors, name)
     return {"structure": structure, "leaves": leaves, "tensors": tensors}

@@ -10,12 +10,14 @@ write a file can compute its checksum, so the checksum proves nothing.
 ``python -m tests._hostile_checkpoints FOLDER`` then loads them, one after
 another, in a fresh process, and prints one JSON line per case: the outcome,
 the seconds the load took and how far the process's peak resident memory
-rose. The tests run it in a subprocess, so that a load that hangs or
-allocates gigabytes fails the test instead of taking the run down.
+rose (:func:`peak_rise_kib`). The tests run it in a subprocess, so that a
+load that hangs or allocates gigabytes fails the test instead of taking the
+run down.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import io
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._checkpoint_format import FORMAT, _checksum
+from functional_fp16 import _checkpoint_format as fmt
 
 V1_FILE = Path(__file__).parent / "data" / "checkpoint_v1.ckpt"
 
@@ -96,14 +98,14 @@ def _dense(tensors: list[Any]) -> list[Any]:
 
 def v2_checksum(payload: dict[str, Any]) -> str:
     """The checksum the loader computes for a format-2 payload."""
-    header = (FORMAT, 2, payload["structure"], payload["leaves"])
-    return _checksum(header, _dense(payload["tensors"]))
+    header = (fmt.FORMAT, 2, payload["structure"], payload["leaves"])
+    return fmt.checksum(header, _dense(payload["tensors"]))
 
 
 def v1_checksum(payload: dict[str, Any]) -> str:
     """The checksum the loader computes for a format-1 payload."""
-    header = (FORMAT, 1, payload["tree"], payload["tensor_info"])
-    return _checksum(header, _dense(payload["tensors"]))
+    header = (fmt.FORMAT, 1, payload["tree"], payload["tensor_info"])
+    return fmt.checksum(header, _dense(payload["tensors"]))
 
 
 def forge(payload: dict[str, Any], checksum: str | None = "valid") -> bytes:
@@ -540,6 +542,81 @@ def case_v1_malformed_config():
     return forge(p), False
 
 
+class Reduces:
+    """Pickles as ``fn(*args)``: a call that ``torch.load(weights_only=True)`` may make."""
+
+    def __init__(self, fn: Any, args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return self.fn, self.args
+
+    def __repr__(self) -> str:
+        return f"Reduces({getattr(self.fn, '__name__', self.fn)})"
+
+
+ALLOCATES = 2**26  # bytes the calls below ask for: 64 MiB from a 4 KB file
+
+
+def _calls(fn: Any, args: tuple):
+    p = raw(clean_bytes())
+    p["leaves"][leaf_index(p, "['epoch']")]["value"] = Reduces(fn, args)
+    return forge(p, checksum="0" * 64), False
+
+
+def case_bytearray_call():
+    """``bytearray(64 MiB)``: the weights-only loader allows it."""
+    return _calls(bytearray, (ALLOCATES,))
+
+
+def case_untyped_storage_call():
+    """A storage class the format uses, called to allocate instead of naming a record."""
+    return _calls(torch.UntypedStorage, (ALLOCATES,))
+
+
+def case_ordered_dict_of_a_view():
+    """``OrderedDict(view)`` iterates a stride-0 view of 8 bytes: 2**16 rows, each two tensors."""
+    return _calls(collections.OrderedDict, (torch.zeros(2).expand(2**16, 2),))
+
+
+def case_tensor_in_the_header():
+    """A 128 KB tensor as a value: the checksum's ``repr`` would print all 2**17 elements."""
+    p = raw(clean_bytes())
+    p["leaves"][leaf_index(p, "['epoch']")]["value"] = torch.zeros([2] * 17, dtype=torch.uint8)
+    return forge(p, checksum="0" * 64), False
+
+
+def case_storage_larger_than_its_record():
+    """The pickle declares 2**26 floats for the 24-byte record of ``w``."""
+
+    def edit(records: dict[str, bytes]) -> None:
+        name = next(n for n in records if n.endswith("/data.pkl"))
+        pickle = records[name]
+        numel = b"K\x06t"  # BININT1 6, then the TUPLE that ends w's storage reference
+        assert pickle.count(numel) == 1
+        records[name] = pickle.replace(numel, b"J" + (2**26).to_bytes(4, "little") + b"t")
+
+    return rezip(clean_bytes(), edit), False
+
+
+SHARED_TEXT = "a" * 10**4
+SHARED_TIMES = 5000  # references to one 10 KB string: 50 MB of text from a 24-32 KB file
+
+
+def case_v2_shared_text():
+    """One string referenced 5000 times: what the checksum's ``repr`` would write out."""
+    p = raw(clean_bytes())
+    p["leaves"] = [SHARED_TEXT] * SHARED_TIMES
+    return forge(p, checksum="0" * 64), False
+
+
+def case_v1_shared_text():
+    p = _v1()
+    history = p["tree"]["values"][p["tree"]["keys"].index("history")]
+    history["items"] = [{"kind": "value", "value": [SHARED_TEXT] * SHARED_TIMES}]
+    return forge(p, checksum="0" * 64), False
+
+
 CASES: dict[str, Callable[[], tuple[bytes, bool]]] = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }
@@ -569,6 +646,33 @@ def load_outcome(path: Path, like: Any) -> str:
     return "ok"
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def peak_rise_kib(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``(fn(), how far this process's peak resident memory rose above its current one)``.
+
+    On Linux the peak is reset first (``/proc/self/clear_refs``), so that an
+    earlier, larger peak does not hide this one. Elsewhere the rise is that of
+    ``ru_maxrss``, which only shows a peak above every earlier one.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak (VmHWM) to the current resident size
+        before = _status_kib("VmRSS")
+        out = fn()
+        return out, _status_kib("VmHWM") - before
+    except OSError:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = fn()
+        return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+
+
 def _main(directory: Path) -> None:
     torch.set_num_threads(1)
     table = json.loads((directory / "cases.json").read_text())
@@ -576,14 +680,13 @@ def _main(directory: Path) -> None:
         assert load_outcome(directory / "clean.ckpt", like) == "ok"
     for name, case in table.items():
         like = clean_like() if case["like"] else None
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
-        outcome = load_outcome(Path(case["file"]), like)
+        outcome, rise = peak_rise_kib(lambda: load_outcome(Path(case["file"]), like))  # noqa: B023
         row = {
             "case": name,
             "outcome": outcome,
             "seconds": time.perf_counter() - start,
-            "rss_rise_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
+            "rss_rise_kib": rise,
         }
         print(json.dumps(row), flush=True)
 

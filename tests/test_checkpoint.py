@@ -245,7 +245,7 @@ def test_tensors_follow_the_template_device_or_map_location(tmp_path):
     assert raw["leaves"][-1]["path"] == "['extra']"
     raw["leaves"][-1]["device"] = "cuda:7" if not torch.cuda.is_available() else "nonsense:0"
     header = (FORMAT, VERSION, raw["structure"], raw["leaves"])
-    raw["checksum"] = checkpoint._checksum(header, raw["tensors"])
+    raw["checksum"] = checkpoint.checksum(header, raw["tensors"])
     torch.save(raw, tmp_path / "moved.ckpt")
     with pytest.raises(
         ff.CheckpointError, match=r"checkpoint\['extra'\] was saved on .* pass map_location="
@@ -479,7 +479,7 @@ def test_foreign_files_are_rejected(tmp_path):
     with pytest.raises(ff.CheckpointCorruptError, match="not a functional_fp16 checkpoint"):
         ff.load_checkpoint(tmp_path / "plain.pt")
     torch.save(Head(torch.zeros(1), torch.zeros(1)), tmp_path / "pickled.pt")  # a pickled class
-    with pytest.raises(ff.CheckpointCorruptError, match="not a readable checkpoint"):
+    with pytest.raises(ff.CheckpointCorruptError, match=r"refers to tests\.test_checkpoint\.Head"):
         ff.load_checkpoint(tmp_path / "pickled.pt")
     path = tmp_path / "future.ckpt"
     ff.save_checkpoint(path, {"a": 1})

@@ -8,16 +8,20 @@ child process (a hang or a runaway allocation fails a test instead of the
 run): each must raise the library's checkpoint error, within
 :data:`SECONDS` and without the process's peak memory rising by more than
 :data:`RSS_RISE_KIB`. Then targeted tests of the messages and of what is
-still accepted, and a hypothesis test that mutates valid files at random.
+still accepted, and a hypothesis test that mutates valid files at random,
+each load of which must keep within the same bounds.
 """
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import io
 import json
 import math
 import os
+import pickle
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
+from functional_fp16 import _checkpoint_archive, _checkpoint_read
 from functional_fp16 import _checkpoint_format as fmt
 from functional_fp16._tree import tree_leaves, tree_paths
 from tests import _hostile_checkpoints as hostile
@@ -37,7 +42,7 @@ from tests.helpers import bits
 
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = 2.0  # per load
-RSS_RISE_KIB = 16 * 1024  # each forged file is under 160 KB; an unchecked one expands to 39-64 MB
+RSS_RISE_KIB = 16 * 1024  # forged files of 4-150 KB; unchecked, they expand to 39-117 MB
 CHILD_SECONDS = 120  # for the child process loading all the cases
 
 # What each refusal must say: the error type and a part of the message.
@@ -81,8 +86,8 @@ EXPECTED = {
     "deep_nesting": ("CheckpointCorruptError", "nests deeper than 100 levels"),
     "unknown_kind": ("CheckpointCorruptError", "checkpoint['opt']: malformed structure node"),
     "none_with_children": ("CheckpointCorruptError", "checkpoint['opt'][1]: None with children"),
-    "tensor_subclass": ("CheckpointCorruptError", "holds a Parameter"),
-    "sparse_tensor": ("CheckpointCorruptError", "holds a torch.sparse_coo"),
+    "tensor_subclass": ("CheckpointCorruptError", "refers to torch._utils._rebuild_parameter"),
+    "sparse_tensor": ("CheckpointCorruptError", "refers to torch._utils._rebuild_sparse_tensor"),
     "deflated_record": ("CheckpointCorruptError", "is compressed"),
     "overlapping_records": ("CheckpointCorruptError", "declare 39"),
     "legacy_format": ("CheckpointCorruptError", "not a zip archive"),
@@ -92,6 +97,17 @@ EXPECTED = {
     "v1_duplicate_keys": ("CheckpointCorruptError", "the key 'epoch' is stored twice"),
     "v1_list_as_key": ("CheckpointCorruptError", "the key ['note'] of type list"),
     "v1_malformed_config": ("CheckpointCorruptError", "malformed version-1 structure"),
+    "v2_shared_text": ("CheckpointCorruptError", "counting each reference"),
+    "v1_shared_text": ("CheckpointCorruptError", "counting each reference"),
+    "bytearray_call": ("CheckpointCorruptError", "refers to builtins.bytearray"),
+    "untyped_storage_call": ("CheckpointCorruptError", "calls torch.storage.UntypedStorage"),
+    "ordered_dict_of_a_view": ("CheckpointCorruptError", "calls collections.OrderedDict with"),
+    "tensor_in_the_header": ("CheckpointCorruptError", "holds a tensor outside its tensor table"),
+    "storage_larger_than_its_record": (
+        "CheckpointCorruptError",
+        "declares a storage of 268435456 bytes (67108864 items of torch.FloatStorage) in the "
+        "record data/0, which holds 24 bytes",
+    ),
 }
 
 
@@ -177,11 +193,11 @@ def test_messages_escape_the_control_characters_of_a_file(tmp_path, case):
 
 
 def test_shown_text_is_escaped_and_cut():
-    assert fmt._show("a\nb\x1b[2J\u202e") == "a\\nb\\x1b[2J\\u202e"
-    assert fmt._show("ok ['w'] é") == "ok ['w'] é"
-    assert fmt._show("x" * 500) == "x" * 120 + "..."
-    assert fmt._show(10**5000).startswith("<int of ")
-    assert fmt._show("k", quoted=True) == "'k'"
+    assert fmt.show("a\nb\x1b[2J\u202e") == "a\\nb\\x1b[2J\\u202e"
+    assert fmt.show("ok ['w'] é") == "ok ['w'] é"
+    assert fmt.show("x" * 500) == "x" * 120 + "..."
+    assert fmt.show(10**5000).startswith("<int of ")
+    assert fmt.show("k", quoted=True) == "'k'"
 
 
 def test_stored_meta_device_is_refused_but_a_meta_template_still_loads(tmp_path):
@@ -248,6 +264,117 @@ def test_a_file_object_is_checked_the_same_way(tmp_path):
     assert out["name"] == "run" and torch.equal(out["w"], hostile.clean_tree()["w"])
 
 
+def test_a_file_renamed_over_the_path_during_a_load_is_not_read(tmp_path, monkeypatch):
+    """The file checked before ``torch.load`` is the file it reads: one handle, opened once."""
+    path, other = tmp_path / "c.ckpt", tmp_path / "other.ckpt"
+    path.write_bytes(hostile.clean_bytes())
+    ff.save_checkpoint(other, {**hostile.clean_tree(), "epoch": 5})
+    checked = _checkpoint_read.check_archive
+
+    def check_then_rename_over(f, name):
+        out = checked(f, name)
+        os.replace(other, path)  # an atomic save of another checkpoint, now
+        return out
+
+    monkeypatch.setattr(_checkpoint_read, "check_archive", check_then_rename_over)
+    assert ff.load_checkpoint(path, hostile.clean_like())["epoch"] == 4
+    monkeypatch.undo()
+    assert ff.load_checkpoint(path, hostile.clean_like())["epoch"] == 5
+
+
+QUANTIZED = [torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4]
+NOT_QUANTIZED_DTYPES = sorted(
+    {v for v in list(vars(torch).values()) if isinstance(v, torch.dtype)} - set(QUANTIZED),
+    key=str,
+)
+
+
+@pytest.mark.filterwarnings("ignore:.*support is experimental:UserWarning")
+@pytest.mark.parametrize("dtype", NOT_QUANTIZED_DTYPES, ids=str)
+def test_every_dtype_torch_save_stores_passes_the_pickle_check(tmp_path, dtype):
+    """The pickle's allow-list holds what torch.save writes for every dtype and rank."""
+    tensors = {}
+    for shape in [(), (0, 1, 2, 3), (5,), (2, 3), (4, 3, 2), (2, 1, 2, 1, 2)]:
+        t = torch.empty(shape, dtype=dtype)
+        raw = t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+        raw.copy_(torch.arange(raw.numel()) % (2 if dtype == torch.bool else 256))
+        tensors[str(shape)] = t
+    try:
+        torch.save(tensors, io.BytesIO())
+    except Exception as err:  # noqa: BLE001 - some sub-byte dtypes have no storage format
+        pytest.skip(f"torch.save cannot store {dtype}: {err}")
+    ff.save_checkpoint(tmp_path / "d.ckpt", tensors)
+    out = ff.load_checkpoint(tmp_path / "d.ckpt", tensors)
+    for key, t in tensors.items():
+        assert out[key].dtype == dtype and out[key].shape == t.shape
+        assert torch.equal(out[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+class _Calls:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (pickle.dumps(_Calls(bytearray, (10,)), 2), "refers to builtins.bytearray"),
+        (pickle.dumps(_Calls(set, ([1],)), 2), "refers to builtins.set"),
+        (pickle.dumps(_Calls(getattr, (1, "real")), 2), "refers to builtins.getattr"),
+        (b"\x80\x02cevil\x1b[2J\nname\n.", "refers to evil\\x1b[2J.name, which"),
+        (
+            pickle.dumps(_Calls(collections.OrderedDict, ([(1, 2)],)), 2),
+            "calls collections.OrderedDict with arguments",
+        ),
+        (pickle.dumps(_Calls(torch.FloatStorage, (5,)), 2), "calls torch.FloatStorage, which"),
+        (
+            pickle.dumps(_Calls(torch._utils._rebuild_tensor_v2, (1, 2)), 2),
+            "calls torch._utils._rebuild_tensor_v2 with arguments other than",
+        ),
+        (pickle.dumps({"a": 1}, 4), "uses the opcode FRAME (at byte 2)"),
+        (b"\x80\x02(]q\x00e.", "a malformed pickle"),  # APPENDS to a list inside its mark
+    ],
+)
+def test_the_pickle_may_name_and_call_only_what_checkpoints_use(data, message):
+    with pytest.raises(ff.CheckpointCorruptError, match=re.escape(message)) as info:
+        _checkpoint_archive.check_pickle(data, {}, "archive/", "f.ckpt")
+    assert str(info.value).startswith("f.ckpt: ") and str(info.value).isprintable()
+
+
+def test_a_truncated_pickle_is_unreadable_not_a_crash():
+    data = pickle.dumps({"a": [1, 2, "x" * 50]}, protocol=2)
+    for end in range(len(data) - 1):
+        with pytest.raises(ff.CheckpointCorruptError, match="not a readable checkpoint"):
+            _checkpoint_archive.check_pickle(data[:end], {}, "archive/", "f.ckpt")
+
+
+def test_shared_strings_numbers_and_keys_are_charged_at_each_reference():
+    """A value the pickle stores once counts at every reference, as ``repr`` writes it."""
+    assert fmt.text_budget(1000) == 16 * 1000 + 2**20
+    for shared in ["a" * 10**4, "\x1b" * 3000, 10**600, {"k" * 10**4: None}]:
+        # 3000 references, as a pickle of some 15 KB would hold them
+        payload = {
+            "leaves": [shared] * 3000
+            if type(shared) is not dict
+            else [dict(shared) for _ in range(3000)]
+        }
+        with pytest.raises(ff.CheckpointCorruptError, match="counting each reference"):
+            fmt.check_objects(payload, 15_000, "f.ckpt")
+    fmt.check_objects({"leaves": ["a" * 100] * 3000}, 15_000, "f.ckpt")  # 312 KB of text
+
+
+def test_a_long_string_held_in_many_places_saves_and_loads(tmp_path):
+    """The writer stores a long str at each place, so what a file stands for stays in its bound."""
+    key, value = "k" * 4096, "v" * 4096
+    tree = {"values": [value] * 500, "dicts": [{key: None} for _ in range(500)]}
+    ff.save_checkpoint(tmp_path / "s.ckpt", tree)
+    assert ff.load_checkpoint(tmp_path / "s.ckpt") == tree
+    assert ff.load_checkpoint(tmp_path / "s.ckpt", tree) == tree
+
+
 # -- random mutations of valid files ------------------------------------------------------
 
 JUNK = [
@@ -287,10 +414,21 @@ MUTATIONS = [
     "rename",
     "reorder",
 ]
+# What would make the loader allocate or write out far more than the file
+# holds, unchecked: planted at a random place by the last test.
+BOMBS = [
+    "shared_text",  # a string referenced 2500 times: 20 MB of repr from a 10 KB pickle
+    "call",  # a call the weights-only loader allows: bytearray(n) and the like
+]
 PLAIN = st.one_of(
     st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.sampled_from(["w", "b"])
 )
 BIG = 2**20  # elements: 4 MiB from a stride-0 view in a 4-12 KB file
+CALLS = [
+    (bytearray, (hostile.ALLOCATES,)),
+    (torch.UntypedStorage, (hostile.ALLOCATES,)),
+    (collections.OrderedDict, (torch.zeros(2).expand(2**16, 2),)),
+]
 
 
 def _sites(payload) -> list[tuple[object, object]]:
@@ -400,6 +538,16 @@ def _mutate(payload, data, n: int) -> list[str]:
     return kinds
 
 
+def _plant(payload, bomb: str, data) -> None:
+    """Puts a :data:`BOMBS` entry in place of a random slot of the payload."""
+    sites = _sites(payload)
+    box, key = sites[data.draw(st.integers(0, 10**6)) % len(sites)]
+    if bomb == "shared_text":
+        box[key] = ["t" * 4096] * 2500
+    else:
+        box[key] = hostile.Reduces(*data.draw(st.sampled_from(CALLS)))
+
+
 def _swap_leaf_records(payload, nodes, i: int, j: int) -> None:
     """Swaps two format-2 leaf records and the nodes' references to them: the same content."""
     leaves = payload.get("leaves") if isinstance(payload, dict) else None
@@ -455,15 +603,21 @@ def _record_bytes(data: bytes) -> int:
         return sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
 
 
+def _load_or_refuse(path: Path, like):
+    try:
+        return ff.load_checkpoint(path, like)
+    except ff.CheckpointError as err:
+        return err
+
+
 def _check_load(path: Path, like, size: int, stats: dict, same_as=None) -> None:
     start = time.perf_counter()
-    try:
-        out = ff.load_checkpoint(path, like)
-    except ff.CheckpointError:
+    out, rise = hostile.peak_rise_kib(lambda: _load_or_refuse(path, like))
+    assert time.perf_counter() - start < SECONDS
+    assert rise < RSS_RISE_KIB, f"the load's peak memory rose {rise} KiB ({out!r:.300})"
+    if isinstance(out, ff.CheckpointError):
         stats["refused"] += 1
         return
-    finally:
-        assert time.perf_counter() - start < SECONDS
     stats["loaded"] += 1
     # No more tensor bytes than the file's tensor records hold, each tensor
     # with storage of its own ...
@@ -517,3 +671,23 @@ def test_mutated_files_with_valid_checksums_load_exactly_or_are_refused(tmp_path
         faulthandler.cancel_dump_traceback_later()
     print(f"\n[mutated checkpoints] {stats}")
     assert stats["refused"] >= 50 and stats["loaded"] >= 20 and stats["same as the original"] >= 2
+
+
+def test_planted_bombs_are_refused_within_the_bounds(tmp_path):
+    """A :data:`BOMBS` entry anywhere in a valid file of either format, with a valid checksum."""
+    originals = {"v2": tmp_path / "clean_v2.ckpt", "v1": hostile.V1_FILE}
+    originals["v2"].write_bytes(hostile.clean_bytes())
+    path = tmp_path / "planted.ckpt"
+    stats = {"loaded": 0, "refused": 0}
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(version=st.sampled_from(sorted(originals)), bomb=st.sampled_from(BOMBS), data=st.data())
+    def case(version, bomb, data):
+        payload = hostile.raw(originals[version].read_bytes())
+        _plant(payload, bomb, data)
+        forged = _checksummed(payload)
+        path.write_bytes(forged)
+        _check_load(path, None, _record_bytes(forged), stats)
+
+    case()
+    assert stats["loaded"] == 0 and stats["refused"] >= 20, stats
