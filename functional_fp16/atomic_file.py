@@ -1,8 +1,9 @@
 """Atomic file writes: a file is either the old one or the complete new one.
 
-:func:`atomic_torch_save` writes to a temporary file in the target's
-directory, flushes and fsyncs it, renames it over the target with
-:func:`os.replace` and fsyncs the directory. A crash at any point leaves the
+:func:`atomic_write` (and :func:`atomic_torch_save`, which uses it) writes
+to a temporary file in the target's directory, flushes and fsyncs it,
+renames it over the target with :func:`os.replace` and fsyncs the
+directory. A crash at any point leaves the
 previous file or the new one, never a mixture.
 
 A writer killed before its rename (SIGKILL, power loss) leaves its temporary
@@ -19,13 +20,14 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any, BinaryIO, Union
 
 import torch
 
 from functional_fp16 import _deprecation as deprecation
 
-__all__ = ["atomic_torch_save", "remove_stale_temporaries"]
+__all__ = ["atomic_write", "atomic_torch_save", "remove_stale_temporaries"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -48,6 +50,7 @@ def file_mode(path: str) -> int:
 
 
 def fsync_dir(directory: str) -> None:
+    """Fsyncs ``directory``, so that a rename or a new entry in it survives a crash (best effort)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. Windows cannot open directories
@@ -148,20 +151,19 @@ def _is_path(x: Any) -> bool:
     return isinstance(x, (str, bytes, os.PathLike))
 
 
-def atomic_torch_save(path: PathLike, obj: Any) -> None:
-    """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
+def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Writes ``path`` atomically: temp file, fsync, rename, fsync of the directory.
 
-    A crash at any point leaves either the previous file at ``path`` or the new
-    one, never a partial file. A writer killed before its rename leaves a
-    ``.NAME.HOST.PID.RANDOM.tmp`` file beside ``path``; the next save into
-    the same directory deletes those of dead processes on this host, for
-    every target name (see :func:`remove_stale_temporaries`).
+    ``write(f)`` fills ``f``, a temporary file opened for binary writing in
+    ``path``'s directory and named ``.NAME.HOST.PID.RANDOM.tmp``, with the
+    mode of the file it replaces (else what ``open`` would give). The file is
+    then flushed, fsynced and renamed over ``path`` with :func:`os.replace`,
+    and the directory is fsynced. A crash at any point leaves either the
+    previous file at ``path`` or the new one, never a partial file; if
+    ``write`` raises, the temporary file is removed and the error propagates.
+    Before writing, the temporary files that dead writers on this host left in
+    the directory are deleted (:func:`remove_stale_temporaries`).
     """
-    if _is_path(obj) and not _is_path(path):
-        deprecation.warn(
-            "atomic_torch_save(obj, path) is deprecated; call atomic_torch_save(path, obj)"
-        )
-        path, obj = obj, path
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
@@ -172,7 +174,7 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):  # mkstemp creates the file private (0600)
                 os.fchmod(f.fileno(), file_mode(path))
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -183,3 +185,21 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
             pass
         raise
     fsync_dir(directory)
+
+
+def atomic_torch_save(path: PathLike, obj: Any) -> None:
+    """``torch.save(obj, path)`` atomically: temp file, fsync, rename, fsync of the directory.
+
+    A crash at any point leaves either the previous file at ``path`` or the new
+    one, never a partial file. A writer killed before its rename leaves a
+    ``.NAME.HOST.PID.RANDOM.tmp`` file beside ``path``; the next save into
+    the same directory deletes those of dead processes on this host, for
+    every target name (see :func:`remove_stale_temporaries`). See
+    :func:`atomic_write`.
+    """
+    if _is_path(obj) and not _is_path(path):
+        deprecation.warn(
+            "atomic_torch_save(obj, path) is deprecated; call atomic_torch_save(path, obj)"
+        )
+        path, obj = obj, path
+    atomic_write(path, lambda f: torch.save(obj, f))

@@ -184,6 +184,13 @@ def scenario_refusals(rank: int, out: str) -> dict[str, Any]:
         os.truncate(data, os.path.getsize(data) // 2)
     dist.barrier()
     errors["truncated"] = error_of(lambda: load(bad, like()))
+    # A data file whose first chunk no longer starts with a zip header: found while DCP reads.
+    bad = _copy_of("ckpt", "garbled")
+    if rank == 0:
+        with open(os.path.join(_dcp_folder(bad), "__1_0.distcp"), "r+b") as f:
+            f.write(b"XXXX")
+    dist.barrier()
+    errors["garbled"] = error_of(lambda: load(bad, like()))
     # Saves.
     state = ffd.shard_state(make_state())
     errors["save_object"] = error_of(
@@ -205,6 +212,28 @@ def scenario_refusals(rank: int, out: str) -> dict[str, Any]:
         "expected": raw(ffd.load_checkpoint_broadcast(ckpt("two_full.ckpt"), like())),
         "unused_exists": os.path.exists(ckpt("unused")),
     }
+
+
+def scenario_one_rank_arguments(rank: int, out: str) -> dict[str, Any]:
+    """One rank (the last) passes an invalid argument: every rank raises at once, naming it."""
+    odd = rank == dist.get_world_size() - 1
+    state = ffd.shard_state(make_state())
+    save, load = ffd.save_checkpoint_sharded, ffd.load_checkpoint_sharded
+    path = ckpt("ckpt")
+    cases = {
+        "save_bucket_bytes": lambda: save(
+            ckpt("unused"), {"state": state}, bucket_bytes=0 if odd else 1024
+        ),
+        "save_path_type": lambda: save(3.5 if odd else ckpt("unused"), {"state": state}),
+        "load_path_type": lambda: load(None if odd else path, like()),
+        "load_bytes_path": lambda: load(os.fsencode(path) if odd else path, like()),
+    }
+    result: dict[str, Any] = {case: _timed(fn) for case, fn in cases.items()}
+    # Nobody was left in a collective: a good load still works.
+    result["after"] = raw(load(path, like()))
+    result["expected"] = raw(ffd.load_checkpoint_broadcast(ckpt("two_full.ckpt"), like()))
+    result["unused_exists"] = os.path.exists(ckpt("unused"))
+    return result
 
 
 def _next_state() -> ff.FP16State:
@@ -237,19 +266,19 @@ def scenario_writer_raises(rank: int, out: str) -> dict[str, Any]:
 def scenario_commit_raises(rank: int, out: str) -> dict[str, Any]:
     """Every rank's data written, then the marker's commit fails on rank 0."""
     state = _next_state()
-    original = sharded_checkpoints._commit
+    original = sharded_checkpoints.commit_marker
 
     def failing(directory, body):
         raise OSError("injected commit failure")
 
     if rank == 0:
-        sharded_checkpoints._commit = failing
+        sharded_checkpoints.commit_marker = failing
     try:
         error = error_of(
             lambda: ffd.save_checkpoint_sharded(ckpt("ckpt"), {"state": state, "epoch": 9})
         )
     finally:
-        sharded_checkpoints._commit = original
+        sharded_checkpoints.commit_marker = original
     return {
         "error": error,
         "after": raw(ffd.load_checkpoint_sharded(ckpt("ckpt"), like())),
@@ -394,6 +423,7 @@ def scenario_fingerprint(rank: int, out: str) -> dict[str, Any]:
 SCENARIOS = {
     "resume_one": scenario_resume_one,
     "refusals": scenario_refusals,
+    "one_rank_arguments": scenario_one_rank_arguments,
     "writer_raises": scenario_writer_raises,
     "commit_raises": scenario_commit_raises,
     "killed": scenario_killed,

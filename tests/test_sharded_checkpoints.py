@@ -34,8 +34,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from functional_fp16 import distributed as ffd
 from functional_fp16._tree import tree_flatten, tree_paths
+from functional_fp16.distributed.dcp_io import AliasingSavePlanner, chunked
 from functional_fp16.distributed.shard_layout import layout_for
-from functional_fp16.distributed.sharded_checkpoints import MARKER, _AliasingSavePlanner, _chunked
+from functional_fp16.distributed.sharded_checkpoints import MARKER
+from tests import _forged_sharded_checkpoints as F
 from tests import _sharded_checkpoint_workers as W
 from tests._launch import launch_workers, results
 from tests.helpers import bits
@@ -43,6 +45,7 @@ from tests.helpers import bits
 pytestmark = pytest.mark.distributed
 
 WORKER_FILE = Path(__file__).with_name("_sharded_checkpoint_workers.py")
+FORGED_FILE = Path(__file__).with_name("_forged_sharded_checkpoints.py")
 LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing assertion
 PROMPT_S = 10.0  # a refusal must come well before the workers' 60 s collective timeout
 
@@ -71,7 +74,12 @@ def runs(tmp_path_factory):
         tmp_path_factory.mktemp("n2"),
         2,
         LAUNCH_TIMEOUT_S,
-        {**env, "FF_SCKPT_SCENARIOS": "resume_one,refusals,writer_raises,commit_raises,killed"},
+        {
+            **env,
+            "FF_SCKPT_SCENARIOS": (
+                "resume_one,refusals,one_rank_arguments,writer_raises,commit_raises,killed"
+            ),
+        },
     )
     three = launch_workers(
         WORKER_FILE,
@@ -232,7 +240,8 @@ REFUSALS = {
     "one_rank_lr_unchecked": ("ValueError", ["the ranks disagree", "learning_rate", "rank 1"]),
     "edited_marker": ("CheckpointCorruptError", ["checksum"]),
     "lost_chunk": ("CheckpointCorruptError", ["['state'].master['w1']", "do not tile"]),
-    "truncated": ("CheckpointError", ["reading step-"]),
+    "truncated": ("CheckpointCorruptError", ["__1_0.distcp", "beyond the end"]),
+    "garbled": ("CheckpointCorruptError", ["reading step-", "__1_0.distcp", "not a zip archive"]),
     "save_object": ("TypeError", ["['obj']", "object"]),
     "save_one_rank_extra": ("ValueError", ["['extra']", "rank 1"]),
     "save_to_a_file": ("NotADirectoryError", ["two_full.ckpt", "is a file"]),
@@ -251,6 +260,108 @@ def test_refusals_raise_on_every_rank_naming_the_path(runs):
         assert "failed on rank 1" in res["errors"]["one_rank_lr"] or r == 1
         assert not res["unused_exists"]  # refused before anything was written
         assert_same_leaves(res["after"], res["expected"], f"rank {r} after the refusals")
+
+
+ONE_RANK_ARGUMENTS = {
+    "save_bucket_bytes": ("ValueError", ["bucket_bytes must be a positive int"]),
+    "save_path_type": ("TypeError", ["float"]),
+    "load_path_type": ("TypeError", ["NoneType"]),
+    "load_bytes_path": ("TypeError", ["bytes"]),
+}
+
+
+def test_an_invalid_argument_on_one_rank_makes_every_rank_raise_promptly(runs):
+    # The argument checks run inside the step whose outcome every rank gathers,
+    # so the other rank is not left waiting in the gather until its timeout.
+    for r, res in enumerate(results(runs[2], "one_rank_arguments")):
+        for case, (kind, texts) in ONE_RANK_ARGUMENTS.items():
+            message, seconds = res[case]
+            assert message is not None, f"rank {r}: {case} did not raise"
+            assert message.startswith(f"{kind}:"), (r, case, message)
+            for text in texts:
+                assert text in message, (r, case, text, message)
+            assert r == 1 or "failed on rank 1" in message, (r, case, message)
+            assert seconds < PROMPT_S, (r, case, seconds)
+        assert not res["unused_exists"]
+        assert_same_leaves(res["after"], res["expected"], f"rank {r} after the refusals")
+
+
+# -- forged files ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory):
+    """The forged-file scenarios, in one process of a one-rank group (a crash fails them, not pytest)."""
+    return launch_workers(
+        FORGED_FILE,
+        tmp_path_factory.mktemp("forged"),
+        1,
+        LAUNCH_TIMEOUT_S,
+        {
+            "FF_SCKPT_DIR": str(tmp_path_factory.mktemp("forged_checkpoints")),
+            "FF_SCKPT_SCENARIOS": "forged_globals,forged_ranges,forged_marker,forged_nested",
+        },
+    )
+
+
+def assert_refused(message: str | None, kind: str, texts: list[str], where: str) -> None:
+    assert message is not None, f"{where}: loaded"
+    assert message.startswith(f"{kind}:"), (where, message)
+    for text in texts:
+        assert text in message, (where, text, message)
+
+
+def test_a_forged_metadata_naming_a_global_is_refused_without_running_it(forged):
+    res = results(forged, "forged_globals")[0]
+    for name, target in (
+        ("mkdir", "posix.mkdir"),
+        ("eval", "builtins.eval"),
+        ("system", "posix.system"),
+    ):
+        error, ran = res[name]
+        assert not ran, f"the forged .metadata ran {target}"
+        assert_refused(error, "CheckpointCorruptError", [".metadata", f"'{target}'"], name)
+
+
+FORGED_RANGES = {
+    "huge_length": ["['state'].master['w1']", "1099511627776 stored bytes", "its 4 bytes"],
+    "beyond_file": ["['state'].master['w1']", "beyond the end of __0_0.distcp"],
+    "outside_folder": ["'/etc/passwd'", "not a data file"],
+    "other_checkpoint": ["not a data file"],
+    "transform": ["stream transform"],
+    "allocates": ["reading step-", "bytearray"],
+    "padded": [".metadata", "larger than"],
+}
+
+
+def test_forged_chunk_records_are_refused_before_anything_is_allocated(forged):
+    res = results(forged, "forged_ranges")[0]
+    assert set(res) == set(FORGED_RANGES)
+    for case, texts in FORGED_RANGES.items():
+        assert_refused(res[case], "CheckpointCorruptError", texts, case)
+
+
+def test_marker_texts_reach_messages_escaped_and_cut(forged):
+    res = results(forged, "forged_marker")[0]
+    cases = {
+        "twice": ("CheckpointCorruptError", ["appears twice", "\\x1b[2J\\nstate"]),
+        "huge_value": ("CheckpointMismatchError", ["checkpoint['epoch']", "AAAA", "..."]),
+        "config_escape": ("CheckpointMismatchError", ["learning_rate", "\\x1b]0;forged\\x07"]),
+    }
+    for case, (kind, texts) in cases.items():
+        message = res[case]
+        assert_refused(message, kind, texts, case)
+        assert message.isprintable() and len(message) < 2000, (case, message[:3000])
+    message, seconds = res["duplicate_keys"]
+    assert_refused(message, "CheckpointCorruptError", ["the key 'k0' appears twice"], "keys")
+    assert seconds < PROMPT_S, seconds
+
+
+def test_a_forged_metadata_nested_deep_is_refused_without_crashing(forged):
+    res = results(forged, "forged_nested")[0]
+    assert_refused(res["key"], "CheckpointCorruptError", ["dict key of type tuple"], "key")
+    assert_refused(res["enum"], "CheckpointCorruptError", ["other than plain arguments"], "enum")
+    assert F.NESTING >= 300_000
 
 
 # -- one configuration on every rank ------------------------------------------------------
@@ -311,8 +422,8 @@ def test_the_writer_gets_each_chunk_as_an_alias_of_its_bytes():
     # the last tensor of every entry until the file is complete; the planner hands
     # it chunks that alias exactly their bytes, so a save copies nothing.
     piece = torch.arange(10, dtype=torch.float32)
-    flat = _chunked(piece.view(-1), 25, 7, 4)  # elements 7 .. 16 of 25, chunks of 4
-    planner = _AliasingSavePlanner()
+    flat = chunked(piece.view(-1), 25, 7, 4)  # elements 7 .. 16 of 25, chunks of 4
+    planner = AliasingSavePlanner()
     planner.set_up_planner({"w": flat, "s": torch.tensor(3)}, None, True)
     items = [i for i in planner.create_local_plan().items if i.index.fqn == "w"]
     assert [tuple(i.index.offset) for i in items] == [(7,), (11,), (15,)]
