@@ -193,6 +193,10 @@ def _check_records(records: list[zipfile.ZipInfo], size: int, file: str) -> zipf
     return pickles[0]
 
 
+MAX_TUPLE_DEPTH = 16
+"""The deepest nesting of tuples a checkpoint's pickle may hold (``torch.save`` writes 2)."""
+
+
 def check_pickle(data: bytes, records: dict[str, int], prefix: str, file: str) -> None:
     """Checks that the pickle ``data`` uses only what ``torch.save`` writes for a checkpoint.
 
@@ -208,6 +212,19 @@ def check_pickle(data: bytes, records: dict[str, int], prefix: str, file: str) -
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
+    # Nesting of tuples: unpickling hashes a tuple used as a dict key recursively
+    # (in C), so a deep one crashes the process. torch.save nests them 2 deep.
+    depth: dict[int, int] = {}
+    made: list[tuple] = []  # the tuples whose ids ``depth`` holds, kept alive
+
+    def tuple_of(items: list[Any]) -> tuple:
+        t = tuple(items)
+        d = 1 + max((depth.get(id(x), 0) for x in items if isinstance(x, tuple)), default=0)
+        if d > MAX_TUPLE_DEPTH:
+            raise corrupt(file, f"its pickle nests tuples more than {MAX_TUPLE_DEPTH} deep")
+        depth[id(t)] = d
+        made.append(t)
+        return t
 
     def pop_mark() -> list[Any]:
         at = marks.pop()
@@ -241,12 +258,12 @@ def check_pickle(data: bytes, records: dict[str, int], prefix: str, file: str) -
             elif name in ("BINGET", "LONG_BINGET"):
                 stack.append(memo[arg])
             elif name == "TUPLE":
-                stack.append(tuple(pop_mark()))
+                stack.append(tuple_of(pop_mark()))
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
                 n = int(name[-1])
                 if len(stack) < n:
                     raise IndexError("a tuple of more items than the stack holds")
-                stack[-n:] = [tuple(stack[-n:])]
+                stack[-n:] = [tuple_of(stack[-n:])]
             elif name in ("APPEND", "SETITEM"):
                 n = 1 if name == "APPEND" else 2
                 if len(stack) <= n:

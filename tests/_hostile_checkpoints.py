@@ -617,6 +617,18 @@ def case_v1_shared_text():
     return forge(p, checksum="0" * 64), False
 
 
+def case_deeply_nested_tuple_key():
+    """A dict keyed by a tuple nested 300,000 deep (1 MB): hashing it while unpickling
+    recurses in C and crashes the process."""
+
+    def edit(records: dict[str, bytes]) -> None:
+        name = next(n for n in records if n.endswith("/data.pkl"))
+        # PROTO 2, EMPTY_DICT, the key: EMPTY_TUPLE then TUPLE1 300,000 times, NONE, SETITEM, STOP
+        records[name] = b"\x80\x02}" + b")" + b"\x85" * 300_000 + b"Ns."
+
+    return rezip(clean_bytes(), edit), False
+
+
 CASES: dict[str, Callable[[], tuple[bytes, bool]]] = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }

@@ -100,6 +100,7 @@ EXPECTED = {
     "v2_shared_text": ("CheckpointCorruptError", "counting each reference"),
     "v1_shared_text": ("CheckpointCorruptError", "counting each reference"),
     "bytearray_call": ("CheckpointCorruptError", "refers to builtins.bytearray"),
+    "deeply_nested_tuple_key": ("CheckpointCorruptError", "nests tuples more than 16 deep"),
     "untyped_storage_call": ("CheckpointCorruptError", "calls torch.storage.UntypedStorage"),
     "ordered_dict_of_a_view": ("CheckpointCorruptError", "calls collections.OrderedDict with"),
     "tensor_in_the_header": ("CheckpointCorruptError", "holds a tensor outside its tensor table"),
