@@ -63,7 +63,11 @@ the sharded state :mod:`.shard_layout` (who owns which elements),
 :mod:`.sharded_step` (:func:`sharded_update`) and :mod:`.sharded_checkpoints`
 (:func:`save_checkpoint_sharded`, :func:`load_checkpoint_sharded`: each rank
 writes and reads its own part through ``torch.distributed.checkpoint``, and a
-checkpoint loads at any world size)::
+checkpoint loads at any world size), with :mod:`.sharded_format` (the marker
+file and its comparison with the template), :mod:`.sharded_plans` (each
+rank's checks before the ranks agree), :mod:`.dcp_metadata` (DCP's metadata
+file read with a restricted unpickler) and :mod:`.dcp_io` (chunks, the save
+planner and the reader)::
 
     ffd.save_checkpoint_sharded("ckpt", {"state": state, "epoch": epoch})
     like = {"state": shard_state(fp16_init(params, adamw(1e-3))), "epoch": 0}

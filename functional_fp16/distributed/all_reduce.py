@@ -18,7 +18,7 @@ from functional_fp16.distributed.fingerprint import (
     describe_tree,
     leaf_key,
 )
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import check_same_tree
 
 __all__ = [
@@ -59,13 +59,13 @@ def default_predivide(comm_dtype: torch.dtype, world: int) -> float:
     return float(world) if comm_dtype in _LOW_PRECISION else 1.0
 
 
-def _check_bucket_bytes(bucket_bytes: int) -> int:
+def check_bucket_bytes(bucket_bytes: int) -> int:
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     return bucket_bytes
 
 
-def _check_comm_dtype(comm_dtype: torch.dtype | None) -> torch.dtype | None:
+def check_comm_dtype(comm_dtype: torch.dtype | None) -> torch.dtype | None:
     if comm_dtype is not None and (
         not isinstance(comm_dtype, torch.dtype) or not comm_dtype.is_floating_point
     ):
@@ -73,7 +73,7 @@ def _check_comm_dtype(comm_dtype: torch.dtype | None) -> torch.dtype | None:
     return comm_dtype
 
 
-def _check_predivide(predivide_factor: float | None) -> float | None:
+def check_predivide(predivide_factor: float | None) -> float | None:
     if predivide_factor is None:
         return None
     return _validate.real("predivide_factor", predivide_factor, positive=True)
@@ -130,7 +130,7 @@ def tree_all_reduce_mean(
     Raises:
       ValueError: on every rank, when the ranks' configurations differ.
     """
-    _require_group("tree_all_reduce_mean")
+    require_group("tree_all_reduce_mean")
     world = dist.get_world_size(group)
     # The ranks agree on the configuration first (once per configuration), so that
     # a refusal below happens on every rank alike and none waits in the all-reduce.
@@ -150,9 +150,9 @@ def tree_all_reduce_mean(
         name="tree",
         what="tree_all_reduce_mean: the ranks disagree",
     )
-    bucket_bytes = _check_bucket_bytes(bucket_bytes)
-    comm_dtype = _check_comm_dtype(comm_dtype)
-    predivide_factor = _check_predivide(predivide_factor)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    comm_dtype = check_comm_dtype(comm_dtype)
+    predivide_factor = check_predivide(predivide_factor)
     leaves, spec, _ = _float_leaves(tree, "tree")
     if not leaves:
         return tree
@@ -203,18 +203,18 @@ def all_reduce_mean(
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with an empty state.
     """
-    bucket_bytes = _check_bucket_bytes(bucket_bytes)
-    comm_dtype = _check_comm_dtype(comm_dtype)
-    predivide_factor = _check_predivide(predivide_factor)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    comm_dtype = check_comm_dtype(comm_dtype)
+    predivide_factor = check_predivide(predivide_factor)
 
     def init(params: PyTree) -> EmptyState:
-        _require_group("all_reduce_mean")
+        require_group("all_reduce_mean")
         check_same_tree(params, group, name="params")
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
         del params
-        _require_group("all_reduce_mean")
+        require_group("all_reduce_mean")
         mean = tree_all_reduce_mean(
             updates,
             group=group,
@@ -247,7 +247,7 @@ def agree_finite(finite: torch.Tensor, *, group: ProcessGroup = None) -> torch.T
     Returns:
       A new 0-d bool tensor, the same on every rank.
     """
-    _require_group("agree_finite")
+    require_group("agree_finite")
     if not isinstance(finite, torch.Tensor) or finite.dtype != torch.bool or finite.ndim != 0:
         raise TypeError(f"finite must be a 0-d bool tensor, got {describe_tensor(finite)}")
     overflow = torch.logical_not(finite).to(torch.uint8).reshape(1)

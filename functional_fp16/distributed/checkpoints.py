@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from functional_fp16._tree import PyTree
 from functional_fp16.checkpoint import load_checkpoint, save_checkpoint
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import broadcast_state
 from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like, unshard_state
 
@@ -39,7 +39,7 @@ def save_checkpoint_rank0(
     does not depend on the world size: :func:`load_checkpoint_broadcast`
     shards it again for whatever group loads it.
     """
-    _require_group("save_checkpoint_rank0")
+    require_group("save_checkpoint_rank0")
     tree = map_sharded(lambda s: unshard_state(s, group=group), tree)
     error = None
     if dist.get_rank() == src:
@@ -77,7 +77,7 @@ def load_checkpoint_broadcast(
     Returns:
       The checkpointed tree, bitwise the same on every rank.
     """
-    _require_group("load_checkpoint_broadcast")
+    require_group("load_checkpoint_broadcast")
     full = map_sharded(full_like, like)
     tree, error = full, None
     if dist.get_rank() == src:

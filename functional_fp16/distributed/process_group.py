@@ -158,7 +158,7 @@ def is_main_process(group: ProcessGroup = None) -> bool:
     return get_rank(group) == 0
 
 
-def _require_group(what: str) -> None:
+def require_group(what: str) -> None:
     if not is_initialized():
         raise RuntimeError(
             f"{what} needs a torch.distributed process group, but none is initialised: call "

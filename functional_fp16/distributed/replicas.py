@@ -11,7 +11,7 @@ from functional_fp16._deprecation import keyword_only
 from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
 from functional_fp16.distributed.fingerprint import agree, describe_tree
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 
 __all__ = ["check_same_tree", "broadcast_state"]
 
@@ -33,7 +33,7 @@ def check_same_tree(tree: PyTree, group: ProcessGroup = None, *, name: str = "tr
     Raises:
       ValueError: naming the first path that differs and the two ranks.
     """
-    _require_group("check_same_tree")
+    require_group("check_same_tree")
     agree(describe_tree(tree), group, name=name, what="the ranks hold different trees")
 
 
@@ -62,7 +62,7 @@ def broadcast_state(
     Returns:
       A new tree with ``src``'s values; ``tree`` itself is never written to.
     """
-    _require_group("broadcast_state")
+    require_group("broadcast_state")
     check_same_tree(tree, group, name=name)
     leaves, spec = tree_flatten(tree)
     if not leaves:

@@ -78,7 +78,7 @@ from functional_fp16.atomic_file import fsync_dir
 from functional_fp16.distributed.all_reduce import DEFAULT_BUCKET_BYTES
 from functional_fp16.distributed.dcp_io import AliasingSavePlanner, CheckedReader
 from functional_fp16.distributed.fingerprint import digest, first_difference
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.sharded_format import (
     MARKER,
     commit_marker,
@@ -212,7 +212,7 @@ def save_checkpoint_sharded(
       CheckpointError: writing failed on some rank (every rank raises; the
         previous checkpoint stays).
     """
-    _require_group("save_checkpoint_sharded")
+    require_group("save_checkpoint_sharded")
     rank = dist.get_rank(group)
     plan, error = None, None
     try:
@@ -307,7 +307,7 @@ def load_checkpoint_sharded(
         message names the path and what differs.
       ValueError: the ranks hold different ``like`` trees (naming the rank and path).
     """
-    _require_group("load_checkpoint_sharded")
+    require_group("load_checkpoint_sharded")
     plan, error = None, None
     try:
         plan = plan_load(path, like, group, check_tx)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from functional_fp16._checkpoint_format import SHOWN_PATH_CHARS, show
 from functional_fp16._tree import PyTree
-from functional_fp16.distributed.all_reduce import _check_bucket_bytes
+from functional_fp16.distributed.all_reduce import check_bucket_bytes
 from functional_fp16.distributed.dcp_io import chunked
 from functional_fp16.distributed.dcp_metadata import Expected, read_dcp_metadata
 from functional_fp16.distributed.fingerprint import describe_arguments, describe_tree
@@ -57,7 +57,7 @@ class SavePlan(NamedTuple):
 
 def plan_save(path: Any, tree: PyTree, group: ProcessGroup, bucket_bytes: Any) -> SavePlan:
     """This rank's part of a save; every check that can fail on one rank alone happens here."""
-    bucket_bytes = _check_bucket_bytes(bucket_bytes)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
     directory = as_directory(path)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(

@@ -12,10 +12,10 @@ from functional_fp16._tree import PyTree, check_like, tree_flatten, tree_unflatt
 from functional_fp16.clipping import sums_of_squares_reduced
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
-    _check_bucket_bytes,
-    _check_comm_dtype,
-    _check_predivide,
     agree_finite,
+    check_bucket_bytes,
+    check_comm_dtype,
+    check_predivide,
     default_predivide,
 )
 from functional_fp16.distributed.buckets import all_gather_flat, fill, reduce_scatter_flat
@@ -25,7 +25,7 @@ from functional_fp16.distributed.fingerprint import (
     describe_leaf,
     describe_tree,
 )
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
 from functional_fp16.update import FP16State, fp16_update
@@ -96,7 +96,7 @@ def sharded_update(
     Returns:
       The next sharded state.
     """
-    _require_group("sharded_update")
+    require_group("sharded_update")
     # The ranks first agree on the configuration (one small collective, the first
     # time each configuration is seen), so that whatever is refused below on a
     # first call is refused on every rank alike, before the step's first
@@ -116,9 +116,9 @@ def sharded_update(
     )
     layout = check_layout(state, group, "sharded_update")
     refuse_replicated_steps(state.tx)
-    bucket_bytes = _check_bucket_bytes(bucket_bytes)
-    comm_dtype = _check_comm_dtype(comm_dtype)
-    predivide_factor = _check_predivide(predivide_factor)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    comm_dtype = check_comm_dtype(comm_dtype)
+    predivide_factor = check_predivide(predivide_factor)
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     if loss is not None and not isinstance(loss, torch.Tensor):

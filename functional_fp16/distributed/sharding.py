@@ -38,7 +38,7 @@ from functional_fp16.accumulation import MultiStepsSpec
 from functional_fp16.base import ChainSpec
 from functional_fp16.distributed.all_reduce import AllReduceSpec
 from functional_fp16.distributed.buckets import all_gather_flat, fill
-from functional_fp16.distributed.process_group import ProcessGroup, _require_group
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import check_same_tree
 from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, piece_shape
 from functional_fp16.update import FP16State
@@ -172,7 +172,7 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
       ValueError: for a state that is already sharded, or an optimiser state
         whose per-parameter tensors are not shaped like their parameters.
     """
-    _require_group("shard_state")
+    require_group("shard_state")
     # First, so that every refusal below happens on every rank alike (no rank waits alone).
     check_same_tree(state, group, name="state")
     if not isinstance(state, FP16State):
@@ -256,7 +256,7 @@ def unshard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
     Returns:
       An unsharded :class:`~functional_fp16.FP16State` (``shard`` is ``None``).
     """
-    _require_group("unshard_state")
+    require_group("unshard_state")
     layout = check_layout(state, group, "unshard_state")
     owner = owners(state)
     p_leaves, p_spec = tree_flatten(state.params)
