@@ -38,6 +38,8 @@ _trained: dict[str, ff.FP16State] = {}
 def _child(mode: str) -> tuple[int, str, str]:
     """Runs ``tests._state_cases MODE``; ``sharded`` as two gloo ranks. Returns rank 0's
     exit status (or -1 when the ranks had to be stopped), stdout and stderr."""
+    if mode != "sharded":  # the one-process modes share a child
+        mode = ",".join(m for m in MODES if m != "sharded")
     command = [sys.executable, "-m", "tests._state_cases", mode]
     if mode != "sharded":
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -77,8 +79,9 @@ def _child(mode: str) -> tuple[int, str, str]:
 
 
 def _run_mode(mode: str) -> dict:
-    """``{(impl, case): result}`` from the child process(es) running every case of ``mode``."""
-    if mode not in _results:
+    """``{(mode, impl, case): result}`` from the child process(es) running ``mode``'s cases."""
+    key = "sharded" if mode == "sharded" else "one process"
+    if key not in _results:
         returncode, stdout, stderr = _child(mode)
         found, running = {}, None
         for line in stdout.splitlines():
@@ -86,23 +89,31 @@ def _run_mode(mode: str) -> dict:
             if "start" in record:
                 running = tuple(record["start"])
             else:
-                found[(record["impl"], record["case"])] = record
+                found[(record["mode"], record["impl"], record["case"])] = record
                 running = None
-        _results[mode] = {
+        _results[key] = {
             "found": found,
             "crash": None
             if returncode == 0
             else f"exit status {returncode} while running {running}: {stderr[-2000:]}",
         }
-    return _results[mode]
+    return _results[key]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+# Sharded, the state is checked before the step's first collective, before any
+# implementation is chosen: one implementation stands for all there.
+_RUNS = [
+    pytest.param(mode, impl, case, id=f"{case.name}-{impl}-{mode}")
+    for mode in MODES
+    for impl in (IMPLS if mode != "sharded" else ("fused",))
+    for case in CASES
+]
+
+
+@pytest.mark.parametrize("mode, impl, case", _RUNS)
 def test_mismatched_state_is_refused_naming_part_and_path(mode, impl, case):
     run = _run_mode(mode)
-    result = run["found"].get((impl, case.name))
+    result = run["found"].get((mode, impl, case.name))
     assert result is not None, f"no result for {case.name!r}: {run['crash']}"
     assert result["outcome"] == "refused", f"{case.name!r} was computed silently"
     assert result["type"] == case.error.__name__, result
