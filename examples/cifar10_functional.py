@@ -59,6 +59,12 @@ import cifar10_data  # noqa: E402
 from cifar10_cli import PRECISIONS, parse_args  # noqa: E402
 from cifar10_loop import fit  # noqa: E402
 from cifar10_outputs import history_rows, load_resume, plot_metrics, run_config  # noqa: E402
+from run_setup import (  # noqa: E402
+    configure_process,
+    cpu_has_fast_bf16,
+    resolve_device,
+    start_distributed,
+)
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
@@ -104,31 +110,6 @@ class Net(nn.Module):
 # -- configuration: from the flags (cifar10_cli.py) to the run's settings ---------------
 
 
-def resolve_device(name: str) -> torch.device:
-    """The device ``--device`` names (``auto``: CUDA if there is one, else the CPU)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but CUDA is not available on this machine")
-    return torch.device(name)
-
-
-def configure_process(args: argparse.Namespace, device: torch.device, quiet: bool = False) -> None:
-    """Process-wide settings for fast CPU training, each said once.
-
-    The forward and backward passes allocate and free tens of megabytes of
-    activations per step; glibc returns such blocks to the system and
-    page-faults them back in on the next step (about 9,000 faults per step
-    here). ``ff.tune_malloc()`` keeps them in the heap instead.
-    """
-    if device.type != "cpu" or args.no_tune_malloc:
-        return
-    if ff.tune_malloc() and not quiet:
-        print(
-            "note: glibc malloc thresholds raised (ff.tune_malloc; --no-tune-malloc to keep them)"
-        )
-
-
 def to_device_images(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     """uint8 ``(N, 3, H, W)`` images on ``device``, channels-last on the CPU.
 
@@ -149,15 +130,6 @@ def to_device_data(data: cifar10_data.Data, device: torch.device) -> cifar10_dat
         return cifar10_data.Split(to_device_images(split.images, device), split.labels.to(device))
 
     return data._replace(train=place(data.train), test=place(data.test))
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), so BF16 beats FP32."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except Exception:  # a private probe: never let it break the example
-        return False
 
 
 def resolve_policy(args: argparse.Namespace, device: torch.device) -> Policy:
@@ -296,18 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
     device = resolve_device(args.device)
-    info = None
-    if args.distributed:
-        info = ffd.init_from_env(device if device.type == "cpu" else None)
-        device = info.device
-        if args.batch_size % info.world_size:
-            raise SystemExit(
-                f"error: --batch-size {args.batch_size} must be divisible by WORLD_SIZE "
-                f"{info.world_size} (it is the global batch)"
-            )
-        if not info.is_main:  # rank 0 alone prints, shows progress and writes files
-            sys.stdout = open(os.devnull, "w")
-            args.no_progress = True
+    info, device = start_distributed(args, device)
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import cifar10_data
 import torch
+from run_setup import plot_loss_scale
 
 import functional_fp16 as ff
 from functional_fp16.policy import Policy
@@ -180,21 +181,7 @@ def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: s
     ax.set(xlabel="step", ylabel="training loss", title="loss")
     ax.legend()
     ax = axes[1]
-    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
-    skipped = [r for r in rows if r["skipped"]]
-    if skipped:
-        ax.scatter(
-            [r["step"] for r in skipped],
-            [r["loss_scale"] for r in skipped],
-            color="red",
-            marker="x",
-            s=20,
-            label=f"skipped ({len(skipped)})",
-            zorder=3,
-        )
-        ax.legend()
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+    plot_loss_scale(ax, rows)
     ax = axes[2]
     ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))

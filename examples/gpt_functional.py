@@ -62,7 +62,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The sibling modules, importable from any working directory; the device and
 # CPU settings are the CIFAR-10 example's.
 import gpt_data  # noqa: E402
-from cifar10_functional import configure_process, cpu_has_fast_bf16, resolve_device  # noqa: E402
 from gpt_cli import PRECISIONS, parse_args  # noqa: E402
 from gpt_loop import fit  # noqa: E402
 from gpt_model import (  # noqa: E402
@@ -74,6 +73,12 @@ from gpt_model import (  # noqa: E402
     model_config,
 )
 from gpt_outputs import load_resume, peak_memory, plot_metrics, run_config  # noqa: E402
+from run_setup import (  # noqa: E402
+    configure_process,
+    cpu_has_fast_bf16,
+    resolve_device,
+    start_distributed,
+)
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
@@ -313,18 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
     device = resolve_device(args.device)
-    info = None
-    if args.distributed:
-        info = ffd.init_from_env(device if device.type == "cpu" else None)
-        device = info.device
-        if args.batch_size % info.world_size:
-            raise SystemExit(
-                f"error: --batch-size {args.batch_size} must be divisible by WORLD_SIZE "
-                f"{info.world_size} (it is the global batch)"
-            )
-        if not info.is_main:  # rank 0 alone prints, shows progress and writes files
-            sys.stdout = open(os.devnull, "w")
-            args.no_progress = True
+    info, device = start_distributed(args, device)
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)

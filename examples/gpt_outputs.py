@@ -23,6 +23,7 @@ from pathlib import Path
 
 import gpt_data
 import torch
+from run_setup import plot_loss_scale
 
 import functional_fp16 as ff
 from functional_fp16.policy import Policy
@@ -225,21 +226,7 @@ def plot_metrics(path: Path, rows: list[dict], evals: list[tuple[int, float]], t
     ax.set(xlabel="step", ylabel="loss (nats/character)", title="loss")
     ax.legend()
     ax = axes[1]
-    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
-    skipped = [r for r in rows if r["skipped"]]
-    if skipped:
-        ax.scatter(
-            [r["step"] for r in skipped],
-            [r["loss_scale"] for r in skipped],
-            color="red",
-            marker="x",
-            s=20,
-            label=f"skipped ({len(skipped)})",
-            zorder=3,
-        )
-        ax.legend()
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+    plot_loss_scale(ax, rows)
     ax = axes[2]
     ax.plot(steps, [r["lr"] for r in rows], lw=1.0)
     ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
