@@ -12,6 +12,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import functional_fp16 as ff
 from functional_fp16._tree import NAMESPACE
 
 SIZES = (1, 7, 8, 9, 64, 65)
@@ -224,3 +225,67 @@ def load_example(name: str) -> ModuleType:
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     return load_module(EXAMPLES / f"{name}.py", name)
+
+
+# -- the optimiser matrix every implementation is held to --------------------------------
+
+STEPS = 6
+
+
+def optimiser_matrix() -> dict:
+    """The optimisers every implementation is held to, by name (fresh transforms each call)."""
+    sched = ff.linear_schedule(0.1, 0.01, transition_steps=4)
+    return {
+        "sgd": ff.sgd(0.1),
+        "momentum": ff.sgd(0.05, momentum=0.9),
+        "nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True),
+        "dampening": ff.sgd(0.05, momentum=0.8, dampening=0.3),
+        "wd": ff.sgd(0.05, momentum=0.9, weight_decay=1e-2),
+        "wd_nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        "schedule": ff.sgd(sched, momentum=0.9),
+        "schedule_wd_no_momentum": ff.sgd(sched, weight_decay=1e-3),
+        "wd_zero_kept": ff.chain(
+            ff.add_decayed_weights(0.0), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
+        ),
+        "zero_momentum_trace": ff.chain(ff.trace(0.0), ff.scale_by_learning_rate(0.1)),
+        "clip": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.05, momentum=0.9)),
+        "clip_trace": ff.chain(
+            ff.clip_by_global_norm(0.5), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
+        ),
+        "apply_if_finite": ff.apply_if_finite(ff.sgd(0.05, momentum=0.9), 2),
+        "identity": ff.identity(),
+        "ascent": ff.chain(ff.trace(0.9), ff.scale_by_learning_rate(0.1, flip_sign=False)),
+        "adam": ff.adam(1e-3),
+        "adamw_schedule_small_b1": ff.adamw(sched, b1=0.3, weight_decay=1e-2),
+        "clip_l2_adam": ff.chain(
+            ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-2), ff.adam(1e-3)
+        ),
+    }
+
+
+TX_NAMES = sorted(optimiser_matrix())
+
+
+def matrix_grads(state, step, seed, scale=2.0**10, bad=None):
+    """Scaled FP16 gradients like a backward pass would produce; ``bad`` injects a value."""
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    out = optree.tree_map(
+        lambda p: (torch.randn(p.shape, generator=g) * scale).to(p.dtype),
+        state.params,
+        namespace=NAMESPACE,
+    )
+    if bad is not None:
+        leaves, spec = optree.tree_flatten(out, namespace=NAMESPACE)
+        leaf = leaves[(step + seed) % len(leaves)]
+        leaf.view(-1)[step % leaf.numel()] = bad
+    return out
+
+
+def assert_states_bitwise_equal(a, b):
+    """Every leaf of two states has the same dtype, shape and bit pattern."""
+    la = optree.tree_leaves(a, namespace=NAMESPACE)
+    lb = optree.tree_leaves(b, namespace=NAMESPACE)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), (x, y)

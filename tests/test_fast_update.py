@@ -16,66 +16,20 @@ from hypothesis import strategies as st
 import functional_fp16 as ff
 from functional_fp16 import _finite as fast_update
 from functional_fp16 import allocator
-from functional_fp16._tree import tree_flatten, tree_leaves, tree_map
-from tests.helpers import SIZES, random_tree
-
-STEPS = 6
-
-
-def _txs():
-    sched = ff.linear_schedule(0.1, 0.01, transition_steps=4)
-    return {
-        "sgd": ff.sgd(0.1),
-        "momentum": ff.sgd(0.05, momentum=0.9),
-        "nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True),
-        "dampening": ff.sgd(0.05, momentum=0.8, dampening=0.3),
-        "wd": ff.sgd(0.05, momentum=0.9, weight_decay=1e-2),
-        "wd_nesterov": ff.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-        "schedule": ff.sgd(sched, momentum=0.9),
-        "schedule_wd_no_momentum": ff.sgd(sched, weight_decay=1e-3),
-        "wd_zero_kept": ff.chain(
-            ff.add_decayed_weights(0.0), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
-        ),
-        "zero_momentum_trace": ff.chain(ff.trace(0.0), ff.scale_by_learning_rate(0.1)),
-        "clip": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.05, momentum=0.9)),
-        "clip_trace": ff.chain(
-            ff.clip_by_global_norm(0.5), ff.trace(0.9), ff.scale_by_learning_rate(0.1)
-        ),
-        "apply_if_finite": ff.apply_if_finite(ff.sgd(0.05, momentum=0.9), 2),
-        "identity": ff.identity(),
-        "ascent": ff.chain(ff.trace(0.9), ff.scale_by_learning_rate(0.1, flip_sign=False)),
-        "adam": ff.adam(1e-3),
-        "adamw_schedule_small_b1": ff.adamw(sched, b1=0.3, weight_decay=1e-2),
-        "clip_l2_adam": ff.chain(
-            ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-2), ff.adam(1e-3)
-        ),
-    }
-
-
-TX_NAMES = sorted(_txs())
-
-
-def _grads(state, step, seed, scale=2.0**10, bad=None):
-    """Scaled FP16 gradients like a backward pass would produce; ``bad`` injects a value."""
-    g = torch.Generator().manual_seed(1000 * seed + step)
-    out = tree_map(lambda p: (torch.randn(p.shape, generator=g) * scale).to(p.dtype), state.params)
-    if bad is not None:
-        leaves, spec = tree_flatten(out)
-        leaf = leaves[(step + seed) % len(leaves)]
-        leaf.view(-1)[step % leaf.numel()] = bad
-    return out
+from functional_fp16._tree import tree_leaves, tree_map
+from tests.helpers import (
+    SIZES,
+    STEPS,
+    TX_NAMES,
+    assert_states_bitwise_equal,
+    matrix_grads,
+    optimiser_matrix,
+    random_tree,
+)
 
 
 def _bits(x):
     return x.reshape(-1).view(torch.uint8)
-
-
-def _assert_states_bitwise_equal(a, b):
-    la, lb = tree_leaves(a), tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(_bits(x), _bits(y)), (x, y)
 
 
 def _run(tx, impl, donate, seed=0, bad_steps=(), scale=2.0**10, loss_scale=None, dtype=None):
@@ -87,7 +41,7 @@ def _run(tx, impl, donate, seed=0, bad_steps=(), scale=2.0**10, loss_scale=None,
         bad = math.inf if step in bad_steps else None
         if step in bad_steps and step % 2:
             bad = math.nan
-        grads = _grads(state, step, seed, scale=scale, bad=bad)
+        grads = matrix_grads(state, step, seed, scale=scale, bad=bad)
         state = ff.fp16_update(state, grads, impl=impl, donate=donate)
         # Snapshot: a donated state is overwritten by the next step.
         states.append(tree_map(lambda x: x.clone(), state))
@@ -97,11 +51,11 @@ def _run(tx, impl, donate, seed=0, bad_steps=(), scale=2.0**10, loss_scale=None,
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("name", TX_NAMES)
 def test_bitwise_equal_to_reference(name, donate):
-    tx = _txs()[name]
+    tx = optimiser_matrix()[name]
     ref = _run(tx, "reference", False, bad_steps=(0, 3))
     fast = _run(tx, "foreach", donate, bad_steps=(0, 3))
     for r, f in zip(ref, fast):
-        _assert_states_bitwise_equal(r, f)
+        assert_states_bitwise_equal(r, f)
     assert not bool(ref[0].grads_finite) and bool(ref[1].grads_finite)
 
 
@@ -120,7 +74,7 @@ def test_bitwise_equal_for_every_loss_scale(loss_scale, donate):
     ref = _run(tx, "reference", False, bad_steps=(2,), loss_scale=loss_scale())
     fast = _run(tx, "foreach", donate, bad_steps=(2,), loss_scale=loss_scale())
     for r, f in zip(ref, fast):
-        _assert_states_bitwise_equal(r, f)
+        assert_states_bitwise_equal(r, f)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -130,7 +84,7 @@ def test_bitwise_equal_for_other_param_dtypes(dtype, donate):
     ref = _run(tx, "reference", False, bad_steps=(1,), dtype=dtype, scale=1.0)
     fast = _run(tx, "foreach", donate, bad_steps=(1,), dtype=dtype, scale=1.0)
     for r, f in zip(ref, fast):
-        _assert_states_bitwise_equal(r, f)
+        assert_states_bitwise_equal(r, f)
 
 
 @given(
@@ -141,19 +95,19 @@ def test_bitwise_equal_for_other_param_dtypes(dtype, donate):
     donate=st.booleans(),
 )
 def test_bitwise_equal_random(seed, name, bad, scale, donate):
-    tx = _txs()[name]
+    tx = optimiser_matrix()[name]
     ref = _run(tx, "reference", False, seed=seed, bad_steps=bad, scale=scale)
     fast = _run(tx, "foreach", donate, seed=seed, bad_steps=bad, scale=scale)
     for r, f in zip(ref, fast):
-        _assert_states_bitwise_equal(r, f)
+        assert_states_bitwise_equal(r, f)
 
 
 @pytest.mark.parametrize("name", TX_NAMES)
 def test_pure_mode_modifies_no_input(name):
-    tx = _txs()[name]
+    tx = optimiser_matrix()[name]
     state = ff.fp16_init(random_tree(3), tx)
-    state = ff.fp16_update(state, _grads(state, 0, 3), impl="foreach")
-    grads = _grads(state, 1, 3)
+    state = ff.fp16_update(state, matrix_grads(state, 0, 3), impl="foreach")
+    grads = matrix_grads(state, 1, 3)
     before = [x.clone() for x in tree_leaves((state, grads))]
     versions = [x._version for x in tree_leaves((state, grads))]
     new = ff.fp16_update(state, grads, impl="foreach")
@@ -170,9 +124,9 @@ def test_pure_mode_modifies_no_input(name):
 
 def test_donation_writes_into_the_old_buffers():
     state = ff.fp16_init(random_tree(1), ff.sgd(0.05, momentum=0.9))
-    state = ff.fp16_update(state, _grads(state, 0, 1), impl="foreach")
+    state = ff.fp16_update(state, matrix_grads(state, 0, 1), impl="foreach")
     old_ptrs = [x.data_ptr() for x in tree_leaves((state.master, state.params, state.opt_state))]
-    new = ff.fp16_update(state, _grads(state, 1, 1), impl="foreach", donate=True)
+    new = ff.fp16_update(state, matrix_grads(state, 1, 1), impl="foreach", donate=True)
     new_ptrs = [x.data_ptr() for x in tree_leaves((new.master, new.params, new.opt_state))]
     sizes = [x.numel() for x in tree_leaves((new.master, new.params, new.opt_state))]
     # master, FP16 params and momentum buffers are reused (0-d flags may be new).
@@ -182,9 +136,11 @@ def test_donation_writes_into_the_old_buffers():
 
 def test_donated_skip_leaves_the_buffers_bitwise_unchanged():
     state = ff.fp16_init(random_tree(2), ff.sgd(0.05, momentum=0.9, weight_decay=0.1))
-    state = ff.fp16_update(state, _grads(state, 0, 2), impl="foreach")
+    state = ff.fp16_update(state, matrix_grads(state, 0, 2), impl="foreach")
     snapshot = [x.clone() for x in tree_leaves((state.master, state.params, state.opt_state))]
-    new = ff.fp16_update(state, _grads(state, 1, 2, bad=math.nan), impl="foreach", donate=True)
+    new = ff.fp16_update(
+        state, matrix_grads(state, 1, 2, bad=math.nan), impl="foreach", donate=True
+    )
     assert not bool(new.grads_finite)
     for s, x in zip(snapshot, tree_leaves((new.master, new.params, new.opt_state))):
         assert torch.equal(_bits(s), _bits(x))
@@ -254,7 +210,7 @@ def test_an_unexpected_state_gets_exactly_the_reference_error(impl):
     # as the reference does: same type, same message.
     tx = ff.sgd(0.1, momentum=0.9)
     state = ff.fp16_init(random_tree(0), tx)
-    grads = _grads(state, 0, 0)
+    grads = matrix_grads(state, 0, 0)
     for bad_opt in [
         (ff.EmptyState(),),
         (

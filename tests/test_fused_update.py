@@ -31,9 +31,16 @@ from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._tree import tree_leaves, tree_map
 from functional_fp16.update import dispatch
-from tests.helpers import assert_within_one_operation_ulp, random_tree, ulp
-from tests.test_fast_update import STEPS, TX_NAMES, _grads, _txs
-from tests.test_fast_update import _assert_states_bitwise_equal as assert_bitwise
+from tests.helpers import (
+    STEPS,
+    TX_NAMES,
+    assert_within_one_operation_ulp,
+    matrix_grads,
+    optimiser_matrix,
+    random_tree,
+    ulp,
+)
+from tests.helpers import assert_states_bitwise_equal as assert_bitwise
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
 
@@ -78,11 +85,11 @@ def clone(state):
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("name", TX_NAMES)
 def test_every_chain_within_contract_of_the_reference(name, donate):
-    tx = _txs()[name]
+    tx = optimiser_matrix()[name]
     state = ff.fp16_init(random_tree(3, scale=0.5), tx)
     for step in range(STEPS):
         bad = [None, math.inf, None, math.nan, None, -math.inf][step]
-        grads = _grads(state, step, 0, bad=bad)
+        grads = matrix_grads(state, step, 0, bad=bad)
         old = clone(state)
         ref = ff.fp16_update(old, grads, impl="reference")
         state = ff.fp16_update(state, grads, impl="fused", donate=donate)
@@ -102,7 +109,7 @@ def test_dtypes_and_loss_scales_within_contract(param_dtype, loss_scale):
         random_tree(4), ff.sgd(0.05, momentum=0.9), make(), param_dtype=param_dtype
     )
     for step in range(STEPS):
-        grads = _grads(state, step, 1, scale=64.0, bad=math.inf if step == 2 else None)
+        grads = matrix_grads(state, step, 1, scale=64.0, bad=math.inf if step == 2 else None)
         old = clone(state)
         ref = ff.fp16_update(old, grads, impl="reference")
         state = ff.fp16_update(state, grads, impl="fused")
@@ -159,7 +166,7 @@ def test_the_readme_and_example_optimisers_take_the_fused_path():
 
 def test_without_a_compiler_it_warns_once_and_runs_the_plain_kernel(monkeypatch, kernel):
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
-    grads = _grads(state, 0, 0)
+    grads = matrix_grads(state, 0, 0)
     monkeypatch.setattr(op_library, "kernel_for", KERNEL_FOR)  # this test chooses for itself
     assert dispatch.route(state).kernel == "c"
     with_c = ff.fp16_update(state, grads)
@@ -184,7 +191,7 @@ def test_pure_outputs_never_alias_live_tensors_and_dropped_ones_are_reused():
     # 100,000 parameters: FP32 buffers of 400 KB, which the pool (not malloc) serves
     s0 = ff.fp16_init({"w": torch.randn(100_000), "b": torch.randn(10)}, tx)
     keep = clone(s0)
-    grads = _grads(s0, 0, 0)
+    grads = matrix_grads(s0, 0, 0)
     s1 = ff.fp16_update(s0, grads)
     s2 = ff.fp16_update(s1, grads)
     live = {x.untyped_storage().data_ptr() for x in tree_leaves((s0, s1))}
@@ -238,7 +245,7 @@ def test_kernel_sum_of_squares_matches_global_norm():
 
 def test_the_compiled_update_still_matches_eager_fused():
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
-    grads = _grads(state, 0, 0)
+    grads = matrix_grads(state, 0, 0)
     compiled = torch.compile(ff.fp16_update, fullgraph=True)
     new = compiled(state, grads)
     ref = ff.fp16_update(state, grads, impl="reference")

@@ -237,19 +237,18 @@ def test_every_update_keeps_the_signature_it_carries_forward(param_dtype):
     structure, shape, strides, dtype and device; this holds them to it, for every
     optimiser of the matrix, plain and under MultiSteps, pure and donated, with a
     channels-last leaf, a skipped step, and a float32 working copy that is its master."""
-    from tests.helpers import random_tree
-    from tests.test_fast_update import _grads, _txs
+    from tests.helpers import matrix_grads, optimiser_matrix, random_tree
 
     tree = random_tree(0)
     tree["conv"] = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
-    for name, tx in _txs().items():
+    for name, tx in optimiser_matrix().items():
         for outer in (tx, ff.MultiSteps(tx, 2)):
             for impl in ("auto", "foreach", "reference"):
                 for donate in (False, True):
                     state = ff.fp16_init(tree, outer, param_dtype=param_dtype)
                     before = state_check._signature(state)
                     for bad in (None, float("inf")):
-                        grads = _grads(state, 0, 0, bad=bad)
+                        grads = matrix_grads(state, 0, 0, bad=bad)
                         state = ff.fp16_update(state, grads, impl=impl, donate=donate)
                         where = (name, impl, donate, bad)
                         assert state._checked == before, where

@@ -912,7 +912,7 @@ def test_update_path_names_the_implementation_that_runs(monkeypatch):
     the code ``update_path`` names."""
     from functional_fp16._fused import steps as fused_steps
     from functional_fp16.update import dispatch, foreach
-    from tests.test_fast_update import _grads, _txs
+    from tests.helpers import matrix_grads, optimiser_matrix
 
     ran = []
     real_fused, real_foreach, real_reference = (
@@ -930,10 +930,10 @@ def test_update_path_names_the_implementation_that_runs(monkeypatch):
     monkeypatch.setattr(
         dispatch, "reference_update", lambda *a: ran.append("reference") or real_reference(*a)
     )
-    for name, tx in _txs().items():
+    for name, tx in optimiser_matrix().items():
         for outer in (tx, ff.MultiSteps(tx, 2)):
             state = ff.fp16_init(random_tree(0), outer)
-            grads = _grads(state, 0, 0)
+            grads = matrix_grads(state, 0, 0)
             for impl in ("auto", *IMPLEMENTATIONS):
                 ran.clear()
                 ff.fp16_update(state, grads, impl=impl)
