@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 
 import gpt_data
 import torch
-from run_setup import plot_loss_scale
+from run_setup import plot_loss_scale, read_for_resume
 
 import functional_fp16 as ff
 from functional_fp16.policy import Policy
@@ -134,21 +133,7 @@ def load_resume(path: str, state: ff.FP16State, config: dict) -> dict:
     which checks every tensor's shape and dtype and puts the state on this
     run's device. Returns the tree with ``rows`` and ``evals`` decoded.
     """
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: --resume {path}: no such file")
-    try:
-        plain = ff.load_checkpoint(path, map_location="cpu")
-    except ff.CheckpointError as err:
-        raise SystemExit(f"error: --resume: {err}") from None
-    if not isinstance(plain, dict) or any(k not in plain for k in CHECKPOINT_KEYS):
-        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
-    stored = plain["config"] if isinstance(plain["config"], dict) else {}
-    for key in RESUME_KEYS:
-        if stored.get(key) != config[key]:
-            raise SystemExit(
-                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
-                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
-            )
+    plain = read_for_resume(path, config, CHECKPOINT_KEYS, RESUME_KEYS)
     like = {
         "history": torch.empty_like(plain["history"]),
         "evals": torch.empty_like(plain["evals"]),

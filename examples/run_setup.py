@@ -87,3 +87,27 @@ def plot_loss_scale(ax: Any, rows: list[dict]) -> None:
         ax.legend()
     ax.set_yscale("log", base=2)
     ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+
+
+def read_for_resume(
+    path: str, config: dict, checkpoint_keys: tuple[str, ...], resume_keys: tuple[str, ...]
+) -> dict:
+    """The checkpoint at ``path`` read without a template, after checking it is one of
+    this example's (``checkpoint_keys`` present) written with this run's settings (equal
+    ``resume_keys`` in its ``config``). Every failure ends the program with one line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --resume {path}: no such file")
+    try:
+        plain = ff.load_checkpoint(path, map_location="cpu")
+    except ff.CheckpointError as err:
+        raise SystemExit(f"error: --resume: {err}") from None
+    if not isinstance(plain, dict) or any(k not in plain for k in checkpoint_keys):
+        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
+    stored = plain["config"] if isinstance(plain["config"], dict) else {}
+    for key in resume_keys:
+        if stored.get(key) != config[key]:
+            raise SystemExit(
+                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
+                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
+            )
+    return plain
