@@ -368,23 +368,31 @@ def _names(spec: StepSpec) -> list[str]:
     return names
 
 
-def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
-    """Refuses written tensors whose memory overlaps another argument's (donation).
+def first_overlap(tensors: list[Tensor]) -> tuple[int, int] | None:
+    """Indices of two dense tensors whose memory overlaps, or ``None``.
 
-    The tensors are dense, so each covers ``[data_ptr, data_ptr + nbytes)``.
+    A dense tensor covers ``[data_ptr, data_ptr + nbytes)``; empty ones cover nothing.
     """
-    tensors = [t for name in ["grads", *names] for t in a[name]]
     spans = sorted(
         (t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in enumerate(tensors) if t.nbytes
     )
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
-            where = [f"{name}[{i}]" for name in ["grads", *names] for i in range(len(a[name]))]
-            fail(
-                op,
-                f"{where[first]} and {where[second]} share memory; the donated step writes "
-                "in place",
-            )
+            return first, second
+    return None
+
+
+def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
+    """Refuses written tensors whose memory overlaps another argument's (donation)."""
+    tensors = [t for name in ["grads", *names] for t in a[name]]
+    found = first_overlap(tensors)
+    if found is not None:
+        where = [f"{name}[{i}]" for name in ["grads", *names] for i in range(len(a[name]))]
+        fail(
+            op,
+            f"{where[found[0]]} and {where[found[1]]} share memory; the donated step writes "
+            "in place",
+        )
 
 
 def _full(master: list[Tensor], params: list[Tensor], separate: list[bool]) -> list[Tensor]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from functional_fp16._fused.op_library import first_overlap
 from functional_fp16._tree import (
     describe_tensor,
     first_difference,
@@ -256,12 +257,9 @@ def check_disjoint(state: FP16State, grads: list[torch.Tensor]) -> None:
             paths.append(f"state{path}")
     leaves += grads
     paths += [f"grads[{i}]" for i in range(len(grads))]
-    spans = sorted(
-        (x.data_ptr(), x.data_ptr() + x.nbytes, k) for k, x in enumerate(leaves) if x.nbytes
-    )
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(
-                f"{paths[first]} and {paths[second]} share memory; a donated update writes "
-                "the state in place (pass separate tensors, or donate=False)"
-            )
+    found = first_overlap(leaves)
+    if found is not None:
+        raise ValueError(
+            f"{paths[found[0]]} and {paths[found[1]]} share memory; a donated update writes "
+            "the state in place (pass separate tensors, or donate=False)"
+        )
