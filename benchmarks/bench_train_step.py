@@ -48,7 +48,7 @@ import cifar10_functional as ex  # noqa: E402
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16.allocator import tune_malloc  # noqa: E402
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
-from functional_fp16.policy import Policy  # noqa: E402
+from functional_fp16.precision.policy import Policy  # noqa: E402
 
 COMPUTE = torch.float32  # --compute: the compute dtype of both loops
 LR = 0.01

@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 from bench_update import _example_cnn_shapes  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16._tree import tree_leaves  # noqa: E402
+from functional_fp16._util.tree import tree_leaves  # noqa: E402
 
 TX = ff.sgd(0.05, momentum=0.9)
 

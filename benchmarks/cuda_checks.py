@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16._tree import tree_leaves, tree_map  # noqa: E402
+from functional_fp16._util.tree import tree_leaves, tree_map  # noqa: E402
 from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS  # noqa: E402
 
 LR, MOMENTUM, SCALE = 0.05, 0.9, 2.0**12

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import cifar10_data
 import torch
 
-from functional_fp16.policy import get_policy
+from functional_fp16.precision.policy import get_policy
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 """The ``--precision`` and ``--compute-dtype`` names and their dtypes."""

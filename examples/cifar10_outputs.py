@@ -20,7 +20,7 @@ import torch
 from run_setup import plot_loss_scale, read_for_resume
 
 import functional_fp16 as ff
-from functional_fp16.policy import Policy
+from functional_fp16.precision.policy import Policy
 
 CHECKPOINT_PATTERN = "checkpoint_epoch_{:03d}.pt"
 

@@ -90,7 +90,7 @@ import cifar10_functional as main_job  # noqa: E402
 from cifar10_loop import epoch_order  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16.policy import Policy  # noqa: E402
+from functional_fp16.precision.policy import Policy  # noqa: E402
 
 aten = torch.ops.aten
 

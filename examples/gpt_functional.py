@@ -83,7 +83,7 @@ from run_setup import (  # noqa: E402
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
-from functional_fp16.policy import Policy, default_loss_scale  # noqa: E402
+from functional_fp16.precision.policy import Policy, default_loss_scale  # noqa: E402
 
 # -- precision ---------------------------------------------------------------------
 

@@ -1,10 +1,21 @@
-"""functional_fp16: pure, composable FP16 mixed-precision training for PyTorch."""
+"""functional_fp16: pure, composable FP16 mixed-precision training for PyTorch.
 
-from functional_fp16._tree import NAMESPACE
-from functional_fp16.accumulation import MultiSteps, MultiStepsState
-from functional_fp16.adam import ScaleByAdamState, adam, adamw, scale_by_adam
+The public API, re-exported from the subpackages:
+
+- :mod:`functional_fp16.precision`: loss scales and mixed-precision policies;
+- :mod:`functional_fp16.transforms`: optax-style gradient transformations;
+- :mod:`functional_fp16.update`: the FP16 state and ``fp16_update``;
+- :mod:`functional_fp16.checkpoint`: checkpoint files;
+- :mod:`functional_fp16.interop`: moving a ``torch.optim`` + ``GradScaler`` job in and out;
+- :mod:`functional_fp16.distributed`: data parallelism and sharding on ``torch.distributed``;
+- :mod:`functional_fp16.bridge`, :mod:`functional_fp16.stuck_scale`,
+  :mod:`functional_fp16.allocator`: the ``torch.func`` bridge, stuck-scale
+  detection and the CPU allocator setting.
+"""
+
+from functional_fp16._util.deprecation import redirect_moved_modules
+from functional_fp16._util.tree import NAMESPACE
 from functional_fp16.allocator import tune_malloc
-from functional_fp16.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functional_fp16.bridge import (
     make_apply,
     module_state_dict,
@@ -18,23 +29,16 @@ from functional_fp16.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from functional_fp16.clipping import clip_by_global_norm, global_norm
-from functional_fp16.combining import MultiTransformState, multi_transform, set_to_zero
-from functional_fp16.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.distributed import agree_finite, all_reduce_mean, tree_all_reduce_mean
-from functional_fp16.loss_scale import (
+from functional_fp16.interop import from_torch, to_torch
+from functional_fp16.precision import (
+    NORM_MODULES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
+    Policy,
     StaticLossScale,
     all_finite,
-    unscale_factor,
-)
-from functional_fp16.masking import MaskedNode, MaskedState, masked
-from functional_fp16.migration import from_torch, to_torch
-from functional_fp16.policy import (
-    NORM_MODULES,
-    Policy,
     cast_to,
     default_loss_scale,
     default_module_policies,
@@ -42,21 +46,7 @@ from functional_fp16.policy import (
     module_policy,
     norm_policy,
     parse_dtype,
-)
-from functional_fp16.schedules import (
-    constant_schedule,
-    cosine_decay_schedule,
-    join_schedules,
-    linear_schedule,
-    warmup_cosine_decay_schedule,
-)
-from functional_fp16.sgd import (
-    ScaleByScheduleState,
-    TraceState,
-    add_decayed_weights,
-    scale_by_learning_rate,
-    sgd,
-    trace,
+    unscale_factor,
 )
 from functional_fp16.stuck_scale import (
     StuckScaleError,
@@ -66,8 +56,76 @@ from functional_fp16.stuck_scale import (
     stuck_scale_init,
     stuck_scale_observe,
 )
+from functional_fp16.transforms import (
+    ApplyIfFiniteState,
+    EmptyState,
+    GradientTransformation,
+    MaskedNode,
+    MaskedState,
+    MultiSteps,
+    MultiStepsState,
+    MultiTransformState,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TraceState,
+    adam,
+    adamw,
+    add_decayed_weights,
+    apply_if_finite,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    constant_schedule,
+    cosine_decay_schedule,
+    global_norm,
+    identity,
+    join_schedules,
+    linear_schedule,
+    masked,
+    multi_transform,
+    scale_by_adam,
+    scale_by_learning_rate,
+    set_to_zero,
+    sgd,
+    trace,
+    warmup_cosine_decay_schedule,
+)
 from functional_fp16.update import FP16State, fp16_init, fp16_update, update_path
 from functional_fp16.update.batching import tree_stack, tree_unstack
+
+# Module paths of release 0.1 that moved into subpackages: importable for one
+# more release, with a DeprecationWarning.
+_MOVED = {
+    f"functional_fp16.{old}": f"functional_fp16.{new}"
+    for old, new in {
+        "loss_scale": "precision.loss_scale",
+        "policy": "precision.policy",
+        "base": "transforms.base",
+        "sgd": "transforms.sgd",
+        "adam": "transforms.adam",
+        "clipping": "transforms.clipping",
+        "schedules": "transforms.schedules",
+        "masking": "transforms.masking",
+        "combining": "transforms.combining",
+        "conditionality": "transforms.conditionality",
+        "accumulation": "transforms.accumulation",
+        "atomic_file": "checkpoint.atomic_file",
+        "migration": "interop.migration",
+        "torch_optim": "interop.torch_optim",
+        "grad_scaler": "interop.grad_scaler",
+    }.items()
+}
+redirect_moved_modules(_MOVED)
+
+
+def __getattr__(name: str):
+    """``functional_fp16.policy`` and the other moved modules, as attributes (deprecated)."""
+    if f"{__name__}.{name}" in _MOVED:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from functional_fp16._tree import PyTree, check_like, describe_tensor
-from functional_fp16.policy import (
+from functional_fp16._util.tree import PyTree, check_like, describe_tensor
+from functional_fp16.precision.policy import (
     ModulePolicies,
     Policy,
-    _check_module_policies,
     cast_to,
+    check_module_policies,
     default_module_policies,
     get_policy,
     module_policy,
@@ -269,7 +269,7 @@ def make_apply(
     if module_policies is None:
         module_policies = {} if policy is None else default_module_policies(policy)
     else:
-        module_policies = _check_module_policies(module_policies)
+        module_policies = check_module_policies(module_policies)
     template = _storage_free_copy(module)
     if train is not None:
         template.train(train)

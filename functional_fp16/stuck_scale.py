@@ -34,9 +34,9 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16.base import saturating_increment
-from functional_fp16.loss_scale import DynamicLossScale
+from functional_fp16._util import validate
+from functional_fp16.precision.loss_scale import DynamicLossScale
+from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.update import FP16State
 
 __all__ = [
@@ -103,7 +103,7 @@ def _floor(state: FP16State) -> float:
 
 
 def _check_patience(patience: int) -> int:
-    return _validate.integer("patience", patience, 1)
+    return validate.integer("patience", patience, 1)
 
 
 def _check_state(state: FP16State) -> None:

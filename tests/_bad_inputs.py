@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE
+from functional_fp16._util.tree import NAMESPACE
 
 FUZZ = settings(
     max_examples=400,

@@ -19,7 +19,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from functional_fp16._tree import tree_leaves, tree_map, tree_paths
+from functional_fp16._util.tree import tree_leaves, tree_map, tree_paths
 from tests._launch import error_of, run_scenarios, thread_names
 
 # -- the model, the data, the reference ------------------------------------

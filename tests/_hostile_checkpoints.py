@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import functional_fp16 as ff
-from functional_fp16 import _checkpoint_format as fmt
+from functional_fp16.checkpoint import format as fmt
 
 V1_FILE = Path(__file__).parent / "data" / "checkpoint_v1.ckpt"
 

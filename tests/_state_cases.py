@@ -26,7 +26,7 @@ import optree
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE, tree_leaves, tree_map
+from functional_fp16._util.tree import NAMESPACE, tree_leaves, tree_map
 
 
 class Case(NamedTuple):

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE
+from functional_fp16._util.tree import NAMESPACE
 
 SIZES = (1, 7, 8, 9, 64, 65)
 

@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from tests.helpers import bits, no_host_sync, scaled_error
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from tests.helpers import bits, scaled_error
 
 N = 20_003

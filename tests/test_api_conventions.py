@@ -15,7 +15,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16._fused.sgd import sgd_plan
-from functional_fp16.checkpoint import atomic_torch_save
+from functional_fp16.checkpoint.save_load import atomic_torch_save
 
 
 def _kinds(fn):

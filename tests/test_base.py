@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16.base import ChainSpec
+from functional_fp16.transforms.base import ChainSpec
 from tests.helpers import assert_transform_step_preserves, random_tree
 
 STEPS = 12

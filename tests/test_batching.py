@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_paths
+from functional_fp16._util.tree import tree_leaves, tree_paths
 from tests.helpers import bits
 
 K = 4

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16 import checkpoint
-from functional_fp16._tree import tree_leaves, tree_map, tree_paths
-from functional_fp16.checkpoint import FORMAT, VERSION
+from functional_fp16.checkpoint import format as checkpoint_format
+from functional_fp16._util.tree import tree_leaves, tree_map, tree_paths
+from functional_fp16.checkpoint.save_load import FORMAT, VERSION
 from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits
 
 
@@ -245,7 +245,7 @@ def test_tensors_follow_the_template_device_or_map_location(tmp_path):
     assert raw["leaves"][-1]["path"] == "['extra']"
     raw["leaves"][-1]["device"] = "cuda:7" if not torch.cuda.is_available() else "nonsense:0"
     header = (FORMAT, VERSION, raw["structure"], raw["leaves"])
-    raw["checksum"] = checkpoint.checksum(header, raw["tensors"])
+    raw["checksum"] = checkpoint_format.checksum(header, raw["tensors"])
     torch.save(raw, tmp_path / "moved.ckpt")
     with pytest.raises(
         ff.CheckpointError, match=r"checkpoint\['extra'\] was saved on .* pass map_location="
@@ -600,7 +600,7 @@ import optree  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from functional_fp16._tree import NAMESPACE  # noqa: E402
+from functional_fp16._util.tree import NAMESPACE  # noqa: E402
 from tests import _bad_inputs  # noqa: E402
 
 

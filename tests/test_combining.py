@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16._util.tree import tree_leaves, tree_map
 from tests.helpers import (
     assert_bitwise_unchanged,
     assert_transform_step_preserves,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16._util.tree import tree_leaves, tree_map
 from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 
 pytestmark = pytest.mark.slow

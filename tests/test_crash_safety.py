@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_paths
+from functional_fp16._util.tree import tree_leaves, tree_paths
 from tests.helpers import bits
 
 WRITER = Path(__file__).with_name("_checkpoint_writer.py")

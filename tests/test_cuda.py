@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16._util.tree import tree_leaves, tree_map
 from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 
 pytestmark = [

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from tests.helpers import assert_within_one_operation_ulp, load_example
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from tests.helpers import EXAMPLES, load_example, load_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import _finite as fast_update
 from functional_fp16 import allocator
-from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16._util import finite as fast_update
+from functional_fp16._util.tree import tree_leaves, tree_map
 from tests.helpers import (
     SIZES,
     STEPS,
@@ -226,7 +226,8 @@ def test_an_unexpected_state_gets_exactly_the_reference_error(impl):
 
 _TUNE_MALLOC_PROBE = """
 import ctypes, ctypes.util, torch
-from functional_fp16 import _finite as fast_update, allocator
+from functional_fp16 import allocator
+from functional_fp16._util import finite as fast_update
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

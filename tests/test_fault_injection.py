@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves, tree_map, tree_paths
-from functional_fp16.loss_scale import unscale_factor
+from functional_fp16._util.tree import tree_leaves, tree_map, tree_paths
+from functional_fp16.precision.loss_scale import unscale_factor
 from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 from tests.helpers import bits
 

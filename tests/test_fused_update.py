@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._finite import grads_finite
 from functional_fp16._fused import op_library, steps
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels import cpu as cpu_kernel
-from functional_fp16._tree import tree_leaves, tree_map
+from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.tree import tree_leaves, tree_map
 from functional_fp16.update import dispatch
 from tests.helpers import (
     STEPS,

@@ -34,9 +34,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16 import _checkpoint_archive, _checkpoint_read
-from functional_fp16 import _checkpoint_format as fmt
-from functional_fp16._tree import tree_leaves, tree_paths
+from functional_fp16._util.tree import tree_leaves, tree_paths
+from functional_fp16.checkpoint import _read as _checkpoint_read
+from functional_fp16.checkpoint import archive as _checkpoint_archive
+from functional_fp16.checkpoint import format as fmt
 from tests import _hostile_checkpoints as hostile
 from tests.helpers import bits
 

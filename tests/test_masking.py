@@ -29,8 +29,8 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._fused.sgd import sgd_plan
-from functional_fp16._tree import tree_leaves, tree_map
-from functional_fp16.sgd import DecaySpec
+from functional_fp16._util.tree import tree_leaves, tree_map
+from functional_fp16.transforms.sgd import DecaySpec
 from tests.helpers import (
     assert_bitwise_unchanged,
     assert_transform_step_preserves,

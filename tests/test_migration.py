@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from tests.helpers import bits, scaled_error
 
 BEFORE = 10  # torch (or ff) steps before the switch

@@ -20,7 +20,7 @@ from functional_fp16._fused.adam import adam_step, adam_step_
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from tests.helpers import bits
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from functional_fp16 import distributed as ffd
-from functional_fp16._tree import tree_flatten, tree_paths
+from functional_fp16._util.tree import tree_flatten, tree_paths
 from functional_fp16.distributed.dcp_io import AliasingSavePlanner, chunked
 from functional_fp16.distributed.shard_layout import layout_for
 from functional_fp16.distributed.sharded_checkpoints import MARKER

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from functional_fp16.distributed.sharding import owners
+from functional_fp16.distributed.shard_layout import owners
 from tests._launch import launch_workers, results
 from tests.helpers import bits, load_module, ulp_distance
 

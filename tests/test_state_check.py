@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE, tree_paths
+from functional_fp16._util.tree import NAMESPACE, tree_paths
 from functional_fp16.update import state_check
 from tests._state_cases import CASES, IMPLS, make_state, make_tx, on_trace
 

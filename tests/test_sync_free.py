@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_fp16 as ff
-from functional_fp16._tree import tree_map
+from functional_fp16._util.tree import tree_map
 from functional_fp16.update.dispatch import IMPLEMENTATIONS as _IMPLEMENTATIONS
 from tests.helpers import HostSync, no_host_sync, random_tree
 

@@ -587,7 +587,7 @@ def _main_end_to_end() -> None:
 
     import functional_fp16 as ff
     from functional_fp16._fused import op_library
-    from functional_fp16._tree import tree_leaves
+    from functional_fp16._util.tree import tree_leaves
 
     txs = {
         "sgd": ff.sgd(0.1, momentum=0.9, weight_decay=1e-3),

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_fp16 as ff
-from functional_fp16._tree import NAMESPACE, format_path, tree_leaves
+from functional_fp16._util.tree import NAMESPACE, format_path, tree_leaves
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from tests._bad_inputs import FUZZ, Pair, base_params, good_grads, trained
 from tests.helpers import (

@@ -43,11 +43,11 @@ from functional_fp16._fused import op_library
 from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
-from functional_fp16._tree import tree_flatten, tree_unflatten
-from functional_fp16.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
-from functional_fp16.base import GradientTransformation, saturating_increment
-from functional_fp16.clipping import ClipSpec
-from functional_fp16.sgd import DecaySpec, LearningRateSpec
+from functional_fp16._util.tree import tree_flatten, tree_unflatten
+from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
+from functional_fp16.transforms.base import GradientTransformation, saturating_increment
+from functional_fp16.transforms.clipping import ClipSpec
+from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec
 
 __all__ = ["AdamPlan", "adam_plan", "adam_state_fits", "adam_step", "adam_step_"]
 

@@ -1,7 +1,7 @@
 """Reading chains of declared transforms: the machinery every fused plan shares.
 
 Every transform of the library declares what it computes in its ``spec``
-(:class:`~functional_fp16.base.ChainSpec` and the parts' own specs). A fused
+(:class:`~functional_fp16.transforms.base.ChainSpec` and the parts' own specs). A fused
 plan flattens a chain into ``(spec, state path)`` pairs with :func:`chain_parts`
 and accepts or refuses the parts' types; :func:`cached_plan` caches its answer
 by the specs' values. :func:`state_at` and :func:`replace_at` read and replace
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from functional_fp16.base import ChainSpec, GradientTransformation, saturating_increment
-from functional_fp16.sgd import ScaleByScheduleState
+from functional_fp16.transforms.base import ChainSpec, GradientTransformation, saturating_increment
+from functional_fp16.transforms.sgd import ScaleByScheduleState
 
 __all__ = [
     "Path",

@@ -37,10 +37,10 @@ from functional_fp16._fused import op_library
 from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
 from functional_fp16._fused.op_library import StepSpec, define_step, f32
 from functional_fp16._fused.steps import Fusable, register
-from functional_fp16._tree import tree_flatten, tree_unflatten
-from functional_fp16.base import GradientTransformation
-from functional_fp16.clipping import ClipSpec
-from functional_fp16.sgd import (
+from functional_fp16._util.tree import tree_flatten, tree_unflatten
+from functional_fp16.transforms.base import GradientTransformation
+from functional_fp16.transforms.clipping import ClipSpec
+from functional_fp16.transforms.sgd import (
     DecaySpec,
     LearningRateSpec,
     TraceSpec,

@@ -35,15 +35,15 @@ import torch
 from functional_fp16._fused.chains import lr_factor, replace_at, state_at
 from functional_fp16._fused.op_library import finite_from_peak, grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
-from functional_fp16._tree import tree_flatten, tree_unflatten
-from functional_fp16.clipping import clip_factors, norm_of_sum_of_squares
-from functional_fp16.loss_scale import (
+from functional_fp16._util.tree import tree_flatten, tree_unflatten
+from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
     unscale_factor,
 )
-from functional_fp16.sgd import ScaleByScheduleState
+from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
+from functional_fp16.transforms.sgd import ScaleByScheduleState
 
 __all__ = ["Fusable", "register", "FusedPlan", "fused_plan", "why_not_fused", "fused_update"]
 

@@ -7,10 +7,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from functional_fp16 import _validate
-from functional_fp16._deprecation import keyword_only
-from functional_fp16._tree import PyTree, describe_tensor, tree_flatten, tree_paths, tree_unflatten
-from functional_fp16.base import EmptyState, GradientTransformation
+from functional_fp16._util import validate
+from functional_fp16._util.deprecation import keyword_only
+from functional_fp16._util.tree import (
+    PyTree,
+    describe_tensor,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
 from functional_fp16.distributed.fingerprint import (
     agree_once,
@@ -20,6 +25,7 @@ from functional_fp16.distributed.fingerprint import (
 )
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import check_same_tree
+from functional_fp16.transforms.base import EmptyState, GradientTransformation
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -76,7 +82,7 @@ def check_comm_dtype(comm_dtype: torch.dtype | None) -> torch.dtype | None:
 def check_predivide(predivide_factor: float | None) -> float | None:
     if predivide_factor is None:
         return None
-    return _validate.real("predivide_factor", predivide_factor, positive=True)
+    return validate.real("predivide_factor", predivide_factor, positive=True)
 
 
 @keyword_only("group")

@@ -6,8 +6,8 @@ import os
 
 import torch.distributed as dist
 
-from functional_fp16._tree import PyTree
-from functional_fp16.checkpoint import load_checkpoint, save_checkpoint
+from functional_fp16._util.tree import PyTree
+from functional_fp16.checkpoint.save_load import load_checkpoint, save_checkpoint
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import broadcast_state
 from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like, unshard_state
@@ -28,7 +28,7 @@ def _agree_on_error(error: BaseException | None, src: int, group: ProcessGroup, 
 def save_checkpoint_rank0(
     path: str | os.PathLike, tree: PyTree, *, src: int = 0, group: ProcessGroup = None
 ) -> None:
-    """Rank ``src`` writes ``tree`` with :func:`functional_fp16.checkpoint.save_checkpoint`.
+    """Rank ``src`` writes ``tree`` with :func:`functional_fp16.checkpoint.save_load.save_checkpoint`.
 
     Every rank must call it; all return once the file is complete (so any rank
     may read it afterwards), or all raise if writing failed. Since every rank
@@ -56,7 +56,7 @@ def load_checkpoint_broadcast(
     """Resumes every rank from a checkpoint that only rank ``src`` reads.
 
     Rank ``src`` loads ``path`` with
-    :func:`functional_fp16.checkpoint.load_checkpoint` (``like`` gives the
+    :func:`functional_fp16.checkpoint.save_load.load_checkpoint` (``like`` gives the
     structure and static configuration) and :func:`broadcast_state` sends its
     tensors to the others, so the file need only exist on ``src``'s machine.
     When every machine sees the file, ``load_checkpoint(path, like)`` on each

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from functional_fp16._checkpoint_archive import check_archive
-from functional_fp16._checkpoint_format import SHOWN_PATH_CHARS, CheckpointCorruptError, show
+from functional_fp16.checkpoint.archive import check_archive
+from functional_fp16.checkpoint.format import SHOWN_PATH_CHARS, CheckpointCorruptError, show
 
 __all__ = ["chunked", "AliasingSavePlanner", "CheckedReader"]
 

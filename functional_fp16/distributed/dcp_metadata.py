@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from functional_fp16._checkpoint_format import SHOWN_PATH_CHARS, CheckpointCorruptError, show
+from functional_fp16.checkpoint.format import SHOWN_PATH_CHARS, CheckpointCorruptError, show
 from functional_fp16.distributed.sharded_format import open_regular
 
 __all__ = ["Expected", "read_dcp_metadata"]

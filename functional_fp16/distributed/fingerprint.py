@@ -44,9 +44,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from functional_fp16._tree import NAMESPACE, PyTree, child_steps
-from functional_fp16.base import GradientTransformation
+from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps
 from functional_fp16.distributed.process_group import ProcessGroup
+from functional_fp16.distributed.shard_layout import owners
+from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update import FP16State
 
 __all__ = ["describe_tree", "describe_static", "agree", "agree_once"]
@@ -201,7 +202,7 @@ def describe_tree(
       tx: include every ``FP16State``'s ``tx`` (its ``spec``).
 
     Returns:
-      The entries in flattening order; paths as :func:`~functional_fp16._tree.tree_paths`
+      The entries in flattening order; paths as :func:`~functional_fp16._util.tree.tree_paths`
       writes them (``""`` for the root).
     """
     out: Entries = []
@@ -241,7 +242,6 @@ def _pieces_fit(state: FP16State) -> str:
     """Whether a sharded state's pieces have the lengths its layout gives, in words that
     do not depend on the rank (ranks that all hold misfit pieces agree, and are refused
     by the caller's own checks)."""
-    from functional_fp16.distributed.sharding import owners  # sharding imports this module
 
     layout = state.shard
     try:

@@ -17,11 +17,21 @@ number of dimensions (:func:`piece_shape`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-__all__ = ["ShardLayout", "layout_for", "piece_shape"]
+from functional_fp16._util.tree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from functional_fp16.update import FP16State
+
+__all__ = ["ShardLayout", "layout_for", "piece_shape", "owners"]
+
+# Probe leaf i has i + _TAG elements. A tx.init that ignores the device and
+# materialises it allocates a few MB, not terabytes; no optimiser creates
+# state of that length from nothing.
+_TAG = 1_000_003
 
 
 class ShardLayout(NamedTuple):
@@ -106,3 +116,36 @@ def piece_shape(ndim: int, n: int) -> tuple[int, ...]:
     if ndim == 0:
         return () if n == 1 else (0,)
     return (1,) * (ndim - 1) + (n,)
+
+
+def owners(state: FP16State) -> list[int | None]:
+    """For every leaf of ``state.opt_state``: the parameter leaf it belongs to, or ``None``.
+
+    ``state.tx.init`` runs on ``meta`` tensors of distinct sizes, one per
+    parameter, each with its parameter's number of dimensions (as pieces have,
+    so a mask function decides alike); a leaf of the result with parameter
+    ``i``'s size belongs to it. The real state's structure must match the probe's.
+    """
+    p_leaves, p_spec = tree_flatten(state.params)
+    tags = [
+        torch.empty(piece_shape(max(p.ndim, 1), _TAG + i), dtype=torch.float32, device="meta")
+        for i, p in enumerate(p_leaves)
+    ]
+    try:
+        probe = state.tx.init(tree_unflatten(p_spec, tags))
+    except Exception as err:
+        raise TypeError(
+            f"state.tx.init does not run on shape-only (meta) tensors ({type(err).__name__}: "
+            f"{err}), so the optimiser state cannot be split by parameter"
+        ) from None
+    want, got = tree_flatten(probe)[1], tree_flatten(state.opt_state)[1]
+    if want != got:
+        raise ValueError(
+            "state.opt_state does not have the structure state.tx.init gives: "
+            f"expected {want}, got {got}"
+        )
+    out: list[int | None] = []
+    for leaf in tree_flatten(probe)[0]:
+        i = leaf.numel() - _TAG if isinstance(leaf, torch.Tensor) and leaf.ndim else -1
+        out.append(i if 0 <= i < len(p_leaves) else None)
+    return out

@@ -8,7 +8,7 @@ the elements it will own, in chunks of a quarter of a bucket.
 
 **The DCP content.** One DCP entry per tensor leaf of the tree, keyed by the
 leaf's path (``"['state'].master['fc.weight']"``, as
-:func:`~functional_fp16._tree.tree_paths` writes it):
+:func:`~functional_fp16._util.tree.tree_paths` writes it):
 
 * the *per-parameter* tensors of every :class:`~functional_fp16.FP16State`
   (``params``, ``master``, and the optimiser-state tensors that ``tx.init``
@@ -66,15 +66,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from functional_fp16._checkpoint_format import (
+from functional_fp16._util.tree import PyTree
+from functional_fp16.checkpoint.atomic_file import fsync_dir
+from functional_fp16.checkpoint.format import (
     SHOWN_PATH_CHARS,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     show,
 )
-from functional_fp16._tree import PyTree
-from functional_fp16.atomic_file import fsync_dir
 from functional_fp16.distributed.all_reduce import DEFAULT_BUCKET_BYTES
 from functional_fp16.distributed.dcp_io import AliasingSavePlanner, CheckedReader
 from functional_fp16.distributed.fingerprint import digest, first_difference

@@ -16,7 +16,7 @@ checksum covers the rest of the marker.
 
 Whoever can write the marker can compute its checksum, so :func:`read_marker`
 checks every field's type and range, and every text taken from the file
-reaches a message escaped and cut (:func:`~functional_fp16._checkpoint_format.show`).
+reaches a message escaped and cut (:func:`~functional_fp16.checkpoint.format.show`).
 """
 
 from __future__ import annotations
@@ -32,17 +32,18 @@ from typing import Any, BinaryIO, NamedTuple
 import optree
 import torch
 
-from functional_fp16._checkpoint_format import (
+from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor, tree_flatten, tree_paths
+from functional_fp16.checkpoint.atomic_file import atomic_write
+from functional_fp16.checkpoint.format import (
     SHOWN_PATH_CHARS,
     CheckpointCorruptError,
     CheckpointMismatchError,
     show,
 )
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, tree_flatten, tree_paths
-from functional_fp16.atomic_file import atomic_write
 from functional_fp16.distributed.fingerprint import describe_leaf
 from functional_fp16.distributed.process_group import ProcessGroup
-from functional_fp16.distributed.sharding import check_layout, owners
+from functional_fp16.distributed.shard_layout import owners
+from functional_fp16.distributed.sharding import check_layout
 from functional_fp16.update import FP16State
 
 __all__ = [
@@ -190,7 +191,7 @@ def _canonical(body: dict[str, Any]) -> str:
 
 
 def commit_marker(directory: str, body: dict[str, Any]) -> None:
-    """Writes the marker with its checksum atomically (:func:`~functional_fp16.atomic_file.atomic_write`)."""
+    """Writes the marker with its checksum atomically (:func:`~functional_fp16.checkpoint.atomic_file.atomic_write`)."""
     body = dict(body)
     body["checksum"] = hashlib.sha256(_canonical(body).encode()).hexdigest()
     text = json.dumps(body).encode("utf-8")

@@ -17,8 +17,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from functional_fp16._checkpoint_format import SHOWN_PATH_CHARS, show
-from functional_fp16._tree import PyTree
+from functional_fp16._util.tree import PyTree
+from functional_fp16.checkpoint.format import SHOWN_PATH_CHARS, show
 from functional_fp16.distributed.all_reduce import check_bucket_bytes
 from functional_fp16.distributed.dcp_io import chunked
 from functional_fp16.distributed.dcp_metadata import Expected, read_dcp_metadata

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functional_fp16._tree import PyTree, check_like, tree_flatten, tree_unflatten
-from functional_fp16.clipping import sums_of_squares_reduced
+from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_unflatten
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
     agree_finite,
@@ -28,6 +27,7 @@ from functional_fp16.distributed.fingerprint import (
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
+from functional_fp16.transforms.clipping import sums_of_squares_reduced
 from functional_fp16.update import FP16State, fp16_update
 from functional_fp16.update.batching import is_batched
 from functional_fp16.update.dispatch import IMPLEMENTATIONS

@@ -26,7 +26,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from functional_fp16._tree import (
+from functional_fp16._util.tree import (
     NAMESPACE,
     PyTree,
     describe_tensor,
@@ -34,59 +34,21 @@ from functional_fp16._tree import (
     tree_paths,
     tree_unflatten,
 )
-from functional_fp16.accumulation import MultiStepsSpec
-from functional_fp16.base import ChainSpec
 from functional_fp16.distributed.all_reduce import AllReduceSpec
 from functional_fp16.distributed.buckets import all_gather_flat, fill
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.replicas import check_same_tree
-from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, piece_shape
+from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, owners, piece_shape
+from functional_fp16.transforms.accumulation import MultiStepsSpec
+from functional_fp16.transforms.base import ChainSpec
 from functional_fp16.update import FP16State
 
 __all__ = ["shard_state", "unshard_state", "is_sharded"]
-
-# Probe leaf i has i + _TAG elements. A tx.init that ignores the device and
-# materialises it allocates a few MB, not terabytes; no optimiser creates
-# state of that length from nothing.
-_TAG = 1_000_003
 
 
 def is_sharded(state: Any) -> bool:
     """Whether ``state`` is an :class:`~functional_fp16.FP16State` holding one rank's shard."""
     return isinstance(state, FP16State) and state.shard is not None
-
-
-def owners(state: FP16State) -> list[int | None]:
-    """For every leaf of ``state.opt_state``: the parameter leaf it belongs to, or ``None``.
-
-    ``state.tx.init`` runs on ``meta`` tensors of distinct sizes, one per
-    parameter, each with its parameter's number of dimensions (as pieces have,
-    so a mask function decides alike); a leaf of the result with parameter
-    ``i``'s size belongs to it. The real state's structure must match the probe's.
-    """
-    p_leaves, p_spec = tree_flatten(state.params)
-    tags = [
-        torch.empty(piece_shape(max(p.ndim, 1), _TAG + i), dtype=torch.float32, device="meta")
-        for i, p in enumerate(p_leaves)
-    ]
-    try:
-        probe = state.tx.init(tree_unflatten(p_spec, tags))
-    except Exception as err:
-        raise TypeError(
-            f"state.tx.init does not run on shape-only (meta) tensors ({type(err).__name__}: "
-            f"{err}), so the optimiser state cannot be split by parameter"
-        ) from None
-    want, got = tree_flatten(probe)[1], tree_flatten(state.opt_state)[1]
-    if want != got:
-        raise ValueError(
-            "state.opt_state does not have the structure state.tx.init gives: "
-            f"expected {want}, got {got}"
-        )
-    out: list[int | None] = []
-    for leaf in tree_flatten(probe)[0]:
-        i = leaf.numel() - _TAG if isinstance(leaf, torch.Tensor) and leaf.ndim else -1
-        out.append(i if 0 <= i < len(p_leaves) else None)
-    return out
 
 
 def _declared(spec: Any) -> Iterator[Any]:

@@ -1,7 +1,7 @@
 """``fp16_update`` for a :func:`~functional_fp16.MultiSteps` optimiser: one micro-batch at a time.
 
 The rules (one loss scale per window, an overflow skips the whole window) are
-described in :mod:`functional_fp16.accumulation`, which holds the transform.
+described in :mod:`functional_fp16.transforms.accumulation`, which holds the transform.
 """
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ from typing import Any
 
 import torch
 
-from functional_fp16._finite import grads_finite
-from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
-from functional_fp16.accumulation import (
+from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
+from functional_fp16.precision.loss_scale import NoOpLossScale
+from functional_fp16.transforms.accumulation import (
     MultiStepsSpec,
     MultiStepsState,
-    _check_state,
-    _closes,
-    _counters,
-    _empty_unless,
-    _hand_over,
-    _window_size,
+    check_multi_steps_state,
+    empty_unless,
+    hand_over,
+    next_counters,
+    window_closes,
+    window_size,
 )
-from functional_fp16.base import ChainSpec, GradientTransformation
-from functional_fp16.loss_scale import NoOpLossScale
+from functional_fp16.transforms.base import ChainSpec, GradientTransformation
 from functional_fp16.update.decision import Decision
 
 __all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
@@ -72,7 +72,7 @@ def inner_fp16_state(state: Any):
     :func:`fp16_accumulate_update` and by :func:`~functional_fp16.update_path`.
     """
     ms = state.opt_state
-    _check_state(ms)
+    check_multi_steps_state(ms)
     return state.replace(
         tx=state.tx.spec.inner,
         opt_state=ms.inner_opt_state,
@@ -103,10 +103,10 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
     finite = decide(grads_finite(g32, None))
     window_ok = ms.acc_finite & finite
     acc = torch._foreach_add(acc_leaves, g32)
-    k = _window_size(spec.every_k_schedule, ms.gradient_step)
-    emit = _closes(ms, k)
+    k = window_size(spec.every_k_schedule, ms.gradient_step)
+    emit = window_closes(ms, k)
     apply = emit & window_ok
-    handed = _hand_over(acc, k, spec.use_grad_mean)
+    handed = hand_over(acc, k, spec.use_grad_mean)
     # The inner update skips unless this is a window's last micro-batch and
     # all of it was finite; it also checks the mean itself. It may reuse the
     # memory of what it is handed only where that is not the accumulator.
@@ -119,12 +119,12 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         donate and spec.use_grad_mean,
     )
     applied = stepped.grads_finite
-    mini_step, gradient_step = _counters(ms, emit, applied)
+    mini_step, gradient_step = next_counters(ms, emit, applied)
     opt_state = MultiStepsState(
         mini_step=mini_step,
         gradient_step=gradient_step,
         inner_opt_state=stepped.opt_state,
-        acc_grads=tree_unflatten(acc_spec, _empty_unless(emit, acc)),
+        acc_grads=tree_unflatten(acc_spec, empty_unless(emit, acc)),
         acc_finite=emit | window_ok,
     )
     return stepped.replace(

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._tree import PyTree, first_difference, tree_flatten, tree_unflatten
+from functional_fp16._util.tree import PyTree, first_difference, tree_flatten, tree_unflatten
 
 __all__ = ["tree_stack", "tree_unstack", "is_batched", "per_member"]
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._tree import describe_tensor
+from functional_fp16._util.tree import describe_tensor
 
 __all__ = ["Decision", "FiniteHook"]
 

@@ -34,7 +34,7 @@ from functional_fp16._fused.op_library import kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel
-from functional_fp16._tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves
 from functional_fp16.update.accumulation import (
     fp16_accumulate_update,
     fp16_accumulates,

@@ -43,17 +43,17 @@ from typing import Any
 
 import torch
 
-from functional_fp16._finite import grads_finite
 from functional_fp16._fused.chains import lr_factor, replace_at, state_at
 from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
-from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.loss_scale import (
+from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
+from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
     unscale_factor,
 )
-from functional_fp16.sgd import ScaleByScheduleState, TraceState
+from functional_fp16.transforms.sgd import ScaleByScheduleState, TraceState
 
 __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
 
@@ -65,7 +65,7 @@ __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     # A fill, not a host-to-device copy (no sync, capturable in CUDA graphs);
-    # the same value as functional_fp16.sgd builds.
+    # the same value as functional_fp16.transforms.sgd builds.
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 

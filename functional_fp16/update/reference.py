@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_fp16._tree import PyTree, tree_leaves, tree_map, tree_select
-from functional_fp16.base import apply_updates
+from functional_fp16._util.tree import PyTree, tree_leaves, tree_map, tree_select
+from functional_fp16.transforms.base import apply_updates
 from functional_fp16.update.decision import Decision
 from functional_fp16.update.state import FP16State
 

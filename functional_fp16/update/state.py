@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._tree import (
+from functional_fp16._util.tree import (
     PyTree,
     describe_tensor,
     register_node,
@@ -32,14 +32,14 @@ from functional_fp16._tree import (
     tree_map,
     tree_paths,
 )
-from functional_fp16.base import GradientTransformation
-from functional_fp16.loss_scale import (
+from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     loss_scale_for,
 )
+from functional_fp16.transforms.base import GradientTransformation
 
 __all__ = ["FP16State", "fp16_init"]
 
@@ -61,7 +61,7 @@ class FP16State:
     * ``step`` — 0-d int32, the number of :func:`fp16_update` calls, skipped ones included.
     * ``grads_finite`` — 0-d bool, whether the last update was applied (with
       :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
-      :mod:`functional_fp16.accumulation`).
+      :mod:`functional_fp16.transforms.accumulation`).
 
     Static configuration: ``tx``, the :class:`GradientTransformation`, and
     ``shard``: ``None``, or for a state made by

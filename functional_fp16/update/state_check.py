@@ -35,14 +35,14 @@ from typing import Any
 import torch
 
 from functional_fp16._fused.op_library import first_overlap
-from functional_fp16._tree import (
+from functional_fp16._util.tree import (
     describe_tensor,
     first_difference,
     tree_flatten,
     tree_paths,
 )
-from functional_fp16.base import GradientTransformation
-from functional_fp16.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.state import FP16State, check_params
 
 __all__ = ["check_state"]

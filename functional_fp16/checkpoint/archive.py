@@ -1,6 +1,6 @@
 """Step 1 of a checkpoint's checks, before ``torch.load``: its zip container and its pickle.
 
-(Steps 2 and 3 are in :mod:`functional_fp16._checkpoint_format`.)
+(Steps 2 and 3 are in :mod:`functional_fp16.checkpoint.format`.)
 Package-public, not part of the API.
 
 :func:`check_archive` reads the zip container's directory from the open
@@ -37,7 +37,7 @@ writes for a checkpoint of either format passes:
   exactly ``numel`` items of the class's size.
 
 Whatever else a pickle holds is refused with a
-:class:`~functional_fp16._checkpoint_format.CheckpointCorruptError` that
+:class:`~functional_fp16.checkpoint.format.CheckpointCorruptError` that
 names it, escaped.
 """
 
@@ -51,7 +51,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from functional_fp16._checkpoint_format import CheckpointCorruptError, corrupt, show
+from functional_fp16.checkpoint.format import CheckpointCorruptError, corrupt, show
 
 _LEGACY_STORAGES = {
     "Bool": torch.bool,
@@ -140,7 +140,7 @@ def check_archive(f: BinaryIO, file: str) -> int:
 
     Returns:
       The pickle's size in bytes, which bounds what it can stand for
-      (:func:`~functional_fp16._checkpoint_format.check_objects`).
+      (:func:`~functional_fp16.checkpoint.format.check_objects`).
 
     Raises:
       CheckpointCorruptError: the container or the pickle is not one

@@ -34,7 +34,7 @@ own, whatever the pickled tensor records say about autograd or sharing. The
 checksum covers the format, version, structure, leaf table, and every
 tensor's dtype, shape and bytes: everything a load restores.
 
-Writes are atomic (:mod:`functional_fp16.atomic_file`). A tree nests at most
+Writes are atomic (:mod:`functional_fp16.checkpoint.atomic_file`). A tree nests at most
 :data:`MAX_DEPTH` levels deep. A long string that the tree holds in several
 places is stored at each of them, so that what the file stands for is
 proportional to its size (the bound of step 4 below).
@@ -51,7 +51,7 @@ file's size:
    ``collections.OrderedDict``, calls nothing but a tensor's rebuild (a view
    of a storage read from a record, which allocates nothing) and an empty
    ``OrderedDict()``, and each storage it declares has exactly its record's
-   size (:mod:`functional_fp16._checkpoint_archive`);
+   size (:mod:`functional_fp16.checkpoint.archive`);
 3. the file opens with ``weights_only=True`` (else it is truncated or not
    ours);
 4. what it holds is a tree (no shared or cyclic nodes) of dicts, lists,
@@ -74,8 +74,8 @@ anyone who can write the file can compute it. That is why steps 1, 2, 4 and
 :class:`CheckpointError` that names the file and the path, with control
 characters escaped. A stored device is used only if neither ``like`` nor
 ``map_location`` gives one, and only if this torch build has it. Files of
-format version 1 load through :mod:`functional_fp16._checkpoint_v1`. The
-reading side is :mod:`functional_fp16._checkpoint_read`.
+format version 1 load through :mod:`functional_fp16.checkpoint._v1`. The
+reading side is :mod:`functional_fp16.checkpoint._read`.
 """
 
 from __future__ import annotations
@@ -85,8 +85,14 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16 import _checkpoint_read
-from functional_fp16._checkpoint_format import (
+from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor
+from functional_fp16.checkpoint import _read
+from functional_fp16.checkpoint.atomic_file import (
+    PathLike,
+    atomic_torch_save,
+    remove_stale_temporaries,
+)
+from functional_fp16.checkpoint.format import (
     FORMAT,
     KEYS,
     MAX_DEPTH,
@@ -102,8 +108,6 @@ from functional_fp16._checkpoint_format import (
     plain_meta,
     text_cost,
 )
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor
-from functional_fp16.atomic_file import PathLike, atomic_torch_save, remove_stale_temporaries
 from functional_fp16.update import FP16State
 
 __all__ = [
@@ -127,7 +131,7 @@ def _stored(x: Any) -> Any:
 
     A pickle refers to a str it has stored in a few bytes, but a load charges
     each reference what ``repr`` writes for the str (see
-    :func:`~functional_fp16._checkpoint_format.check_objects`), so a long str
+    :func:`~functional_fp16.checkpoint.format.check_objects`), so a long str
     held in many places is stored in each.
     """
     if type(x) is str and text_cost(x) > 2 * TEXT_PER_PICKLE_BYTE:
@@ -294,4 +298,4 @@ def load_checkpoint(
         the path and what differs.
       TypeError: ``like`` holds something that cannot be a template (its path is named).
     """
-    return _checkpoint_read.load(path, like, map_location)
+    return _read.load(path, like, map_location)

@@ -26,8 +26,8 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor, register_node, tree_map
+from functional_fp16._util import validate
+from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor, register_node, tree_map
 
 __all__ = [
     "DynamicLossScale",
@@ -73,7 +73,7 @@ def _scale_leaf(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _check_positive_finite(name: str, value: float) -> float:
-    return _validate.real(name, value, positive=True)
+    return validate.real(name, value, positive=True)
 
 
 _TINY32 = torch.finfo(torch.float32).tiny
@@ -91,7 +91,7 @@ def _check_scale_floor(name: str, value: float) -> float:
 
 
 def _check_int(name: str, value: int, minimum: int) -> int:
-    return _validate.integer(name, value, minimum, int32=True)
+    return validate.integer(name, value, minimum, int32=True)
 
 
 class _LossScaleBase:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import optree
 
-from functional_fp16._tree import (
+from functional_fp16._util.tree import (
     NAMESPACE,
     PyTree,
     describe_tensor,
@@ -42,7 +42,7 @@ from functional_fp16._tree import (
     tree_paths,
     tree_unflatten,
 )
-from functional_fp16.base import GradientTransformation
+from functional_fp16.transforms.base import GradientTransformation
 
 __all__ = ["MaskedNode", "MaskedState", "Mask", "masked"]
 

@@ -11,7 +11,7 @@ name, with ``fields`` (its children by name) and, for a loss scale,
 :func:`convert` checks the version-1 checksum and rewrites the file's
 contents into the version-2 form (``structure``, ``leaves``, ``tensors``), so
 that one loader, with one set of checks against the template, serves both.
-It is given only what :func:`functional_fp16._checkpoint_format.check_objects`
+It is given only what :func:`functional_fp16.checkpoint.format.check_objects`
 has passed: a tree of bounded depth, so its recursion is bounded too, whose
 text, counted at each reference, is bounded by the file's size, so its
 checksum's ``repr`` is too.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functional_fp16 import _checkpoint_format as fmt
+from functional_fp16.checkpoint import format as fmt
 
 __all__ = ["convert"]
 

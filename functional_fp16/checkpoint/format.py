@@ -1,13 +1,13 @@
 """The checkpoint file's integrity: its format marker, errors, checksum and structural checks.
 
-Shared by the writer (:mod:`functional_fp16.checkpoint`), the reader
-(:mod:`functional_fp16._checkpoint_read`) and the reader of format version 1
-(:mod:`functional_fp16._checkpoint_v1`); package-public, not part of the API.
+Shared by the writer (:mod:`functional_fp16.checkpoint.save_load`), the reader
+(:mod:`functional_fp16.checkpoint._read`) and the reader of format version 1
+(:mod:`functional_fp16.checkpoint._v1`); package-public, not part of the API.
 A file whose checksum matches may still be forged (whoever can write the file
 can compute it), so what a file holds is checked in three steps, each bounded
 by the file's size and none recursive:
 
-1. :func:`functional_fp16._checkpoint_archive.check_archive`, before
+1. :func:`functional_fp16.checkpoint.archive.check_archive`, before
    ``torch.load``: the zip container and the opcodes of its pickle.
 2. :func:`check_objects`, on what ``torch.load(weights_only=True)`` returns:
    a tree (no container or tensor reached twice, so no shared or cyclic
@@ -40,13 +40,13 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16._tree import NAMESPACE, child_steps
+from functional_fp16._util.tree import NAMESPACE, child_steps
 
 FORMAT = "functional_fp16.checkpoint"
 """The value of the file's ``"format"`` entry."""
 
 VERSION = 2
-"""The format version :func:`functional_fp16.checkpoint.save_checkpoint` writes."""
+"""The format version :func:`functional_fp16.checkpoint.save_load.save_checkpoint` writes."""
 
 VALUES = (bool, int, float, str)
 """The types of a value leaf."""
@@ -133,7 +133,7 @@ def one_level(tree: Any) -> tuple[list[Any], Any, list[Any], list[str]]:
     """``(children, metadata, entries, paths)`` of one optree node.
 
     NamedTuples are keyed by field name; ``paths`` are the children's steps as
-    :func:`~functional_fp16._tree.tree_paths` writes them (``['k']``, ``[0]``, ``.name``).
+    :func:`~functional_fp16._util.tree.tree_paths` writes them (``['k']``, ``[0]``, ``.name``).
     """
     out = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
     entries = list(type(tree)._fields) if optree.is_namedtuple(tree) else list(out.entries)
@@ -225,7 +225,7 @@ def check_objects(payload: Any, pickle_bytes: int, file: str) -> None:
     for it, and the total may not pass :func:`text_budget` of the pickle's
     size: :data:`TEXT_PER_PICKLE_BYTE` characters per byte, plus
     :data:`TEXT_ALLOWANCE`. This is checked before the checksum (or anything
-    else) writes any text out. :func:`functional_fp16.checkpoint.save_checkpoint`
+    else) writes any text out. :func:`functional_fp16.checkpoint.save_load.save_checkpoint`
     stores long strings once per reference, so the files it writes stay well
     inside it.
 
@@ -300,7 +300,7 @@ def check_objects(payload: Any, pickle_bytes: int, file: str) -> None:
 
 
 def _step(node: dict, i: int) -> str:
-    """The path step to a node's child ``i``, as :func:`~functional_fp16._tree.tree_paths` writes it."""
+    """The path step to a node's child ``i``, as :func:`~functional_fp16._util.tree.tree_paths` writes it."""
     key = node["entries"][i]
     if node["kind"] in ("LIST", "TUPLE"):
         return f"[{i}]"

@@ -9,7 +9,7 @@ carry it, as optax's ``multi_transform`` (``partition``) does::
 It is ``torch.optim``'s parameter groups written as transforms: a head with
 its own learning rate, a group without weight decay, a frozen layer
 (``set_to_zero()``). Each label's state is a
-:class:`~functional_fp16.masking.MaskedState` over that label's leaves.
+:class:`~functional_fp16.transforms.masking.MaskedState` over that label's leaves.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, tree_flatten, tree_map, tree_paths
-from functional_fp16.base import EmptyState, GradientTransformation
-from functional_fp16.masking import MaskedState, is_mask_function, masked_transform
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_map, tree_paths
+from functional_fp16.transforms.base import EmptyState, GradientTransformation
+from functional_fp16.transforms.masking import MaskedState, is_mask_function, masked_transform
 
 __all__ = ["MultiTransformState", "multi_transform", "set_to_zero"]
 
@@ -105,7 +105,7 @@ def multi_transform(
 
     where :math:`\ell_i` is the label of leaf :math:`i`. Each transform sees
     only the leaves of its label (the others are
-    :class:`~functional_fp16.masking.MaskedNode`), as
+    :class:`~functional_fp16.transforms.masking.MaskedNode`), as
     ``masked(transforms[k], labels == k)``; the groups are disjoint, so the
     order in which they run does not matter. As optax's ``multi_transform``.
     For example, ``torch.optim.SGD`` parameter groups with a faster head and a
@@ -129,7 +129,7 @@ def multi_transform(
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
       :class:`MultiTransformState`, one
-      :class:`~functional_fp16.masking.MaskedState` per label. It declares no
+      :class:`~functional_fp16.transforms.masking.MaskedState` per label. It declares no
       ``spec``: ``fp16_update`` runs it on the multi-tensor path.
 
     Raises:

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from functional_fp16 import _deprecation as deprecation
-from functional_fp16._tree import PyTree, tree_map
-from functional_fp16.loss_scale import LossScale, loss_scale_for
+from functional_fp16._util import deprecation
+from functional_fp16._util.tree import PyTree, tree_map
+from functional_fp16.precision.loss_scale import LossScale, loss_scale_for
 
 __all__ = [
     "Policy",
@@ -384,7 +384,7 @@ def module_policy(module: nn.Module, module_policies: ModulePolicies) -> Policy 
     return None
 
 
-def _check_module_policies(module_policies: Any) -> dict[type[nn.Module], Policy]:
+def check_module_policies(module_policies: Any) -> dict[type[nn.Module], Policy]:
     """``module_policies`` as a dict, after checking its keys and values."""
     if not isinstance(module_policies, Mapping):
         raise TypeError(

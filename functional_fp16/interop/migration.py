@@ -5,8 +5,8 @@ iterations and returns the :class:`~functional_fp16.FP16State` that continues
 it; ``to_torch(state, optimizer, scaler)`` writes a state into a torch job.
 Either way the continued job follows the uninterrupted one: the same skip
 decisions and scale trajectory bitwise, the master within a few ulps (the
-per-step rounding differences of :mod:`~functional_fp16.sgd` and
-:mod:`~functional_fp16.adam`). The mapping, field by field::
+per-step rounding differences of :mod:`~functional_fp16.transforms.sgd` and
+:mod:`~functional_fp16.transforms.adam`). The mapping, field by field::
 
     torch                                          functional_fp16
     FP32 parameter p (matched by identity)         state.master leaf (a copy); state.params = fl16(master)
@@ -38,7 +38,7 @@ import optree
 import torch
 
 from functional_fp16._fused.chains import replace_at, state_at
-from functional_fp16._tree import (
+from functional_fp16._util.tree import (
     NAMESPACE,
     PyTree,
     check_same_structure,
@@ -47,9 +47,8 @@ from functional_fp16._tree import (
     tree_leaves,
     tree_paths,
 )
-from functional_fp16.grad_scaler import _loss_scale_from, _scaler_state
-from functional_fp16.loss_scale import LossScale
-from functional_fp16.torch_optim import (
+from functional_fp16.interop.grad_scaler import _loss_scale_from, _scaler_state
+from functional_fp16.interop.torch_optim import (
     _ADAM_STATE,
     _check_same_rule,
     _forget,
@@ -60,6 +59,7 @@ from functional_fp16.torch_optim import (
     _read_trace,
     _transform,
 )
+from functional_fp16.precision.loss_scale import LossScale
 from functional_fp16.update import FP16State, fp16_init
 
 __all__ = ["from_torch", "to_torch"]
@@ -177,9 +177,9 @@ def from_torch(
     .. math:: m = \operatorname{fl}_{32}(p), \quad \text{params} = \operatorname{fl}_{16}(m)
 
     and the optimiser and its state are read as the module docstring's table
-    says: ``SGD`` becomes :func:`~functional_fp16.sgd` (momentum buffers, none
+    says: ``SGD`` becomes :func:`~functional_fp16.transforms.sgd` (momentum buffers, none
     before the first step: ``TraceState.initialized`` false), ``Adam`` becomes
-    :func:`~functional_fp16.adam` (after ``add_decayed_weights`` for its L2
+    :func:`~functional_fp16.transforms.adam` (after ``add_decayed_weights`` for its L2
     decay), ``AdamW`` :func:`~functional_fp16.adamw` (``step`` becomes the
     int32 ``count``, ``exp_avg``/``exp_avg_sq`` the FP32 moments); a
     ``GradScaler``'s scale, growth tracker, factors and interval become a
@@ -254,7 +254,7 @@ def to_torch(
 
     Args:
       state: an :class:`FP16State` whose ``tx`` is one :func:`from_torch`
-        builds: :func:`~functional_fp16.sgd`, :func:`~functional_fp16.adam`,
+        builds: :func:`~functional_fp16.transforms.sgd`, :func:`~functional_fp16.transforms.adam`,
         ``chain(add_decayed_weights(wd), adam(...))`` or
         :func:`~functional_fp16.adamw`, with a constant learning rate.
       optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` with the same

@@ -76,9 +76,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16._finite import grads_finite
-from functional_fp16._tree import (
+from functional_fp16._util import validate
+from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.tree import (
     PyTree,
     check_like,
     describe_tensor,
@@ -86,7 +86,7 @@ from functional_fp16._tree import (
     tree_select,
     tree_unflatten,
 )
-from functional_fp16.base import GradientTransformation, saturating_increment
+from functional_fp16.transforms.base import GradientTransformation, saturating_increment
 
 __all__ = ["MultiSteps", "MultiStepsState", "MultiStepsSpec"]
 
@@ -121,10 +121,10 @@ def _check_every_k(every_k_schedule: Any) -> EveryK:
             "every_k_schedule must be an int >= 1 or a function of the gradient step, "
             f"got {type(every_k_schedule).__name__}"
         )
-    return _validate.integer("every_k_schedule", every_k_schedule, 1, int32=True)
+    return validate.integer("every_k_schedule", every_k_schedule, 1, int32=True)
 
 
-def _window_size(every_k_schedule: EveryK, gradient_step: torch.Tensor) -> torch.Tensor:
+def window_size(every_k_schedule: EveryK, gradient_step: torch.Tensor) -> torch.Tensor:
     """``k`` for the window that ``gradient_step`` opens, as a 0-d int32 tensor on its device.
 
     An int is used as it is. A schedule is called with ``gradient_step``; an
@@ -149,30 +149,30 @@ def _window_size(every_k_schedule: EveryK, gradient_step: torch.Tensor) -> torch
             "every_k_schedule(gradient_step) must return an int or a 0-d real tensor, "
             f"got {type(k).__name__}"
         )
-    k = _validate.integer("every_k_schedule(gradient_step)", k, 1, int32=True)
+    k = validate.integer("every_k_schedule(gradient_step)", k, 1, int32=True)
     return torch.full((), k, dtype=torch.int32, device=device)
 
 
-def _closes(state: MultiStepsState, k: torch.Tensor) -> torch.Tensor:
+def window_closes(state: MultiStepsState, k: torch.Tensor) -> torch.Tensor:
     """Whether this call is the window's last micro-batch."""
     return state.mini_step + 1 >= k
 
 
-def _counters(state: MultiStepsState, emit: torch.Tensor, applied: torch.Tensor):
+def next_counters(state: MultiStepsState, emit: torch.Tensor, applied: torch.Tensor):
     """``(mini_step, gradient_step)`` after this call."""
     mini_step = torch.where(emit, torch.zeros_like(state.mini_step), state.mini_step + 1)
     bumped = saturating_increment(state.gradient_step)
     return mini_step, torch.where(applied, bumped, state.gradient_step)
 
 
-def _hand_over(acc: list[torch.Tensor], k: torch.Tensor, mean: bool) -> list[torch.Tensor]:
+def hand_over(acc: list[torch.Tensor], k: torch.Tensor, mean: bool) -> list[torch.Tensor]:
     """What the inner transform sees: ``acc / k`` (fresh tensors) or the sum itself."""
     if not mean:
         return acc
     return torch._foreach_div(acc, k.to(torch.float32))
 
 
-def _empty_unless(emit: torch.Tensor, acc: list[torch.Tensor]) -> list[torch.Tensor]:
+def empty_unless(emit: torch.Tensor, acc: list[torch.Tensor]) -> list[torch.Tensor]:
     """The accumulator after this call: +0.0 where the window closed, else ``acc``."""
     return [torch.where(emit, torch.zeros_like(a), a) for a in acc]
 
@@ -195,7 +195,7 @@ def MultiSteps(  # optax's name (a class there), kept for its users
     and the accumulator starts again from zero. Inside
     :func:`~functional_fp16.fp16_update` the gradients are unscaled first, a
     window with any overflow is skipped as a whole and the loss scale moves
-    once per window; see :mod:`functional_fp16.accumulation` for the rules.
+    once per window; see :mod:`functional_fp16.transforms.accumulation` for the rules.
 
     Args:
       opt: the optimiser to apply once per window.
@@ -229,7 +229,7 @@ def MultiSteps(  # optax's name (a class there), kept for its users
         )
 
     def update(updates: PyTree, state: MultiStepsState, params: PyTree | None = None):
-        _check_state(state)
+        check_multi_steps_state(state)
         g_leaves = check_like(
             state.acc_grads,
             updates,
@@ -241,29 +241,29 @@ def MultiSteps(  # optax's name (a class there), kept for its users
         acc_leaves = tree_flatten(state.acc_grads)[0]
         if not g_leaves:
             return updates, state
-        k = _window_size(every_k, state.gradient_step)
-        emit = _closes(state, k)
+        k = window_size(every_k, state.gradient_step)
+        emit = window_closes(state, k)
         window_ok = state.acc_finite & grads_finite(g_leaves, None)
         acc = torch._foreach_add(acc_leaves, [g.float() for g in g_leaves])
-        handed = [x.to(g.dtype) for x, g in zip(_hand_over(acc, k, use_grad_mean), g_leaves)]
+        handed = [x.to(g.dtype) for x, g in zip(hand_over(acc, k, use_grad_mean), g_leaves)]
         inner_updates, inner_state = opt.update(
             tree_unflatten(spec, handed), state.inner_opt_state, params
         )
         u_leaves, u_spec = tree_flatten(inner_updates)
         out = tree_unflatten(u_spec, [torch.where(emit, u, torch.zeros_like(u)) for u in u_leaves])
-        mini_step, gradient_step = _counters(state, emit, emit)
+        mini_step, gradient_step = next_counters(state, emit, emit)
         return out, MultiStepsState(
             mini_step=mini_step,
             gradient_step=gradient_step,
             inner_opt_state=tree_select(emit, inner_state, state.inner_opt_state),
-            acc_grads=tree_unflatten(tree_flatten(state.acc_grads)[1], _empty_unless(emit, acc)),
+            acc_grads=tree_unflatten(tree_flatten(state.acc_grads)[1], empty_unless(emit, acc)),
             acc_finite=emit | window_ok,
         )
 
     return GradientTransformation(init, update, MultiStepsSpec(opt, every_k, use_grad_mean))
 
 
-def _check_state(state: Any) -> None:
+def check_multi_steps_state(state: Any) -> None:
     if not isinstance(state, MultiStepsState):
         raise TypeError(
             f"the optimiser state of MultiSteps must be a MultiStepsState, got {type(state).__name__}"

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+from functional_fp16._util.tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
 
 __all__ = [
     "GradientTransformation",
@@ -39,7 +39,7 @@ class GradientTransformation(NamedTuple):
     ``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``.
 
     ``spec`` declares the transform's rule and hyperparameters (for example
-    :class:`~functional_fp16.sgd.TraceSpec`), so that
+    :class:`~functional_fp16.transforms.sgd.TraceSpec`), so that
     :func:`~functional_fp16.fp16_update` can run a chain of declared transforms
     as one fused kernel (see :func:`~functional_fp16.update_path`). ``None``
     (the default, and what user-written transforms have) means "run

@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16._tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
-from functional_fp16.base import GradientTransformation, chain, saturating_increment
-from functional_fp16.schedules import Schedule
-from functional_fp16.sgd import add_decayed_weights, scale_by_learning_rate
+from functional_fp16._util import validate
+from functional_fp16._util.tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+from functional_fp16.transforms.base import GradientTransformation, chain, saturating_increment
+from functional_fp16.transforms.schedules import Schedule
+from functional_fp16.transforms.sgd import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["ScaleByAdamState", "AdamSpec", "scale_by_adam", "adam", "adamw"]
 
@@ -105,12 +105,12 @@ def scale_by_adam(
       A :class:`~functional_fp16.GradientTransformation` with state
       :class:`ScaleByAdamState` (FP32 moments whatever the updates' dtype).
     """
-    b1 = _validate.real("b1", b1, upper=1.0)
-    b2 = _validate.real("b2", b2, upper=1.0)
+    b1 = validate.real("b1", b1, upper=1.0)
+    b2 = validate.real("b2", b2, upper=1.0)
     if b1 >= 1.0 or b2 >= 1.0:
         raise ValueError(f"b1 and b2 must be < 1, got b1={b1}, b2={b2}")
-    eps = _validate.real("eps", eps)
-    eps_root = _validate.real("eps_root", eps_root)
+    eps = validate.real("eps", eps)
+    eps_root = validate.real("eps_root", eps_root)
 
     def init(params: PyTree) -> ScaleByAdamState:
         leaves, spec = tree_flatten(params)

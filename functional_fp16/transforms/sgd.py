@@ -20,18 +20,23 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16._deprecation import keyword_only
-from functional_fp16._tree import (
+from functional_fp16._util import validate
+from functional_fp16._util.deprecation import keyword_only
+from functional_fp16._util.tree import (
     PyTree,
     check_same_structure,
     tree_flatten,
     tree_map,
     tree_unflatten,
 )
-from functional_fp16.base import EmptyState, GradientTransformation, chain, saturating_increment
-from functional_fp16.masking import Mask, masked
-from functional_fp16.schedules import Schedule
+from functional_fp16.transforms.base import (
+    EmptyState,
+    GradientTransformation,
+    chain,
+    saturating_increment,
+)
+from functional_fp16.transforms.masking import Mask, masked
+from functional_fp16.transforms.schedules import Schedule
 
 __all__ = [
     "TraceState",
@@ -84,7 +89,7 @@ class LearningRateSpec(NamedTuple):
 
 
 def _check_hyper(name: str, value: float, *, upper: float | None = None) -> float:
-    return _validate.real(name, value, upper=upper)
+    return validate.real(name, value, upper=upper)
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -231,7 +236,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
       Without a mask, a stateless transform declaring :class:`DecaySpec` (so
       that ``sgd`` and ``chain(add_decayed_weights(wd), sgd(...))`` run the
       fused kernel). With one, ``masked(add_decayed_weights(weight_decay),
-      mask)``, state :class:`~functional_fp16.masking.MaskedState`, which
+      mask)``, state :class:`~functional_fp16.transforms.masking.MaskedState`, which
       declares no spec and runs the multi-tensor path: a kernel that decays
       every leaf never sees it.
     """

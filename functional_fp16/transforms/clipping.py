@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16 import _validate
-from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.base import EmptyState, GradientTransformation
+from functional_fp16._util import validate
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
+from functional_fp16.transforms.base import EmptyState, GradientTransformation
 
 __all__ = [
     "global_norm",
@@ -104,7 +104,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Args:
       max_norm: :math:`c`, finite and > 0.
     """
-    max_norm = _validate.real("max_norm", max_norm, positive=True)
+    max_norm = validate.real("max_norm", max_norm, positive=True)
 
     def init(params: PyTree) -> EmptyState:
         del params

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from functional_fp16 import _validate
+from functional_fp16._util import validate
 
 __all__ = [
     "Schedule",
@@ -35,11 +35,11 @@ def _as_step(step: int | torch.Tensor) -> torch.Tensor:
 
 
 def _check_value(name: str, value: float) -> float:
-    return _validate.real(name, value)
+    return validate.real(name, value)
 
 
 def _check_steps(name: str, value: int, minimum: int = 1) -> int:
-    return _validate.integer(name, value, minimum)
+    return validate.integer(name, value, minimum)
 
 
 def constant_schedule(value: float) -> Schedule:

@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, tree_flatten, tree_select, tree_unflatten
-from functional_fp16.base import GradientTransformation, saturating_increment
-from functional_fp16.loss_scale import all_finite
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
+from functional_fp16.precision.loss_scale import all_finite
+from functional_fp16.transforms.base import GradientTransformation, saturating_increment
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
 

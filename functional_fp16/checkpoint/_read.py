@@ -1,9 +1,9 @@
 """Reading a checkpoint: the checks of a file, then the tree, with or without a template.
 
 :func:`read` opens the file once and checks it in the order that
-:mod:`functional_fp16.checkpoint` describes, before anything large is
+:mod:`functional_fp16.checkpoint.save_load` describes, before anything large is
 allocated or walked; :class:`Reader` then rebuilds the tree from the
-checked tables. :func:`functional_fp16.checkpoint.load_checkpoint` is the
+checked tables. :func:`functional_fp16.checkpoint.save_load.load_checkpoint` is the
 public entry point; this module is package-private.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16._checkpoint_archive import check_archive
-from functional_fp16._checkpoint_format import (
+from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor
+from functional_fp16.checkpoint.archive import check_archive
+from functional_fp16.checkpoint.format import (
     FORMAT,
     SHOWN_PATH_CHARS,
     VALUES,
@@ -32,7 +33,6 @@ from functional_fp16._checkpoint_format import (
     plain_meta,
     show,
 )
-from functional_fp16._tree import NAMESPACE, PyTree, describe_tensor
 
 
 def _unreadable(name: str, err: BaseException) -> CheckpointCorruptError:
@@ -47,16 +47,16 @@ def read(path: Any, name: str) -> dict[str, Any]:
     """Opens, bounds, version-checks and checksum-verifies a file; v1 files come back converted.
 
     The file is opened once, and that one handle is checked
-    (:func:`~functional_fp16._checkpoint_archive.check_archive`) and then
+    (:func:`~functional_fp16.checkpoint.archive.check_archive`) and then
     given to ``torch.load``: a file renamed over ``path`` meanwhile is not
     read. Everything that could make a later step allocate or walk without
     bound is checked first: the zip container and the pickle's opcodes before
     ``torch.load``, then the objects it returned, without recursion, before
-    the checksum writes them out (see :mod:`functional_fp16._checkpoint_format`).
+    the checksum writes them out (see :mod:`functional_fp16.checkpoint.format`).
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      CheckpointCorruptError: see :func:`~functional_fp16.checkpoint.load_checkpoint`.
+      CheckpointCorruptError: see :func:`~functional_fp16.checkpoint.save_load.load_checkpoint`.
     """
     opened = isinstance(path, (str, bytes, os.PathLike))
     try:
@@ -80,9 +80,9 @@ def read(path: Any, name: str) -> dict[str, Any]:
     check_objects(payload, pickle_bytes, name)
     version = payload.get("version")
     if version == 1 and type(version) is int:
-        from functional_fp16 import _checkpoint_v1
+        from functional_fp16.checkpoint import _v1
 
-        return _checkpoint_v1.convert(payload, name)
+        return _v1.convert(payload, name)
     if version != VERSION or type(version) is not int:
         raise corrupt(
             name,
@@ -255,7 +255,7 @@ class Reader:
 
 
 def load(path: Any, like: PyTree | None, map_location: Any) -> PyTree:
-    """:func:`functional_fp16.checkpoint.load_checkpoint`, which documents it."""
+    """:func:`functional_fp16.checkpoint.save_load.load_checkpoint`, which documents it."""
     # The file's name as messages show it: control characters escaped.
     name = show(os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path), 4096)
     if map_location is not None:

@@ -6,10 +6,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._tree import PyTree, tree_flatten, tree_unflatten
-from functional_fp16.adam import AdamSpec, ScaleByAdamState, adam, adamw
-from functional_fp16.base import ChainSpec, GradientTransformation, chain
-from functional_fp16.sgd import (
+from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
+from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState, adam, adamw
+from functional_fp16.transforms.base import ChainSpec, GradientTransformation, chain
+from functional_fp16.transforms.sgd import (
     DecaySpec,
     LearningRateSpec,
     TraceSpec,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from functional_fp16.precision.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 
 _TINY32 = torch.finfo(torch.float32).tiny
 

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Union
 
 import torch
 
-from functional_fp16 import _deprecation as deprecation
+from functional_fp16._util import deprecation
 
 __all__ = ["atomic_write", "atomic_torch_save", "remove_stale_temporaries"]
 
