@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16.checkpoint import format as checkpoint_format
 from functional_fp16._util.tree import tree_leaves, tree_map, tree_paths
+from functional_fp16.checkpoint import format as checkpoint_format
 from functional_fp16.checkpoint.save_load import FORMAT, VERSION
 from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits
 
