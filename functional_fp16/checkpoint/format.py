@@ -54,7 +54,7 @@ KEYS = VALUES + (type(None),)
 """The types of a dict key, and of a loss scale's static configuration."""
 
 MAX_DEPTH = 100
-"""How deeply a stored tree may nest: levels of nodes below the root."""
+"""How deeply a stored tree may nest, in levels of nodes below the root."""
 
 MAX_CONTAINER_DEPTH = 2 * MAX_DEPTH + 3
 """How deeply the dicts and lists of a file may nest (two per tree level, and the tables)."""

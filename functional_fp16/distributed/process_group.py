@@ -32,7 +32,8 @@ if dist.is_available():
     # exception"). Imported here, before any group exists, the defaults are None.
     import torch.distributed.nn.functional  # noqa: F401
 
-ProcessGroup = Any  # a ``torch.distributed.ProcessGroup``, or ``None`` for the default group
+ProcessGroup = Any
+"""A ``torch.distributed.ProcessGroup``, or ``None`` for the default group."""
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -382,6 +382,7 @@ class NoOpLossScale(_LossScaleBase):
 
 
 LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
+"""Any of the three loss scales, the type of ``FP16State.loss_scale``."""
 
 
 def _as_flag(grads_finite: Any, device: torch.device) -> torch.Tensor:
