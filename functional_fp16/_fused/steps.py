@@ -167,7 +167,7 @@ def _decision_inputs(g, inv, decision, clipping: bool):
     finite = decision(finite_from_peak(peak, _one(inv)).reshape(()))
     clip = None
     if clipping:
-        clip = norm_of_sum_of_squares(sum_sq.reshape(()))
+        clip = norm_of_sum_of_squares(sum_sq.reshape(()), decision.global_sum)
     return _one(finite), None, clip
 
 

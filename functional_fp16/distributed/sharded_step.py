@@ -27,7 +27,6 @@ from functional_fp16.distributed.fingerprint import (
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.shard_layout import ShardLayout, piece_shape
 from functional_fp16.distributed.sharding import check_layout, refuse_replicated_steps
-from functional_fp16.transforms.clipping import sums_of_squares_reduced
 from functional_fp16.update import FP16State, fp16_update
 from functional_fp16.update.batching import is_batched
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
@@ -147,14 +146,14 @@ def sharded_update(
     )
     g_pieces = [g.view(shape) for g, shape in zip(mean, shapes)]
     # Global norms (clip_by_global_norm) add up the shards' sums of squares.
-    with sums_of_squares_reduced(functools.partial(_sum_over_ranks, group=group)):
-        stepped = fp16_update(
-            inner,
-            tree_unflatten(p_spec, g_pieces),
-            impl=impl,
-            loss=loss,
-            agree=functools.partial(agree_finite, group=group),
-        )
+    stepped = fp16_update(
+        inner,
+        tree_unflatten(p_spec, g_pieces),
+        impl=impl,
+        loss=loss,
+        agree=functools.partial(agree_finite, group=group),
+        global_sum=functools.partial(_sum_over_ranks, group=group),
+    )
     new_pieces = [x.reshape(-1) for x in tree_flatten(stepped.params)[0]]
     params = _all_gather(new_pieces, layout, group, p_leaves, bucket_bytes)
     return stepped.replace(params=tree_unflatten(p_spec, params), shard=layout)

@@ -86,7 +86,11 @@ from functional_fp16._util.tree import (
     tree_select,
     tree_unflatten,
 )
-from functional_fp16.transforms.base import GradientTransformation, saturating_increment
+from functional_fp16.transforms.base import (
+    GradientTransformation,
+    saturating_increment,
+    update_with_extra_args,
+)
 
 __all__ = ["MultiSteps", "MultiStepsState", "MultiStepsSpec"]
 
@@ -228,7 +232,7 @@ def MultiSteps(  # optax's name (a class there), kept for its users
             acc_finite=torch.ones((), dtype=torch.bool, device=device),
         )
 
-    def update(updates: PyTree, state: MultiStepsState, params: PyTree | None = None):
+    def update(updates: PyTree, state: MultiStepsState, params: PyTree | None = None, **extra_args):
         check_multi_steps_state(state)
         g_leaves = check_like(
             state.acc_grads,
@@ -246,8 +250,8 @@ def MultiSteps(  # optax's name (a class there), kept for its users
         window_ok = state.acc_finite & grads_finite(g_leaves, None)
         acc = torch._foreach_add(acc_leaves, [g.float() for g in g_leaves])
         handed = [x.to(g.dtype) for x, g in zip(hand_over(acc, k, use_grad_mean), g_leaves)]
-        inner_updates, inner_state = opt.update(
-            tree_unflatten(spec, handed), state.inner_opt_state, params
+        inner_updates, inner_state = update_with_extra_args(
+            opt, tree_unflatten(spec, handed), state.inner_opt_state, params, **extra_args
         )
         u_leaves, u_spec = tree_flatten(inner_updates)
         out = tree_unflatten(u_spec, [torch.where(emit, u, torch.zeros_like(u)) for u in u_leaves])

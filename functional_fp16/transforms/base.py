@@ -12,6 +12,8 @@ No function here modifies its arguments.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,6 +29,7 @@ __all__ = [
     "chain",
     "apply_updates",
     "saturating_increment",
+    "update_with_extra_args",
 ]
 
 InitFn = Callable[[PyTree], Any]
@@ -97,7 +100,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None):
+    def update(updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None, **extra_args):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain state must be a tuple of {len(transforms)} inner states, "
@@ -105,11 +108,52 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
         new_states = []
         for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+            updates, s = update_with_extra_args(t, updates, s, params, **extra_args)
             new_states.append(s)
         return updates, tuple(new_states)
 
     return GradientTransformation(init, update, ChainSpec(tuple(t.spec for t in transforms)))
+
+
+def update_with_extra_args(
+    tx: GradientTransformation,
+    updates: PyTree,
+    state: Any,
+    params: PyTree | None = None,
+    **extra_args: Any,
+) -> tuple[PyTree, Any]:
+    """``tx.update(updates, state, params, **extra)``, where ``extra`` holds the
+    ``extra_args`` that ``tx.update`` declares.
+
+    Extra keyword arguments carry what a transform cannot see in its updates,
+    such as ``global_sum`` (how a sum over one shard of the parameter tree
+    becomes the sum over the whole tree; see
+    :func:`~functional_fp16.transforms.clip_by_global_norm`). A transform gets
+    an extra argument only if its ``update`` names it or takes ``**kwargs``,
+    so a plain ``update(updates, state, params)`` keeps working inside any
+    chain. The combinators (``chain``, ``masked``, ``multi_transform``,
+    ``apply_if_finite``, ``MultiSteps``) pass them on to their inner
+    transforms. With no extra arguments this is ``tx.update(updates, state,
+    params)``.
+    """
+    if not extra_args:
+        return tx.update(updates, state, params)
+    accepted = _keywords(tx.update)
+    if accepted is not None:
+        extra_args = {k: v for k, v in extra_args.items() if k in accepted}
+    return tx.update(updates, state, params, **extra_args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _keywords(update: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword names ``update`` takes, or ``None`` when it takes ``**kwargs``."""
+    names = set()
+    for p in inspect.signature(update).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            return None
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.add(p.name)
+    return frozenset(names)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -19,41 +17,19 @@ __all__ = [
     "clip_factors",
     "ClipSpec",
     "norm_of_sum_of_squares",
-    "sums_of_squares_reduced",
 ]
 
-# Set only while a sharded update runs: how this process's partial sum of
-# squares becomes the sum over all shards (an all-reduce over the group).
-_SHARD_SUM: contextvars.ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = (
-    contextvars.ContextVar("functional_fp16_shard_sum", default=None)
-)
 
+def norm_of_sum_of_squares(
+    sum_sq: torch.Tensor, global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    r""":math:`\sqrt{s}` of a float64 sum of squares :math:`s`, rounded once to float32.
 
-@contextlib.contextmanager
-def sums_of_squares_reduced(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Within the block, every global norm sums its squares with ``reduce`` first.
-
-    Used by :func:`functional_fp16.distributed.sharded_update`, where each
-    process holds one slice of the tree: ``reduce`` all-reduces the float64
-    partial sums, so that ``clip_by_global_norm`` clips by the norm of the
-    whole tree. Outside such a block nothing is reduced.
+    With ``global_sum`` (a state that holds one shard of the tree), :math:`s`
+    is first mapped from this shard's sum to the whole tree's.
     """
-    token = _SHARD_SUM.set(reduce)
-    try:
-        yield
-    finally:
-        _SHARD_SUM.reset(token)
-
-
-def norm_of_sum_of_squares(sum_sq: torch.Tensor) -> torch.Tensor:
-    r""":math:`\sqrt{s}` of a float64 sum of squares, rounded once to float32.
-
-    Inside :func:`sums_of_squares_reduced` the sum is first reduced across
-    the shards of the tree.
-    """
-    reduce = _SHARD_SUM.get()
-    if reduce is not None:
-        sum_sq = reduce(sum_sq)
+    if global_sum is not None:
+        sum_sq = global_sum(sum_sq)
     return torch.sqrt(sum_sq).float()
 
 
@@ -63,23 +39,34 @@ class ClipSpec(NamedTuple):
     max_norm: float
 
 
-def global_norm(tree: PyTree) -> torch.Tensor:
+def global_norm(
+    tree: PyTree, *, global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \sum_j x_{ij}^2}`.
 
     Each element is taken as a float32 value (an FP16 square overflows above
     about 256); squares and sums are formed in float64, where every square of
     a float32 is exact, so the result hardly depends on the summation order,
     and the root is rounded once to float32. The fused update computes the same
-    sum in its own order and almost always gets the same float32 norm. Inside
-    :func:`~functional_fp16.distributed.sharded_update` the partial sums of
-    the shards are added up across the ranks first, so the norm is the whole
-    tree's. Returns a 0-d float32 tensor.
+    sum in its own order and almost always gets the same float32 norm.
+
+    Args:
+      tree: the tree (or, with ``global_sum``, this process's shard of it).
+      global_sum: ``None``, or a function from this shard's float64 sum of
+        squares to the whole tree's (an all-reduce over the ranks that hold
+        the shards, as :func:`~functional_fp16.distributed.sharded_update`
+        passes it).
+
+    Returns:
+      A 0-d float32 tensor.
     """
     leaves = tree_flatten(tree)[0]
     if not leaves:
+        if global_sum is not None:  # the other shards may hold leaves
+            return norm_of_sum_of_squares(torch.zeros((), dtype=torch.float64), global_sum)
         return torch.zeros((), dtype=torch.float32)
     sq = [torch.sum(torch.square(x.float().double())) for x in leaves]
-    return norm_of_sum_of_squares(torch.stack(sq).sum())
+    return norm_of_sum_of_squares(torch.stack(sq).sum(), global_sum)
 
 
 def clip_factors(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +87,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     This is optax's rule (no epsilon, the division before the multiplication).
     Inside :func:`~functional_fp16.fp16_update` it sees unscaled FP32 gradients.
+    Its ``update`` takes one extra keyword argument, ``global_sum`` (see
+    :func:`global_norm`), which
+    :func:`~functional_fp16.distributed.sharded_update` passes so that a
+    shard is clipped by the whole tree's norm.
 
     Args:
       max_norm: :math:`c`, finite and > 0.
@@ -110,12 +101,19 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+    def update(
+        updates: PyTree,
+        state: EmptyState,
+        params: PyTree | None = None,
+        *,
+        global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         del params
         leaves, spec = tree_flatten(updates)
+        norm = global_norm(updates, global_sum=global_sum)  # collective even without leaves
         if not leaves:
             return updates, state
-        divisor, factor = clip_factors(global_norm(updates).to(leaves[0].device), max_norm)
+        divisor, factor = clip_factors(norm.to(leaves[0].device), max_norm)
         out = [(u / divisor.to(u.dtype)) * factor.to(u.dtype) for u in leaves]
         return tree_unflatten(spec, out), state
 

@@ -20,7 +20,11 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_map, tree_paths
-from functional_fp16.transforms.base import EmptyState, GradientTransformation
+from functional_fp16.transforms.base import (
+    EmptyState,
+    GradientTransformation,
+    update_with_extra_args,
+)
 from functional_fp16.transforms.masking import MaskedState, is_mask_function, masked_transform
 
 __all__ = ["MultiTransformState", "multi_transform", "set_to_zero"]
@@ -167,7 +171,9 @@ def multi_transform(
             {k: tx.init(params) for k, tx in groups(params, "params").items()}
         )
 
-    def update(updates: PyTree, state: MultiTransformState, params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: MultiTransformState, params: PyTree | None = None, **extra_args
+    ):
         if not isinstance(state, MultiTransformState) or set(state.inner_states) != set(transforms):
             got = (
                 sorted(map(repr, state.inner_states))
@@ -180,7 +186,9 @@ def multi_transform(
             )
         new_states = {}
         for k, tx in groups(updates, "updates").items():
-            updates, new_states[k] = tx.update(updates, state.inner_states[k], params)
+            updates, new_states[k] = update_with_extra_args(
+                tx, updates, state.inner_states[k], params, **extra_args
+            )
         return updates, MultiTransformState(new_states)
 
     return GradientTransformation(init, update)

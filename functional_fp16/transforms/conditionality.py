@@ -8,7 +8,11 @@ import torch
 
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.precision.loss_scale import all_finite
-from functional_fp16.transforms.base import GradientTransformation, saturating_increment
+from functional_fp16.transforms.base import (
+    GradientTransformation,
+    saturating_increment,
+    update_with_extra_args,
+)
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
 
@@ -60,12 +64,16 @@ def apply_if_finite(
             inner_state=inner.init(params),
         )
 
-    def update(updates: PyTree, state: ApplyIfFiniteState, params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: ApplyIfFiniteState, params: PyTree | None = None, **extra_args
+    ):
         finite = all_finite(updates).to(state.notfinite_count.device)
         bumped = saturating_increment(state.notfinite_count)
         notfinite_count = torch.where(finite, torch.zeros_like(bumped), bumped)
         apply = finite | (notfinite_count > max_consecutive_errors)
-        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        new_updates, new_inner = update_with_extra_args(
+            inner, updates, state.inner_state, params, **extra_args
+        )
         leaves, spec = tree_flatten(new_updates)
         out = tree_unflatten(spec, [torch.where(apply, u, torch.zeros_like(u)) for u in leaves])
         total = saturating_increment(state.total_notfinite)

@@ -42,7 +42,7 @@ from functional_fp16._util.tree import (
     tree_paths,
     tree_unflatten,
 )
-from functional_fp16.transforms.base import GradientTransformation
+from functional_fp16.transforms.base import GradientTransformation, update_with_extra_args
 
 __all__ = ["MaskedNode", "MaskedState", "Mask", "masked"]
 
@@ -150,7 +150,7 @@ def masked_transform(
         parts = split_by(spec, tree_mask, params, name=shown, tree_name="params")
         return MaskedState(inner_state=inner.init(tree_unflatten(spec, hide(flags, parts))))
 
-    def update(updates: PyTree, state: MaskedState, params: PyTree | None = None):
+    def update(updates: PyTree, state: MaskedState, params: PyTree | None = None, **extra_args):
         if not isinstance(state, MaskedState):
             raise TypeError(f"masked: state must be a MaskedState, got {type(state).__name__}")
         flags, spec, tree_mask, shown = resolve(updates, "updates")
@@ -159,8 +159,12 @@ def masked_transform(
         if params is not None:
             p_parts = split_by(spec, tree_mask, params, name=shown, tree_name="params")
             hidden_params = tree_unflatten(spec, hide(flags, p_parts))
-        new, inner_state = inner.update(
-            tree_unflatten(spec, hide(flags, u_parts)), state.inner_state, hidden_params
+        new, inner_state = update_with_extra_args(
+            inner,
+            tree_unflatten(spec, hide(flags, u_parts)),
+            state.inner_state,
+            hidden_params,
+            **extra_args,
         )
         n_parts = split_by(spec, tree_mask, new, name=shown, tree_name="the inner updates")
         # Written back into the updates' own structure (not the mask's: a dict

@@ -24,7 +24,6 @@ from functional_fp16.transforms.accumulation import (
     window_size,
 )
 from functional_fp16.transforms.base import ChainSpec, GradientTransformation
-from functional_fp16.update.decision import Decision
 
 __all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
 
@@ -115,7 +114,7 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         tree_unflatten(m_spec, handed),
         # The mean's own check is agreed too, so that ranks that each hold a
         # slice of it (a sharded state) decide alike.
-        Decision(apply, decide.agree),
+        decide.with_require(apply),
         donate and spec.use_grad_mean,
     )
     applied = stepped.grads_finite

@@ -53,6 +53,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_factor,
 )
+from functional_fp16.transforms.base import update_with_extra_args
 from functional_fp16.transforms.sgd import ScaleByScheduleState, TraceState
 
 __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
@@ -170,7 +171,8 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     if cfg is not None:
         master, opt_state = _sgd_eager(cfg, state.opt_state, g32, m_leaves, finite, donate)
     else:
-        master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate)
+        extra = decide.extra_args()
+        master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate, extra)
 
     params = _cast_params(master, p_leaves, donate)
     return state.replace(
@@ -183,9 +185,11 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     )
 
 
-def _generic(state, g32, m_leaves, m_spec, finite, donate):
+def _generic(state, g32, m_leaves, m_spec, finite, donate, extra):
     """Any ``tx``: run it on the unscaled tree, then apply and select on flat lists."""
-    updates, new_opt = state.tx.update(tree_unflatten(m_spec, g32), state.opt_state, state.master)
+    updates, new_opt = update_with_extra_args(
+        state.tx, tree_unflatten(m_spec, g32), state.opt_state, state.master, **extra
+    )
     u_leaves = tree_flatten(updates)[0]
     u_leaves = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(u_leaves, m_leaves)]
     stepped = torch._foreach_add(m_leaves, u_leaves)  # m + u, fresh tensors

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from functional_fp16._util.tree import PyTree, tree_leaves, tree_map, tree_select
-from functional_fp16.transforms.base import apply_updates
+from functional_fp16.transforms.base import apply_updates, update_with_extra_args
 from functional_fp16.update.decision import Decision
 from functional_fp16.update.state import FP16State
 
@@ -24,7 +24,9 @@ def reference_update(state: FP16State, grads: PyTree, decision: Decision, donate
     grads32 = state.loss_scale.unscale(grads)
     finite = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)]).all()
     finite = decision(finite)
-    updates, opt_state = state.tx.update(grads32, state.opt_state, state.master)
+    updates, opt_state = update_with_extra_args(
+        state.tx, grads32, state.opt_state, state.master, **decision.extra_args()
+    )
     master = tree_select(finite, apply_updates(state.master, updates), state.master)
     opt_state = tree_select(finite, opt_state, state.opt_state)
     params = tree_map(lambda m, p: m.to(p.dtype), master, state.params)

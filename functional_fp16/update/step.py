@@ -15,7 +15,7 @@ import torch
 
 from functional_fp16._util.tree import PyTree, check_like, tree_map
 from functional_fp16.update.batching import is_batched, per_member
-from functional_fp16.update.decision import Decision, FiniteHook
+from functional_fp16.update.decision import Decision, FiniteHook, SumHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
 from functional_fp16.update.state import FP16State
 from functional_fp16.update.state_check import check_disjoint, check_state, mark_checked
@@ -38,6 +38,7 @@ def fp16_update(
     loss: torch.Tensor | None = None,
     donate: bool = False,
     agree: FiniteHook | None = None,
+    global_sum: SumHook | None = None,
 ) -> FP16State:
     r"""One mixed-precision optimiser step, as a pure function.
 
@@ -76,6 +77,14 @@ def fp16_update(
         ``donate_argnums``). Off by default: the update is pure.
       agree: maps the local finite flag to the one every replica agrees on
         (e.g. an all-reduce across processes); ``None`` on one process.
+      global_sum: for a state that holds one shard of the parameter tree
+        (as :func:`~functional_fp16.distributed.sharded_update` steps it),
+        maps a float64 partial sum over this shard to the sum over the whole
+        tree (e.g. an all-reduce); ``tx.update`` gets it as its
+        ``global_sum`` keyword, so that
+        :func:`~functional_fp16.transforms.clip_by_global_norm` clips by the
+        whole tree's norm. ``None`` (the default): the state holds the
+        whole tree.
 
     Returns:
       The next :class:`FP16State`; ``grads_finite`` says whether it was applied.
@@ -88,6 +97,8 @@ def fp16_update(
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     if agree is not None and not callable(agree):
         raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
+    if global_sum is not None and not callable(global_sum):
+        raise TypeError(f"global_sum must be a callable or None, got {type(global_sum).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
@@ -95,25 +106,26 @@ def fp16_update(
     if any(g.requires_grad for g in g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
     chosen = route(state, impl, signature)
-    decision = Decision(
-        require=None if loss is None else torch.isfinite(loss.detach()).all(), agree=agree
-    )
+    decision = _decision(loss, agree, global_sum)
     # Under torch.func.vmap (a batched state, gradients or loss) the fused op
     # batches inside itself; the other implementations run once per member.
     if not chosen.batches and is_batched([state.step, loss, *g_leaves]):
-        return per_member(lambda s, g, lo: _step_member(s, g, lo, impl, agree), state, grads, loss)
+        return per_member(
+            lambda s, g, lo: route(s, impl).run(s, g, _decision(lo, agree, global_sum), False),
+            state,
+            grads,
+            loss,
+        )
     # The fused op checks its own arguments; Dynamo traces no data pointers.
     if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
         check_disjoint(state, g_leaves)
     return mark_checked(chosen.run(state, grads, decision, donate), signature)
 
 
-def _step_member(state, grads, loss, impl: str, agree) -> FP16State:
-    """One member of a vmapped update whose implementation does not batch."""
-    decision = Decision(
-        require=None if loss is None else torch.isfinite(loss.detach()).all(), agree=agree
-    )
-    return route(state, impl).run(state, grads, decision, False)
+def _decision(loss, agree, global_sum) -> Decision:
+    """The step's rule: a finite ``loss`` (if given) is required, replicas agree."""
+    require = None if loss is None else torch.isfinite(loss.detach()).all()
+    return Decision(require=require, agree=agree, global_sum=global_sum)
 
 
 def _check_state(state):
