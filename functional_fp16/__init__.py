@@ -121,9 +121,9 @@ redirect_moved_modules(_MOVED)
 def __getattr__(name: str):
     """``functional_fp16.policy`` and the other moved modules, as attributes (deprecated)."""
     if f"{__name__}.{name}" in _MOVED:
-        import importlib
+        import sys
 
-        return importlib.import_module(f"{__name__}.{name}")
+        return sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

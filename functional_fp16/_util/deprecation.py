@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
 import types
 import warnings
@@ -60,60 +58,39 @@ def keyword_only(*names: str) -> Callable[[Callable[..., Any]], Callable[..., An
     return decorate
 
 
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old module path as a view of the module that now holds its code."""
+class _MovedModule(types.ModuleType):
+    """An old module path whose attributes are read, with a warning, from the module that moved."""
 
-    def __init__(self, moved: Mapping[str, str]) -> None:
-        self.moved = dict(moved)
+    def __init__(self, name: str, new_name: str) -> None:
+        super().__init__(name, f"Deprecated path of :mod:`{new_name}`.")
+        self.__dict__["_new_name"] = new_name
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in self.moved:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        new_name = self.moved[spec.name]
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        target = importlib.import_module(self._new_name)
         warnings.warn(
-            f"{spec.name} moved to {new_name}; import it from there (or from "
-            f"{spec.name.partition('.')[0]}). The old path stops working in the next release.",
+            f"{self.__name__} moved to {self._new_name}; import {attr} from there (or from "
+            f"{self._new_name.partition('.')[0]}). The old path stops working in the next release.",
             DeprecationWarning,
-            stacklevel=_importer_level(),
+            stacklevel=2,
         )
-        target = importlib.import_module(new_name)
-        view = types.ModuleType(spec.name, target.__doc__)
-        # PEP 562: every attribute is read from the new module, so the two stay one.
-        view.__getattr__ = functools.partial(getattr, target)  # type: ignore[method-assign]
-        view.__dir__ = lambda: dir(target)  # type: ignore[method-assign]
-        view.__all__ = list(getattr(target, "__all__", ()))
-        return view
+        return getattr(target, attr)
 
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _importer_level() -> int:
-    """The ``stacklevel`` of the first frame outside the import machinery and this module."""
-    # ``warnings.warn`` skips the frozen import machinery's frames itself; the
-    # rest (this module, ``importlib.import_module``, the package's
-    # ``__getattr__``) are counted here.
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            frame = frame.f_back
-            continue
-        module = frame.f_globals.get("__name__", "")
-        if module not in (__name__, "importlib", "functional_fp16"):
-            return level
-        frame, level = frame.f_back, level + 1
-    return level
+    def __dir__(self) -> list[str]:
+        return dir(importlib.import_module(self._new_name))
 
 
 def redirect_moved_modules(moved: Mapping[str, str]) -> None:
-    """Keeps each old module path in ``moved`` (old name -> new name) importable, with a warning.
+    """Keeps each old module path in ``moved`` (old name -> new name) importable for one release.
 
-    ``import old`` and ``from old import name`` give a module whose attributes
-    are the new module's, and say once per process, as a ``DeprecationWarning``
-    at the importing line, where the module went.
+    ``import old`` gives a module whose attributes are the new module's;
+    reading one (``old.name``, ``from old import name``) says, as a
+    ``DeprecationWarning`` at the reading line, where the module went. The
+    old names are entered in ``sys.modules`` up front, so importing one never
+    rebinds the package attribute of the same name (``functional_fp16.sgd``
+    stays the function).
     """
-    if not any(isinstance(f, _MovedModules) and f.moved == dict(moved) for f in sys.meta_path):
-        sys.meta_path.append(_MovedModules(moved))
+    for old, new in moved.items():
+        if not isinstance(sys.modules.get(old), _MovedModule):
+            sys.modules[old] = _MovedModule(old, new)
