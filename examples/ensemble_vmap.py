@@ -55,7 +55,7 @@ convolution with K times the output channels (the first layer, whose input
 is shared) or a grouped convolution with K groups, bias included; pooling
 runs on the folded channels-last tensor. Unbatched, both are the ATen
 operators ``nn.Conv2d`` and ``nn.MaxPool2d`` run. What this buys on a small
-CPU, and where the time goes, is in the README ("Ensembles with vmap").
+CPU, and where the time goes, is in docs/ensembles.md and BENCHMARKS.md.
 
 Outputs in ``--out-dir`` (default ``runs/ensemble``): ``summary.json`` and
 ``ensemble_final.pt`` (the stacked ``FP16State``, an ``ff.save_checkpoint``
