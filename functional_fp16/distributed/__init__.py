@@ -72,6 +72,9 @@ planner and the reader)::
     ffd.save_checkpoint_sharded("ckpt", {"state": state, "epoch": epoch})
     like = {"state": shard_state(fp16_init(params, adamw(1e-3))), "epoch": 0}
     resumed = ffd.load_checkpoint_sharded("ckpt", like)
+
+The top layer of the package: it may import every other subpackage, and none
+imports it (the root ``functional_fp16`` re-exports a few of its names).
 """
 
 from functional_fp16.distributed.all_reduce import (

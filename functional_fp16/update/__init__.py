@@ -5,7 +5,9 @@
 chooses the implementation; ``reference``, ``foreach`` and (in
 :mod:`functional_fp16._fused`) the fused op: the implementations;
 ``accumulation``: the step of a ``MultiSteps`` optimiser; ``batching``:
-stacked states for ``vmap``.
+stacked states for ``vmap``. May import :mod:`functional_fp16._fused` and the
+layers below it (transforms, precision, kernels, ``_util``); never checkpoints,
+interop or distributed.
 """
 
 from functional_fp16.update.state import FP16State, fp16_init
