@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 
+import optree
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,12 @@ import _common as C  # noqa: E402
 from bench_update import _example_cnn_shapes  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
-from functional_fp16._util.tree import tree_leaves  # noqa: E402
+
+
+def tree_leaves(tree):
+    """The leaves of a tree of the library's containers."""
+    return optree.tree_leaves(tree, namespace=ff.NAMESPACE)
+
 
 TX = ff.sgd(0.05, momentum=0.9)
 
