@@ -27,6 +27,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import NAMESPACE, tree_leaves, tree_map
+from tests.helpers import IMPL_NAMES, implementations
 
 
 class Case(NamedTuple):
@@ -207,7 +208,9 @@ def bits(state: ff.FP16State) -> list[torch.Tensor]:
     ]
 
 
-IMPLS = ("fused", "foreach", "reference")
+IMPLS = IMPL_NAMES  # the implementation matrix (tests/helpers.py)
+# Sharded, the state is checked before any implementation is chosen: the default stands for all.
+SHARDED_IMPLS = tuple(implementations(lambda i: i.default))
 
 
 def run(modes: str) -> None:
@@ -222,8 +225,9 @@ def run_mode(mode: str) -> None:
 
         dist.init_process_group("gloo")
         try:
-            for case in CASES:  # the check runs before any implementation is chosen
-                run_case("fused", mode, case, quiet=dist.get_rank() != 0)
+            for impl in SHARDED_IMPLS:
+                for case in CASES:
+                    run_case(impl, mode, case, quiet=dist.get_rank() != 0)
         finally:
             dist.destroy_process_group()
         return

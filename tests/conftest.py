@@ -6,6 +6,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from tests.helpers import IMPL_NAMES
+
 # Keep the suite predictable on small shared machines.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -18,6 +20,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=IMPL_NAMES)
+def impl(request):
+    """Each implementation of the matrix (``tests/helpers.py``), by its ``impl`` name.
+
+    Tests that run against every implementation take this fixture; a test that
+    covers a subset parametrizes ``impl`` itself with ``helpers.implementations(where)``.
+    """
+    return request.param
 
 
 @pytest.fixture(scope="module")

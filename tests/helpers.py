@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import NAMESPACE
+from functional_fp16.update.dispatch import IMPLEMENTATIONS
 
 SIZES = (1, 7, 8, 9, 64, 65)
 
@@ -289,3 +290,72 @@ def assert_states_bitwise_equal(a, b):
     for x, y in zip(la, lb):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), (x, y)
+
+
+# -- the implementation matrix: every value of ``impl`` the library declares ---------------
+
+
+class Implementation(NamedTuple):
+    """One value of ``fp16_update``'s ``impl`` and what the tests may expect of it."""
+
+    name: str  # the ``impl`` argument
+    routes: tuple[str, ...]  # the names ``update_path(state, impl)`` may answer
+    default: bool  # what ``impl="auto"`` runs wherever its plan applies
+    specification: bool  # the tree-map reference every other implementation is held to
+    bitwise_reference: bool  # results bit for bit the reference's (else within the contract)
+    traced_as: str | None  # an operator name prefix its compiled graph holds (None: plain aten)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+IMPLEMENTATION_PROPERTIES = {
+    "fused": Implementation(
+        "fused",
+        routes=("fused", "foreach-sgd", "foreach"),  # the op where a plan applies, else foreach
+        default=True,
+        specification=False,
+        bitwise_reference=False,  # contracted multiply-adds: within one ulp of the operation
+        traced_as="functional_fp16.",
+    ),
+    "foreach": Implementation(
+        "foreach",
+        routes=("foreach-sgd", "foreach"),
+        default=False,
+        specification=False,
+        bitwise_reference=True,
+        traced_as="_foreach_",
+    ),
+    "reference": Implementation(
+        "reference",
+        routes=("reference",),
+        default=False,
+        specification=True,
+        bitwise_reference=True,
+        traced_as=None,
+    ),
+}
+
+IMPLEMENTATION_MATRIX: tuple[Implementation, ...] = tuple(
+    IMPLEMENTATION_PROPERTIES[name]
+    for name in sorted(IMPLEMENTATIONS)
+    if name in IMPLEMENTATION_PROPERTIES
+)
+"""The implementations every "against every implementation" test runs, in the order of
+their names: ``functional_fp16.update.dispatch.IMPLEMENTATIONS`` with the properties
+declared above (``tests/test_update.py`` fails when the two differ)."""
+
+IMPL_NAMES: tuple[str, ...] = tuple(i.name for i in IMPLEMENTATION_MATRIX)
+
+
+def implementations(where=None) -> list[str]:
+    """The names of the matrix's implementations, or of those for which ``where(impl)`` holds
+    (a subset by declared property: ``implementations(lambda i: not i.specification)``)."""
+    return [i.name for i in IMPLEMENTATION_MATRIX if where is None or where(i)]
+
+
+def implementation(name: str) -> Implementation:
+    """The matrix's record of ``name`` (``"auto"``: the default implementation's)."""
+    if name == "auto":
+        return next(i for i in IMPLEMENTATION_MATRIX if i.default)
+    return next(i for i in IMPLEMENTATION_MATRIX if i.name == name)

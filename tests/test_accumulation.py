@@ -34,10 +34,8 @@ from hypothesis import strategies as st
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import tree_leaves
-from functional_fp16.update.dispatch import IMPLEMENTATIONS
-from tests.helpers import bits, no_host_sync, scaled_error
+from tests.helpers import IMPL_NAMES, bits, no_host_sync, scaled_error
 
-IMPLS = sorted(IMPLEMENTATIONS)
 N = 257
 LR = 0.01
 WD = 1e-2
@@ -94,7 +92,6 @@ def dynamic_scale():
 # --------------------------------------------------------------------------
 # k micro-batches == one full-batch step
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("make_tx", TXS.values(), ids=TXS.keys())
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_exact_micro_batches_are_bitwise_one_full_batch_step(impl, make_tx, k):
@@ -277,7 +274,7 @@ class WindowScaleModel:
 @given(
     k=st.integers(1, 5),
     windows=st.integers(1, 5),
-    impl=st.sampled_from(IMPLS),
+    impl=st.sampled_from(IMPL_NAMES),
     use_grad_mean=st.booleans(),
     as_schedule=st.booleans(),
     interval=st.integers(1, 3),
@@ -379,7 +376,6 @@ def test_the_window_size_follows_the_schedule_of_applied_windows():
     assert [ok for _, ok in closed] == [True, False, True, True]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_donated_updates_equal_pure_ones(impl):
     pure = ff.fp16_init({"w": m0()}, ff.MultiSteps(sgd_momentum(), 2), dynamic_scale())
     donated = ff.fp16_init({"w": m0()}, ff.MultiSteps(sgd_momentum(), 2), dynamic_scale())
@@ -390,7 +386,6 @@ def test_donated_updates_equal_pure_ones(impl):
             assert same_bits(pure, donated)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_never_synchronises_with_the_host(impl):
     state = ff.fp16_init({"w": m0()}, ff.MultiSteps(adamw(), 3), dynamic_scale())
     grads = random_window(0, 3, 2.0**10, inject=(1, math.nan)) + random_window(1, 3, 2.0**9)

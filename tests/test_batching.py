@@ -52,7 +52,6 @@ def test_the_library_containers_are_torch_pytrees_with_the_same_leaves():
     assert sorted(torch_pytree.keystr(p) for p, _ in keyed) == sorted(tree_paths(state))
 
 
-@pytest.mark.parametrize("impl", ["auto", "foreach", "reference"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw", "multisteps"])
 def test_vmapped_update_is_bitwise_k_unbatched_updates(opt, impl):
     tx = {

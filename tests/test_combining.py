@@ -30,7 +30,6 @@ LR = 0.05
 HEAD_LR = 0.5
 WD = 1e-2
 SCALE = 1024.0
-IMPLS = ["reference", "foreach", "auto"]
 
 
 # optax's fixture (tests of optax.transforms._combining), as tensors.
@@ -195,7 +194,6 @@ def test_structure_shape_and_dtype_are_preserved():
 # -- set_to_zero: frozen means bitwise unchanged ----------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_frozen_leaves_stay_bitwise_as_they_were_negative_zeros_included(impl):
     params = network_params(1)
     params["embed"]["weight"][0, :3] = torch.tensor([-0.0, 0.0, -1e-30])
@@ -211,7 +209,6 @@ def test_frozen_leaves_stay_bitwise_as_they_were_negative_zeros_included(impl):
 # -- against torch.optim parameter groups --------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_a_faster_head_follows_torch_sgd_groups_with_their_own_lr(impl):
     params = network_params(2)
     grads = fp16_grads(params, seed=3)
@@ -239,7 +236,6 @@ def test_a_faster_head_follows_torch_sgd_groups_with_their_own_lr(impl):
             assert torch.equal(bits(buf), bits(opt.state[p]["momentum_buffer"])), k
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_groups_are_bitwise_the_groups_run_separately(impl):
     params = network_params(4)
     grads = fp16_grads(params, seed=5)
@@ -255,7 +251,6 @@ def test_groups_are_bitwise_the_groups_run_separately(impl):
             assert torch.equal(bits(a), bits(b)), k
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("how", ["excluded", "lr=0"])
 def test_a_frozen_layer_follows_torch_with_the_layer_excluded_or_at_lr_0(impl, how):
     params = network_params(6)
@@ -316,7 +311,6 @@ def network_tx():
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(impl):
     params = network_params(10)
     grads = fp16_grads(params, steps=4, seed=11)

@@ -18,10 +18,12 @@ from functional_fp16 import allocator
 from functional_fp16._util import finite as fast_update
 from functional_fp16._util.tree import tree_leaves, tree_map
 from tests.helpers import (
+    IMPL_NAMES,
     SIZES,
     STEPS,
     TX_NAMES,
     assert_states_bitwise_equal,
+    implementations,
     matrix_grads,
     optimiser_matrix,
     random_tree,
@@ -148,7 +150,7 @@ def test_donated_skip_leaves_the_buffers_bitwise_unchanged():
 
 def test_negative_zero_survives_a_skipped_step():
     params = {"w": torch.tensor([-0.0, 0.0, 1.0, -2.0])}
-    for impl in ("reference", "foreach"):
+    for impl in IMPL_NAMES:
         for donate in (False, True):
             state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
             grads = {"w": torch.tensor([-0.0, math.inf, 0.0, 1.0], dtype=torch.float16)}
@@ -203,7 +205,7 @@ def _error_of(fn):
     raise AssertionError("expected an error")
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("impl", implementations(lambda i: not i.specification))
 def test_an_unexpected_state_gets_exactly_the_reference_error(impl):
     # A state whose structure does not fit the declared chain is not fed to a
     # specialised kernel; the generic path then reports the mismatch exactly

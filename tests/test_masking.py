@@ -44,7 +44,6 @@ LR = 0.05
 WD = 1e-2
 SCALE = 1024.0
 EPS32 = 2.0**-23
-IMPLS = ["reference", "foreach", "auto"]
 
 
 # optax's fixtures (tests of optax.transforms._masking), as tensors.
@@ -271,7 +270,6 @@ def test_the_inner_state_holds_masked_in_leaves_only():
     assert [x.shape for x in tree_leaves(got)] == [(1,), (2,)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_an_ordered_dict_keeps_its_type_and_leaf_order_under_a_plain_dict_mask(impl):
     """A dict mask fits an OrderedDict (optree flattens the two in different orders):
     the updates come back as the OrderedDict, each leaf in its place."""
@@ -331,7 +329,6 @@ def test_an_all_true_mask_decays_exactly_as_no_mask():
 # -- against torch.optim parameter groups --------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_decay_mask_follows_torch_sgd_groups_without_decay_on_biases(impl):
     params = layered_params(2)
     grads = fp16_grads(params, seed=3)
@@ -361,7 +358,6 @@ def test_decay_mask_follows_torch_sgd_groups_without_decay_on_biases(impl):
             assert scaled_error(buf, torch_buf) <= 4, path
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_decay_mask_is_bitwise_the_two_groups_run_separately(impl):
     params = layered_params(4)
     grads = fp16_grads(params, seed=5)
@@ -379,7 +375,6 @@ def test_decay_mask_is_bitwise_the_two_groups_run_separately(impl):
             assert torch.equal(bits(alone.params[k][name]), bits(state.params[k][name]))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_mask_follows_torch_adamw_groups_without_decay_on_biases(impl):
     lr = 1e-3
     params = layered_params(6)
@@ -416,7 +411,6 @@ def test_adamw_mask_follows_torch_adamw_groups_without_decay_on_biases(impl):
 # -- inside fp16_update: skipped steps, checkpoints, bad input ------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(impl):
     params = layered_params(8)
     tx = ff.chain(ff.add_decayed_weights(WD, mask=is_matrix), ff.sgd(LR, momentum=0.9))

@@ -35,7 +35,7 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import tree_leaves
-from tests.helpers import bits, scaled_error
+from tests.helpers import bits, implementations, scaled_error
 
 BEFORE = 10  # torch (or ff) steps before the switch
 AFTER = 12  # steps after it
@@ -163,7 +163,11 @@ def torch_then(make_optimizer, impl="auto"):
     return model, optimizer, state, applied
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto"])
+# the specification and the default implementation
+SPEC_AND_DEFAULT = implementations(lambda i: i.specification or i.default)
+
+
+@pytest.mark.parametrize("impl", SPEC_AND_DEFAULT)
 @pytest.mark.parametrize(
     "config", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
 )
@@ -196,7 +200,7 @@ ADAM_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto"])
+@pytest.mark.parametrize("impl", SPEC_AND_DEFAULT)
 @pytest.mark.parametrize("kind", list(ADAM_CASES))
 def test_adam_job_continued_by_fp16_update_follows_torch(kind, impl):
     model, optimizer, state, applied = torch_then(ADAM_CASES[kind], impl)

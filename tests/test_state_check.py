@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import functional_fp16 as ff
 from functional_fp16._util.tree import NAMESPACE, tree_paths
 from functional_fp16.update import state_check
-from tests._state_cases import CASES, IMPLS, make_state, make_tx, on_trace
+from tests._state_cases import CASES, IMPLS, SHARDED_IMPLS, make_state, make_tx, on_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("plain", "multisteps", "vmap", "sharded")
@@ -105,7 +105,7 @@ def _run_mode(mode: str) -> dict:
 _RUNS = [
     pytest.param(mode, impl, case, id=f"{case.name}-{impl}-{mode}")
     for mode in MODES
-    for impl in (IMPLS if mode != "sharded" else ("fused",))
+    for impl in (IMPLS if mode != "sharded" else SHARDED_IMPLS)
     for case in CASES
 ]
 
@@ -243,7 +243,7 @@ def test_every_update_keeps_the_signature_it_carries_forward(param_dtype):
     tree["conv"] = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
     for name, tx in optimiser_matrix().items():
         for outer in (tx, ff.MultiSteps(tx, 2)):
-            for impl in ("auto", "foreach", "reference"):
+            for impl in IMPLS:
                 for donate in (False, True):
                     state = ff.fp16_init(tree, outer, param_dtype=param_dtype)
                     before = state_check._signature(state)
@@ -268,7 +268,6 @@ def test_a_state_made_by_hand_is_checked_again_and_states_are_immutable():
         ff.fp16_update(changed, grads)
 
 
-@pytest.mark.parametrize("impl", ["foreach", "reference", "auto"])
 def test_a_donated_state_whose_leaves_share_memory_is_refused(impl):
     state = ff.fp16_init({"w": torch.randn(6), "b": torch.randn(6)}, ff.sgd(0.1, momentum=0.9))
     grads = {k: torch.ones_like(v) for k, v in state.params.items()}

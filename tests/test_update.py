@@ -1,7 +1,8 @@
 """fp16_update: semantics, purity and errors, for every registered implementation.
 
 The reference implementation is the specification; each faster implementation
-registered in ``functional_fp16.update._IMPLEMENTATIONS`` runs the same tests.
+declared in ``functional_fp16.update.dispatch.IMPLEMENTATIONS`` runs the same tests
+(the ``impl`` fixture: the matrix of ``tests/helpers.py``).
 """
 
 import math
@@ -19,6 +20,9 @@ from functional_fp16._util.tree import NAMESPACE, format_path, tree_leaves
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from tests._bad_inputs import FUZZ, Pair, base_params, good_grads, trained
 from tests.helpers import (
+    IMPL_NAMES,
+    IMPLEMENTATION_MATRIX,
+    IMPLEMENTATION_PROPERTIES,
     assert_bitwise_unchanged,
     bit_snapshot,
     no_host_sync,
@@ -29,13 +33,23 @@ from tests.helpers import (
     bits as bit_pattern,
 )
 
-IMPLS = sorted(IMPLEMENTATIONS)
 NS = ff.NAMESPACE
 
 
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    return request.param
+def test_the_implementation_matrix_is_the_librarys_declaration():
+    """A new ``impl`` value runs every matrix test only once its properties are declared."""
+    names = sorted(i.name for i in IMPLEMENTATION_MATRIX)
+    undeclared = sorted(set(IMPLEMENTATIONS) - set(IMPLEMENTATION_PROPERTIES))
+    assert not undeclared, f"declare {undeclared} in tests/helpers.py's implementation matrix"
+    assert names == sorted(IMPLEMENTATIONS) == sorted(IMPLEMENTATION_PROPERTIES), (
+        names,
+        IMPLEMENTATIONS,
+    )
+    assert list(IMPL_NAMES) == names and all(
+        i.name == key for key, i in IMPLEMENTATION_PROPERTIES.items()
+    )
+    assert sum(i.default for i in IMPLEMENTATION_MATRIX) == 1
+    assert sum(i.specification for i in IMPLEMENTATION_MATRIX) == 1
 
 
 @pytest.fixture(params=[False, True], ids=["pure", "donated"])
@@ -934,7 +948,7 @@ def test_update_path_names_the_implementation_that_runs(monkeypatch):
         for outer in (tx, ff.MultiSteps(tx, 2)):
             state = ff.fp16_init(random_tree(0), outer)
             grads = matrix_grads(state, 0, 0)
-            for impl in ("auto", *IMPLEMENTATIONS):
+            for impl in ("auto", *IMPL_NAMES):
                 ran.clear()
                 ff.fp16_update(state, grads, impl=impl)
                 assert ran == [ff.update_path(state, impl)], (name, impl, ran)
