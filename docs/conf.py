@@ -10,7 +10,8 @@ Besides Sphinx's own warnings, this configuration warns about
   docstring (``autodoc-process-docstring``);
 * a name in ``functional_fp16.__all__`` or in a subpackage's ``__all__`` that no
   page of the reference documents (``env-check-consistency``);
-* a cross-reference to a ``functional_fp16.*`` path that does not import
+* a cross-reference to a ``functional_fp16.*`` path that does not import, or
+  that goes through a module path kept only for compatibility
   (``missing-reference``).
 
 A reference to a re-exported name (``functional_fp16.fp16_update``,
@@ -21,9 +22,11 @@ at the module that defines it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 import warnings
 
@@ -60,7 +63,6 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
 autodoc_class_signature = "mixed"
-autodoc_default_options = {"undoc-members": True}
 
 # napoleon: Google-style docstrings (``Args:``, ``Returns:``, ``Raises:``).
 napoleon_google_docstring = True
@@ -76,7 +78,7 @@ myst_heading_anchors = 3
 # The guides link to files of the repository outside docs/ (the README,
 # BENCHMARKS.md), which work on GitHub; in this build they are not pages, and
 # such a link is shown as its text.
-nitpick_ignore_regex = [("myst", r".*/(README|BENCHMARKS)")]
+nitpick_ignore_regex = [("myst", r"(.*/)?(README|BENCHMARKS)(\.md)?")]
 
 html_theme = "alabaster"
 html_title = f"functional_fp16 {release}"
@@ -86,6 +88,8 @@ LOGGER = logging.getLogger(__name__)
 
 PACKAGE = "functional_fp16"
 SUBPACKAGES = ("precision", "transforms", "update", "checkpoint", "interop", "distributed")
+# The module paths of release 0.1 that moved into subpackages (importable, deprecated).
+MOVED: dict[str, str] = getattr(functional_fp16, "_MOVED", {})
 
 # Importing the package's old module paths warns; the reference never does.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"functional_fp16(\..*)?$")
@@ -112,37 +116,149 @@ def _generated_class_doc(obj: type) -> bool:
     return False
 
 
+def _source_location(obj) -> str | None:
+    """``path:line`` of an object's definition, for a warning's location."""
+    try:
+        return f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
+    except (OSError, TypeError):
+        return None
+
+
+_FIELD_ALIAS = re.compile(r"Alias for field number \d+")
+
+
+def _missing_docstring(what: str, name: str, obj) -> None:
+    target = obj.fget if isinstance(obj, property) else obj
+    LOGGER.warning(
+        "public %s %s has no docstring",
+        what,
+        name,
+        location=_source_location(target),
+        type="fp16",
+        subtype="docstring",
+    )
+
+
+def _has_own_doc(obj) -> bool:
+    if isinstance(obj, type):
+        return not _generated_class_doc(obj)
+    return bool((inspect.getdoc(obj) or "").strip())
+
+
 def _check_docstring(app, what, name, obj, options, lines) -> None:
-    """Warns about a public module, class, function, method or property without a docstring."""
+    """Warns about a documented public module, class, function, method or property
+    without a docstring; drops the ``Alias for field number N`` of a NamedTuple field."""
+    if (
+        what == "attribute"
+        and len(lines) <= 2
+        and _FIELD_ALIAS.fullmatch(lines[0] if lines else "")
+    ):
+        lines.clear()
+        return
     if what not in {"module", "class", "exception", "function", "method", "property"}:
         return
     if not _is_public(name):
         return
-    if what in {"class", "exception"} and isinstance(obj, type) and _generated_class_doc(obj):
-        LOGGER.warning(
-            "public %s %s has no docstring", what, name, type="fp16", subtype="docstring"
-        )
+    if what in {"class", "exception"} and isinstance(obj, type):
+        missing = _generated_class_doc(obj)
+    else:
+        missing = not any(line.strip() for line in lines)
+    if missing:
+        _missing_docstring(what, name, obj)
+
+
+def _check_skipped_member(app, what, name, obj, skip, options):
+    """Warns about a public function, class, method or property that autodoc leaves
+    out for want of a docstring (``:members:`` documents only members with one)."""
+    if not skip or name.startswith("_"):
+        return None
+    if isinstance(obj, property):
+        kind, source = "property", obj.fget
+    elif isinstance(obj, type):
+        kind, source = "class", obj
+    elif inspect.isroutine(obj):
+        kind, source = ("function" if what == "module" else "method"), obj
+    else:
+        return None
+    if not _has_own_doc(obj):
+        module = getattr(source, "__module__", None) or "?"
+        _missing_docstring(kind, f"{module}.{getattr(source, '__qualname__', name)}", obj)
+    return None
+
+
+def _walk(path: str, module: str | None = None):
+    """The objects along a dotted ``functional_fp16.*`` path, as attribute access
+    finds them (a re-exported function before a submodule of the same name),
+    from the module ``module`` (a prefix of ``path``) or from the top; stops
+    early where the path does not import."""
+    start = module or path.split(".")[0]
+    try:
+        obj = importlib.import_module(start)
+    except ImportError:
         return
-    if not any(line.strip() for line in lines):
-        LOGGER.warning(
-            "public %s %s has no docstring", what, name, type="fp16", subtype="docstring"
-        )
+    yield start, obj
+    name = start
+    for part in path[len(start) :].lstrip(".").split("."):
+        if not part:
+            return
+        name = f"{name}.{part}"
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            if not inspect.ismodule(obj):
+                return
+            try:
+                obj = importlib.import_module(name)
+            except ImportError:
+                return
+        yield name, obj
 
 
-def _import_path(path: str):
-    """The object at a dotted ``functional_fp16.*`` path, or ``None`` if it does not import."""
+def _walk_modules(path: str):
+    """The longest importable module prefix of ``path``, then attributes."""
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
+            obj = importlib.import_module(name)
         except ImportError:
             continue
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
+        yield name, obj
+        for part in parts[cut:]:
+            name = f"{name}.{part}"
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                return
+            yield name, obj
+        return
+
+
+@functools.cache
+def _import_path(path: str, module: str | None = None):
+    """The object at a dotted ``functional_fp16.*`` path, or ``None`` if it does not import.
+
+    As attribute access finds it first (``functional_fp16.transforms.sgd`` is the
+    function ``sgd``), else as a module path (``functional_fp16.transforms.sgd.TraceSpec``).
+    """
+    for walk in (_walk(path, module), _walk_modules(path)):
+        steps = list(walk)
+        if steps and steps[-1][0] == path:
+            return steps[-1][1]
+    return None
+
+
+def _moved_prefix(path: str, module: str | None = None) -> str | None:
+    """The compatibility-only module path that ``path`` goes through, if any."""
+    if _import_path(path, module) is None:
+        return None
+    for walk in (_walk(path, module), _walk_modules(path)):
+        steps = list(walk)
+        if steps and steps[-1][0] == path:
+            for name, obj in steps:
+                if name in MOVED and inspect.ismodule(obj):
+                    return name
             return None
-        return obj
     return None
 
 
@@ -185,14 +301,25 @@ def _resolve_reexport(app, env, node, contnode):
     cls = node.get("py:class")
     candidates = []
     if module and cls:
-        candidates.append(f"{module}.{cls}.{target}")
+        candidates.append((f"{module}.{cls}.{target}", module))
     if module:
-        candidates.append(f"{module}.{target}")
-    candidates.append(target)
-    for candidate in candidates:
+        candidates.append((f"{module}.{target}", module))
+    candidates.append((target, None))
+    for candidate, start in candidates:
         if candidate.split(".")[0] != PACKAGE:
             continue
-        obj = _import_path(candidate)
+        moved = _moved_prefix(candidate, start)
+        if moved:
+            LOGGER.warning(
+                "cross-reference to %s through the deprecated path %s (now %s)",
+                target,
+                moved,
+                MOVED[moved],
+                location=node,
+                type="fp16",
+            )
+            return None
+        obj = _import_path(candidate, start)
         if obj is None:
             continue
         documented = _documented_as(domain, candidate, obj)
@@ -248,6 +375,7 @@ def _check_coverage(app, env) -> None:
 
 def setup(app):
     app.connect("autodoc-process-docstring", _check_docstring)
+    app.connect("autodoc-skip-member", _check_skipped_member)
     app.connect("missing-reference", _resolve_reexport)
     app.connect("env-check-consistency", _check_coverage)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -177,9 +177,9 @@ def from_torch(
     .. math:: m = \operatorname{fl}_{32}(p), \quad \text{params} = \operatorname{fl}_{16}(m)
 
     and the optimiser and its state are read as the module docstring's table
-    says: ``SGD`` becomes :func:`~functional_fp16.transforms.sgd` (momentum buffers, none
+    says: ``SGD`` becomes :func:`~functional_fp16.transforms.sgd.sgd` (momentum buffers, none
     before the first step: ``TraceState.initialized`` false), ``Adam`` becomes
-    :func:`~functional_fp16.transforms.adam` (after ``add_decayed_weights`` for its L2
+    :func:`~functional_fp16.transforms.adam.adam` (after ``add_decayed_weights`` for its L2
     decay), ``AdamW`` :func:`~functional_fp16.adamw` (``step`` becomes the
     int32 ``count``, ``exp_avg``/``exp_avg_sq`` the FP32 moments); a
     ``GradScaler``'s scale, growth tracker, factors and interval become a
@@ -254,7 +254,7 @@ def to_torch(
 
     Args:
       state: an :class:`FP16State` whose ``tx`` is one :func:`from_torch`
-        builds: :func:`~functional_fp16.transforms.sgd`, :func:`~functional_fp16.transforms.adam`,
+        builds: :func:`~functional_fp16.transforms.sgd.sgd`, :func:`~functional_fp16.transforms.adam.adam`,
         ``chain(add_decayed_weights(wd), adam(...))`` or
         :func:`~functional_fp16.adamw`, with a constant learning rate.
       optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` with the same

@@ -214,7 +214,7 @@ def fp16_init(
       param_dtype: dtype of the working copy ``state.params`` (default FP16).
 
     Returns:
-      The initial state: ``step == 0`` and ``grads_finite == True``.
+      The initial state, with ``step == 0`` and ``grads_finite == True``.
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}")
