@@ -6,8 +6,9 @@ Build, with every warning an error::
 
 Besides Sphinx's own warnings, this configuration warns about
 
-* a documented public module, class, function, method or property without a
-  docstring (``autodoc-process-docstring``);
+* a public module, class, function, method or property without a docstring,
+  whether autodoc documents it (``autodoc-process-docstring``) or leaves it
+  out for want of one (``autodoc-skip-member``);
 * a name in ``functional_fp16.__all__`` or in a subpackage's ``__all__`` that no
   page of the reference documents (``env-check-consistency``);
 * a cross-reference to a ``functional_fp16.*`` path that does not import, or
