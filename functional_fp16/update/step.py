@@ -143,9 +143,9 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
     Returns one of:
 
     * ``"fused"`` — one call of the fused op (:mod:`functional_fp16._fused.op_library`):
-      the optimiser is a fusable SGD chain (:func:`~functional_fp16.transforms.sgd`, alone
+      the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
       or after ``clip_by_global_norm`` or ``add_decayed_weights``) or Adam chain
-      (:func:`~functional_fp16.transforms.adam`, :func:`~functional_fp16.adamw`, the same
+      (:func:`~functional_fp16.adam`, :func:`~functional_fp16.adamw`, the same
       prefixes), the state has the plan's layout and the loss scale is one of
       the library's. The op runs the compiled kernel of the state's device
       (the CPU with a C compiler, CUDA with Triton) or its plain PyTorch
