@@ -2,7 +2,10 @@
 
 The model is tiny so that compiling stays cheap. Graph breaks make
 ``fullgraph=True`` raise; recompilation is made an error with
-``torch._dynamo.config.error_on_recompile`` and also counted.
+``torch._dynamo.config.error_on_recompile`` and also counted. Each
+implementation's compiled step is held to its own path: the dispatcher's route
+for it, and its own operators (``traced_as`` in ``tests/helpers.py``) in the
+traced graph, none of another implementation's.
 """
 
 import math
@@ -11,10 +14,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import tree_leaves, tree_map
+from tests.helpers import IMPLEMENTATION_MATRIX, implementation
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +86,11 @@ def _close(a, b, tight=False):
 def test_train_step_compiles_without_breaks_or_recompiles(impl, donate):
     tx = ff.sgd(0.1, momentum=0.9, weight_decay=1e-4)
     state0 = ff.fp16_init(_params(), tx, ff.DynamicLossScale(2.0**15, growth_interval=2))
+    # a fusable SGD chain: each implementation's first route
+    assert ff.update_path(state0, impl) == implementation(impl).routes[0]
     step = _make_step(impl, donate)
-    compiled = torch.compile(step, fullgraph=True)
+    backend = CompileCounterWithBackend("inductor")  # keeps the traced graphs
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     eager_state, comp_state = _clone(state0), _clone(state0)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(5):
@@ -97,6 +105,16 @@ def test_train_step_compiles_without_breaks_or_recompiles(impl, donate):
     assert bool(comp_state.step == 5)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+    _assert_traced_as(backend.graphs, impl)
+
+
+def _assert_traced_as(graphs, impl):
+    """The traced graphs hold ``impl``'s own operators and no other implementation's."""
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    for other in IMPLEMENTATION_MATRIX:
+        if other.traced_as is not None:
+            found = sorted(op for op in ops if other.traced_as in op)
+            assert bool(found) == (other.name == impl), (impl, other.name, found)
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -114,8 +132,12 @@ def test_compiled_update_matches_eager(tx, donate):
     # kernels (``torch.add(alpha=...)`` is an FMA in eager CPU code), so the
     # compiled update agrees to a few ulp; skip decisions and counters exactly.
     state = ff.fp16_init(_params(), tx, ff.DynamicLossScale(2.0**10))
+    assert ff.update_path(state, "foreach") in implementation("foreach").routes
+    backend = CompileCounterWithBackend("inductor")
     update = torch.compile(
-        lambda s, g: ff.fp16_update(s, g, impl="foreach", donate=donate), fullgraph=True
+        lambda s, g: ff.fp16_update(s, g, impl="foreach", donate=donate),
+        fullgraph=True,
+        backend=backend,
     )
     eager = _clone(state)
     comp = _clone(state)
@@ -132,3 +154,4 @@ def test_compiled_update_matches_eager(tx, donate):
             _close(comp, eager, tight=True)
             assert bool(comp.grads_finite) == (i != 1)
     assert counters["stats"]["unique_graphs"] == 1
+    _assert_traced_as(backend.graphs, "foreach")
