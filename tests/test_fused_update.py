@@ -23,6 +23,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import functional_fp16 as ff
 from functional_fp16._fused import op_library, steps
@@ -243,11 +244,22 @@ def test_kernel_sum_of_squares_matches_global_norm():
     assert torch.equal(sq[0].sqrt().float(), expected)
 
 
-def test_the_compiled_update_still_matches_eager_fused():
+def test_the_compiled_update_still_matches_eager_fused(kernel, monkeypatch):
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
     grads = matrix_grads(state, 0, 0)
-    compiled = torch.compile(ff.fp16_update, fullgraph=True)
+    assert ff.update_path(state) == "fused"
+    calls = []
+    real_call = cpu_kernel.call
+    monkeypatch.setattr(
+        cpu_kernel, "call", lambda entry, **kw: calls.append(entry) or real_call(entry, **kw)
+    )
+    backend = CompileCounterWithBackend("inductor")  # keeps the traced graph
+    compiled = torch.compile(ff.fp16_update, fullgraph=True, backend=backend)
     new = compiled(state, grads)
+    # the compiled update is the fused op, and the op ran this test's kernel when it ran
+    ops = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
+    assert "functional_fp16.sgd_step.default" in ops, sorted(ops)
+    assert calls.count("sgd_update") == (kernel == "c"), calls
     ref = ff.fp16_update(state, grads, impl="reference")
     assert_within_contract(new, ref, state)
 
