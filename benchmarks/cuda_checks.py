@@ -27,7 +27,9 @@ on FP32 parameters, with effective GB/s at each row's bytes per parameter and
 the fraction of a measured device-to-device ``copy_`` bandwidth.
 
 ``--device cpu`` runs the same code on the CPU (the CUDA-only checks print
-SKIP); ``--smoke`` uses small sizes. Exit status 1 if any check fails.
+SKIP); ``--smoke`` uses small sizes. ``--list`` prints the checks' names (the
+keys of ``CHECKS``), ``--check NAME`` (repeated) runs only those checks.
+Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -332,6 +334,23 @@ def _foreach_vs_reference(device) -> None:
             report("PASS" if ok else "FAIL", name, detail)
 
 
+CHECKS = {
+    "sync-free": check_sync_free,
+    "cuda-graph": check_cuda_graph,
+    "compiled": check_compiled,
+    "foreach-vs-reference": check_foreach_vs_reference,
+    "fused-vs-reference": check_fused_vs_reference,
+}
+"""The checks by name, in the order they run; each reports its PASS/FAIL/SKIP lines."""
+
+
+def run_check(name: str, device) -> list[tuple[str, str, str]]:
+    """Runs the check ``name`` on ``device``; its ``(verdict, check, detail)`` lines."""
+    before = len(RESULTS)
+    CHECKS[name](device)
+    return RESULTS[before:]
+
+
 # -- speed ---------------------------------------------------------------------------
 
 
@@ -444,7 +463,14 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="small sizes, few repetitions")
     ap.add_argument("--out", default="cuda_checks.md", help="markdown summary path")
     ap.add_argument("--budget", type=float, default=160.0, help="seconds before rows are skipped")
+    ap.add_argument("--list", action="store_true", help="print the checks' names and exit")
+    ap.add_argument(
+        "--check", action="append", choices=list(CHECKS), help="run only this check (repeatable)"
+    )
     args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(CHECKS))
+        return 0
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # steadier numbers on shared machines
@@ -456,11 +482,8 @@ def main(argv=None) -> int:
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         flush=True,
     )
-    check_sync_free(device)
-    check_cuda_graph(device)
-    check_compiled(device)
-    check_foreach_vs_reference(device)
-    check_fused_vs_reference(device)
+    for name in args.check or CHECKS:
+        run_check(name, device)
     sizes = (100_000,) if args.smoke else (10_000_000, 100_000_000)
     reps, inner = (3, 2) if args.smoke else (7, 10)
     table = speed_table(device, sizes, reps, inner, args.budget)

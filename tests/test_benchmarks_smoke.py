@@ -17,12 +17,18 @@ backward, about 20 s) are not run here.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+import torch._dynamo
+
+from tests.helpers import load_module
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_CHECKS = load_module(Path(ROOT) / "benchmarks" / "cuda_checks.py", "cuda_checks")
 
 
 def _run(script, *args):
@@ -78,11 +84,28 @@ def test_train_step_benchmark_prints_its_table():
     assert len(names) == 6 and "functional compiled" in names, out
 
 
+@pytest.mark.parametrize("check", list(CUDA_CHECKS.CHECKS))
+def test_cuda_checks_script_check_passes_on_cpu(check):
+    # Each check the GPU script declares, run here on the CPU (in this process);
+    # the CUDA-only ones report SKIP. tests/test_cuda.py runs them on a GPU.
+    results = CUDA_CHECKS.run_check(check, torch.device("cpu"))
+    torch._dynamo.reset()
+    verdicts = {verdict for verdict, _, _ in results}
+    assert results and "FAIL" not in verdicts, results
+    if verdicts == {"SKIP"}:
+        pytest.skip(f"{check}: {results[0][2]}")
+    assert verdicts == {"PASS"}, results
+
+
 def test_cuda_checks_script_runs_on_cpu(tmp_path):
-    # The GPU script's --device cpu mode exercises its code paths here; the
-    # CUDA-only checks report SKIP.
+    # The script itself: its arguments, one check (each is a test above), the
+    # speed table and the summary.
     summary = tmp_path / "cuda_checks.md"
-    out = _run("cuda_checks.py", "--device", "cpu", "--smoke", "--out", str(summary))
+    out = _run(
+        "cuda_checks.py",
+        *("--device", "cpu", "--smoke", "--check", "foreach-vs-reference"),
+        *("--out", str(summary)),
+    )
     assert "FAIL" not in out, out
     assert "PASS" in out
     text = summary.read_text()

@@ -1,16 +1,20 @@
 """CUDA-only checks: no host synchronisation, CUDA-graph capture, compiled update.
 
 Skipped without a GPU. ``benchmarks/cuda_checks.py`` runs the same checks
-(and a speed table) as one script.
+(and a speed table) as one script; each check it declares (``CHECKS``) is also
+a test here (the names are read without a GPU, so collection needs none).
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import tree_leaves, tree_map
+from tests.helpers import load_module
 
 pytestmark = [
     pytest.mark.cuda,
@@ -18,6 +22,9 @@ pytestmark = [
 ]
 
 SCALE = 2.0**12
+CUDA_CHECKS = load_module(
+    Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_checks.py", "cuda_checks"
+)
 
 
 def _state(tx=None):
@@ -132,3 +139,11 @@ def test_the_default_update_is_the_fused_triton_kernel_within_the_contract():
             else:
                 assert _bits_equal((new.master, new.opt_state), (state.master, state.opt_state))
             state = ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", list(CUDA_CHECKS.CHECKS))
+def test_cuda_checks_script_check_passes(check):
+    results = CUDA_CHECKS.run_check(check, torch.device("cuda"))
+    torch._dynamo.reset()
+    assert results and all(verdict == "PASS" for verdict, _, _ in results), results
