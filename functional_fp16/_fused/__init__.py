@@ -1,7 +1,9 @@
 """The fused optimiser steps: ``torch.library`` ops, plans read from declared transforms.
 
-``op_library`` turns a declared step into ops (functional and donated, with
-fake kernels, C / Triton / plain PyTorch kernels and ``vmap`` rules);
+``op_library`` turns a declared step (``step_schema``) into ops (functional
+and donated, with fake kernels and ``vmap`` rules from ``vmap_rules``): each
+checks its arguments (``op_checks``) and runs the device's kernel, C, Triton
+or plain PyTorch (``device_kernels``, ``plain_kernels``);
 ``steps`` is the fused update that every fusable optimiser plugs into with
 :func:`~functional_fp16._fused.steps.register`; ``sgd`` and ``adam`` are the
 fusable optimisers (their plans, ops and plain kernels); ``chains`` reads

@@ -39,9 +39,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from functional_fp16._fused import op_library
+from functional_fp16._fused import op_checks, plain_kernels
 from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
-from functional_fp16._fused.op_library import StepSpec, define_step, f32
+from functional_fp16._fused.op_library import define_step
+from functional_fp16._fused.plain_kernels import f32
+from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._util.tree import tree_flatten, tree_unflatten
 from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
@@ -180,21 +182,21 @@ def _generic(
     """The plain PyTorch kernel: one leaf of one member at a time (bitwise the C one on the CPU)."""
     c2 = f32(c2)
     results = []
-    for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
-        m = op_library.member(master[leaf], b, members)
-        u = op_library.unscaled(
-            op_library.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
+    for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        m = plain_kernels.member(master[leaf], b, members)
+        u = plain_kernels.unscaled(
+            plain_kernels.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
         )
         if l2 != 0.0:
             u = torch.add(u, m, alpha=l2)
-        na = torch.lerp(op_library.member(mu[leaf], b, members), u, w)
-        nv = torch.addcmul(op_library.member(nu[leaf], b, members) * b2, u, u, value=c2)
+        na = torch.lerp(plain_kernels.member(mu[leaf], b, members), u, w)
+        nv = torch.addcmul(plain_kernels.member(nu[leaf], b, members) * b2, u, u, value=c2)
         step = na / (sqrt_rn(nv) / sqrt_c2[k] + eps) * inv_c1[k]
         if decoupled != 0.0:
             step = torch.add(step, m, alpha=decoupled)
         results.append((b, leaf, k, torch.addcmul(m, step, lr[k]), na, nv))
     for b, leaf, k, nm, na, nv in results:
-        op_library.write_member(
+        plain_kernels.write_member(
             b,
             leaf,
             members,
@@ -233,7 +235,7 @@ SPEC = StepSpec(
 def _require_corrections(op: str, a: dict) -> list[str]:
     for name in ("inv_c1", "sqrt_c2"):
         if a[name] is None:
-            op_library.fail(op, f"{name} is required", TypeError)
+            op_checks.fail(op, f"{name} is required", TypeError)
     return ["mu", "nu"]
 
 
@@ -241,7 +243,7 @@ adam_step, adam_step_ = define_step(
     SPEC,
     r"""One fused Adam/AdamW step into fresh tensors: ``(master', mu', nu', params', finite)``.
 
-    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.op_library`
+    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.step_schema`
     for the conventions; ``inv_c1`` and ``sqrt_c2`` are the bias corrections per group.
     """,
 )

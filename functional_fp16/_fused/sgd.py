@@ -33,9 +33,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from functional_fp16._fused import op_library
+from functional_fp16._fused import op_checks, plain_kernels
 from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
-from functional_fp16._fused.op_library import StepSpec, define_step, f32
+from functional_fp16._fused.op_library import define_step
+from functional_fp16._fused.plain_kernels import f32
+from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._util.tree import tree_flatten, tree_unflatten
 from functional_fp16.transforms.base import GradientTransformation
@@ -146,7 +148,7 @@ def sgd_buffers(plan: SGDPlan, opt_state: Any, master_spec: Any) -> list[list[Te
 def _check(op: str, a: dict) -> list[str]:
     if a["momentum"] != 0.0:
         if a["started"] is None:
-            op_library.fail(op, "started is required with momentum", TypeError)
+            op_checks.fail(op, "started is required with momentum", TypeError)
         return ["trace"]
     return []
 
@@ -203,10 +205,10 @@ def _generic(
     """
     take = f32(take_started)
     results = []
-    for b, leaf, k in op_library.walk(len(grads), lr.numel(), members):
-        m = op_library.member(master[leaf], b, members)
-        u = op_library.unscaled(
-            op_library.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
+    for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        m = plain_kernels.member(master[leaf], b, members)
+        u = plain_kernels.unscaled(
+            plain_kernels.member(grads[leaf], b, members), inv, clip_div, clip_mul, k
         )
         if weight_decay != 0.0:
             u = torch.add(u, m, alpha=weight_decay)
@@ -214,14 +216,14 @@ def _generic(
         if trace is not None:  # momentum is on (it may round to 0 in float32)
             on = started[k]
             keep = torch.where(on, momentum, 0.0).float()
-            old = op_library.member(trace[leaf], b, members)
+            old = plain_kernels.member(trace[leaf], b, members)
             nb = old * keep + u * torch.where(on, take, 1.0).float()
             v = torch.add(u, nb, alpha=momentum) if nesterov else nb
         results.append((b, leaf, k, torch.addcmul(m, v, lr[k]), nb))
     # Every new value is computed before any output is written (donation).
     for b, leaf, k, nm, nb in results:
         new = {"master": nm, "trace": nb}
-        op_library.write_member(
+        plain_kernels.write_member(
             b,
             leaf,
             members,
@@ -259,7 +261,7 @@ sgd_step, sgd_step_ = define_step(
     SPEC,
     r"""One fused SGD step into fresh tensors: ``(master', trace', params', finite)``.
 
-    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.op_library`
+    See the module docstring for the arithmetic and :mod:`functional_fp16._fused.step_schema`
     for the conventions. ``trace`` is empty without momentum (and so is ``trace'``).
     """,
 )

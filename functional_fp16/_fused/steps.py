@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._fused.chains import lr_factor, replace_at, state_at
-from functional_fp16._fused.op_library import finite_from_peak, grad_stats
+from functional_fp16._fused.device_kernels import finite_from_peak
+from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
 from functional_fp16._util.tree import tree_flatten, tree_unflatten
 from functional_fp16.precision.loss_scale import (

@@ -315,7 +315,7 @@ def pack(
 
     ``leaves_checked=True`` is for a caller that has itself checked every
     tensor of every leaves argument by the same rules (the fused ops do,
-    before they choose a kernel: ``op_library``); the lists' lengths, the
+    before they choose a kernel: ``op_checks``); the lists' lengths, the
     per-group scalars and the arguments' dependencies are still checked here.
 
     Raises ``TypeError`` for a missing or unknown argument or a wrong type,

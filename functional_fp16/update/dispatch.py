@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.op_library import kernel_for
+from functional_fp16._fused.device_kernels import kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._fused.op_library import first_overlap
+from functional_fp16._fused.op_checks import first_overlap
 from functional_fp16._util.tree import (
     describe_tensor,
     first_difference,

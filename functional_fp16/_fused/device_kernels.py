@@ -1,0 +1,165 @@
+"""Which kernel runs an op on a device, and the call into it: C, Triton or plain PyTorch.
+
+:func:`kernel_for` names the device's kernel: the compiled C library on the
+CPU, the multi-tensor Triton launches on CUDA (a Triton kernel that fails on
+its first launch falls back to the plain kernel, see ``triton_fallback``),
+and the plain PyTorch kernel (``plain_kernels``) on any other device or
+where no compiler exists. :func:`stats` runs ``grad_stats`` and
+:func:`run_step` a step on the kernel the op chose; both take arguments that
+have passed the op's checks (``op_checks``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from functional_fp16._fused.plain_kernels import stats_generic
+from functional_fp16._fused.step_schema import StepSpec, working_copies
+from functional_fp16._fused.triton_fallback import with_triton
+from functional_fp16._kernels import cpu as c_kernel
+
+__all__ = ["kernel_for", "member_views", "finite_from_peak", "stats", "run_step"]
+
+
+def kernel_for(device: torch.device) -> str:
+    """The kernel that runs on ``device``: ``"c"``, ``"triton"`` or ``"generic"``.
+
+    ``$FUNCTIONAL_FP16_NO_KERNEL`` makes the C library unavailable, so the CPU
+    runs the plain PyTorch kernel.
+    """
+    if device.type == "cpu" and c_kernel.available():
+        return "c"
+    if device.type == "cuda" and _triton().available():
+        return "triton"
+    return "generic"
+
+
+def _triton():
+    """The Triton kernels' module (imported on first use: it imports triton)."""
+    from functional_fp16._kernels import triton_steps
+
+    return triton_steps
+
+
+def _launches() -> int:
+    return sum(_triton().launch_counts.values())
+
+
+def _dtypes(xs: list[Tensor]) -> tuple[str, ...]:
+    """The distinct dtypes of ``xs``, in a fixed order (part of a Triton configuration)."""
+    return tuple(sorted({str(x.dtype) for x in xs}))
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def member_views(xs: list[Tensor] | None, members: int) -> list[Tensor] | None:
+    """Each leaf's members as separate views, member-major (``[x[b] for b for x]``)."""
+    if xs is None or members == 1:
+        return xs
+    return [x[b] for b in range(members) for x in xs]
+
+
+def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = None) -> Tensor:
+    """Per group: ``fl32(peak) * inv`` is finite (as ``grads_finite`` decides), and ``require``."""
+    finite = torch.isfinite(peak if inv is None else peak * inv)
+    return finite if require is None else finite & require
+
+
+def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor, Tensor]:
+    """``grad_stats`` on ``kernel``: per group the peak (float32) and sum of squares (float64)."""
+    device = grads[0].device
+    peak = torch.empty(groups, dtype=torch.float32, device=device)
+    sq = torch.zeros(groups, dtype=torch.float64, device=device)
+    if kernel == "c":
+        c_kernel.call(
+            "grad_stats",
+            n_groups=groups,
+            members=members,
+            leaves_checked=True,
+            grads=grads,
+            inv=inv,
+            sum_squares=sum_squares,
+            threads=_threads(),
+            peak_out=peak,
+            sum_sq_out=sq if sum_squares else None,
+        )
+    elif kernel == "triton":
+        with_triton(
+            ("grad_stats", *_dtypes(grads), sum_squares, inv is None),
+            device,
+            lambda: _triton().grad_stats(
+                n_groups=groups,
+                grads=member_views(grads, members),
+                inv=inv,
+                sum_squares=sum_squares,
+                peak_out=peak,
+                sum_sq_out=sq if sum_squares else None,
+            ),
+            lambda: stats_generic(grads, inv, groups, members, sum_squares, peak, sq),
+            _launches,
+            writes_inputs=False,
+        )
+    else:
+        stats_generic(grads, inv, groups, members, sum_squares, peak, sq)
+    return peak, sq
+
+
+def run_step(
+    spec: StepSpec,
+    a: dict,
+    used: list[str],
+    out: dict,
+    kernel: str,
+    speculate: bool,
+    donated: bool = False,
+) -> Tensor:
+    """Runs the step on ``kernel`` into ``out`` (``master``, the states, ``params``: one per
+    leaf); returns ``finite``.
+
+    ``a`` has passed the op's checks (``op_checks``), which check every tensor
+    the kernels are given by the rules of the C interface (``signatures.py``);
+    ``out`` is made from those tensors (fresh ones like them, or themselves).
+    So the C kernel's packing checks only the lists' lengths and the scalars
+    again.
+    """
+    groups, members = a["lr"].numel(), a["members"]
+    inputs = {**a, "params": working_copies(a["master"], a["params"], a["separate"])}
+    kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
+    if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
+        # The C kernel steps before it decides, then decides and undoes the groups that skip.
+        finite = torch.empty(groups, dtype=torch.bool)
+        decided = {"apply": None, "require": a["require"], "decided_out": finite}
+    elif a["apply"] is not None:
+        finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
+        decided = {"apply": finite}
+    else:
+        peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
+        finite = finite_from_peak(peak, a["inv"], a["require"])
+        decided = {"apply": finite}
+    if kernel == "c":
+        c_kernel.call(
+            spec.entry,
+            n_groups=groups,
+            members=members,
+            leaves_checked=True,
+            threads=_threads(),
+            **{**spec.c_extra, **decided},
+            **kw,
+        )
+    elif kernel == "triton":
+        views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
+        given = tuple(sorted(k for k, v in kw.items() if v is not None and not isinstance(v, list)))
+        with_triton(
+            (spec.entry, *_dtypes(a["grads"]), *_dtypes(inputs["params"]), *sorted(used), *given),
+            a["grads"][0].device,
+            lambda: getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views),
+            lambda: spec.generic(members=members, apply=finite, **kw),
+            _launches,
+            writes_inputs=donated,
+        )
+    else:
+        spec.generic(members=members, apply=finite, **kw)
+    return finite

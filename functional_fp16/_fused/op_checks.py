@@ -1,0 +1,148 @@
+"""The step ops' argument checks: everything an op refuses before anything reaches a kernel.
+
+A refusal names the op and the argument (``functional_fp16::<op>: grads[1] is
+on meta, ...``): a ``TypeError`` for a wrong dtype or kind, a ``ValueError``
+for a wrong shape, stride, device or count. :func:`first_overlap` finds two
+tensors that share memory, for the donated op (which writes in place) and for
+the update's state check alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_fp16._fused.step_schema import BOOL_SCALARS, COMMON_SCALARS, NS, StepSpec
+from functional_fp16._kernels.signatures import DTYPE_CODES, dense, members_outermost
+
+__all__ = ["STORED", "fail", "first_overlap"]
+
+STORED = tuple(DTYPE_CODES)
+"""The dtypes a gradient or a working copy may have."""
+
+
+def fail(op: str, message: str, kind: type[Exception] = ValueError) -> None:
+    """Raises ``kind`` with the op's name in front of ``message``."""
+    raise kind(f"{NS}::{op}: {message}")
+
+
+def _check_list(op: str, name: str, xs: list[Tensor], like: list[Tensor], dtypes) -> None:
+    """Every ``xs[i]`` has a dtype of ``dtypes`` and ``like[i]``'s device, shape and strides.
+
+    The common case is checked in bulk; a failure is then explained leaf by leaf.
+    """
+    if (
+        len(xs) == len(like)
+        and all(x.dtype in dtypes for x in xs)
+        and [(x.device, x.shape, x.stride()) for x in xs]
+        == [(r.device, r.shape, r.stride()) for r in like]
+    ):
+        return
+    if len(xs) != len(like):
+        fail(op, f"{name} has {len(xs)} tensors, expected {len(like)} (one per leaf)")
+    for i, (x, ref) in enumerate(zip(xs, like)):
+        if x.dtype not in dtypes:
+            fail(op, f"{name}[{i}] has dtype {x.dtype}, expected one of {dtypes}", TypeError)
+        if x.device != ref.device:
+            fail(op, f"{name}[{i}] is on {x.device}, the gradients on {ref.device}")
+        if x.shape != ref.shape or x.stride() != ref.stride():
+            fail(
+                op,
+                f"{name}[{i}] has shape {tuple(x.shape)} and strides {x.stride()}; "
+                f"grads[{i}] has {tuple(ref.shape)} and {ref.stride()}",
+            )
+
+
+def _check_group(op: str, name: str, x: Tensor | None, groups: int, dtype, device) -> None:
+    if x is None:
+        return
+    if not isinstance(x, Tensor) or x.dtype != dtype or x.device != device:
+        got = f"{x.dtype} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
+        fail(op, f"{name} must be {dtype} on {device}, got {got}", TypeError)
+    if x.shape != (groups,) or not x.is_contiguous():
+        fail(
+            op,
+            f"{name} must be contiguous of shape ({groups},) (one per group), "
+            f"got shape {tuple(x.shape)} and strides {x.stride()}",
+        )
+
+
+def _check_grads(op: str, grads: list[Tensor], members: int) -> None:
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        fail(op, f"members must be a positive int, got {members!r}", TypeError)
+    if not grads:
+        fail(op, "grads is empty")
+    device = grads[0].device
+    for i, g in enumerate(grads):
+        if g.device != device:
+            fail(op, f"grads[{i}] is on {g.device}, grads[0] on {device}: one device per call")
+        if g.dtype not in STORED:
+            fail(op, f"grads[{i}] has dtype {g.dtype}, expected one of {STORED}", TypeError)
+        if not dense(g):
+            fail(op, f"grads[{i}] is not dense")
+        if not members_outermost(g, members):
+            fail(op, f"grads[{i}] does not hold {members} members along its first dimension")
+
+
+def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
+    """Checks a step's arguments; returns the names of the state lists in use."""
+    grads, members = a["grads"], a["members"]
+    _check_grads(op, grads, members)
+    _check_list(op, "master", a["master"], grads, (torch.float32,))
+    used = spec.check(op, a)
+    for name in spec.states:
+        if name in used:
+            _check_list(op, name, a[name], grads, (torch.float32,))
+        elif a[name]:
+            fail(op, f"{name} must be empty here (it is not used)")
+    if len(a["separate"]) != len(grads):
+        fail(op, f"separate has {len(a['separate'])} flags, expected {len(grads)}")
+    own = [g for g, s in zip(grads, a["separate"]) if s]
+    _check_list(op, "params", a["params"], own, STORED)
+    lr = a["lr"]
+    if (
+        lr.dim() != 1
+        or lr.numel() < 1
+        or lr.numel() % members
+        or len(grads) % (lr.numel() // members)
+    ):
+        fail(
+            op,
+            f"lr has shape {tuple(lr.shape)}: expected one entry per group, {members} member(s) "
+            f"of groups that split {len(grads)} leaves evenly",
+        )
+    for name in (*COMMON_SCALARS, *spec.scalars):
+        dtype = torch.bool if name in (*BOOL_SCALARS, *spec.bool_scalars) else torch.float32
+        _check_group(op, name, a[name], lr.numel(), dtype, grads[0].device)
+    if (a["clip_div"] is None) != (a["clip_mul"] is None):
+        fail(op, "clip_div and clip_mul are given together or not at all")
+    return used
+
+
+def first_overlap(tensors: list[Tensor]) -> tuple[int, int] | None:
+    """Indices of two dense tensors whose memory overlaps, or ``None``.
+
+    A dense tensor covers ``[data_ptr, data_ptr + nbytes)``; empty ones cover nothing.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in enumerate(tensors) if t.nbytes
+    )
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            return first, second
+    return None
+
+
+def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
+    """Refuses written tensors whose memory overlaps another argument's (donation)."""
+    tensors = [t for name in ["grads", *names] for t in a[name]]
+    found = first_overlap(tensors)
+    if found is not None:
+        where = [f"{name}[{i}]" for name in ["grads", *names] for i in range(len(a[name]))]
+        fail(
+            op,
+            f"{where[found[0]]} and {where[found[1]]} share memory; the donated step writes "
+            "in place",
+        )
