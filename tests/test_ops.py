@@ -20,7 +20,7 @@ from functional_fp16._fused.adam import adam_step, adam_step_
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
-from functional_fp16._util.tree import tree_leaves
+from functional_fp16._util.tree import tree_leaves, tree_map
 from tests.helpers import bits
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
@@ -244,7 +244,7 @@ def _run_compiled(step, state, eager, params, g, donate, scales, calls):
         loss = torch.tensor(float("nan") if i == 15 else 1.0)
         # the same kernel as eager mode, so bitwise the eager default update
         eager = ff.fp16_update(eager, grads, loss=loss)
-        copy = ff._tree.tree_map(torch.clone, state) if donate else state
+        copy = tree_map(torch.clone, state) if donate else state
         before = len(calls)
         state = step(copy, grads, loss)
         compiled_calls += calls[before:]
