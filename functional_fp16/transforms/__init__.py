@@ -16,6 +16,7 @@ from functional_fp16.transforms.base import (
     apply_updates,
     chain,
     identity,
+    update_with_extra_args,
 )
 from functional_fp16.transforms.clipping import clip_by_global_norm, global_norm
 from functional_fp16.transforms.combining import MultiTransformState, multi_transform, set_to_zero
@@ -43,6 +44,7 @@ __all__ = [
     "identity",
     "chain",
     "apply_updates",
+    "update_with_extra_args",
     "sgd",
     "trace",
     "TraceState",
