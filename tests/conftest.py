@@ -8,8 +8,10 @@ from hypothesis import settings
 
 from tests.helpers import IMPL_NAMES
 
-# Keep the suite predictable on small shared machines.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Keep the suite predictable on small shared machines: at most two threads, shared
+# between pytest-xdist's workers (``-n``) when the tests run in several processes.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("dev", deadline=None)
