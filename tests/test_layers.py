@@ -38,14 +38,51 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _crossing(importer: str, dotted: str) -> bool:
+    """Whether ``dotted`` (a name under ``functional_fp16``) is private to another subpackage."""
+    parts = dotted.split(".")
+    return (
+        parts[0] == "functional_fp16"
+        and len(parts) > 2
+        and _unit(dotted) != _unit(importer)
+        and any(map(_private, parts[2:]))
+    )
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """``a.b.c`` (or ``getattr(a.b, "c")``) with its root name replaced by what it is bound to."""
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        return None if base is None else f"{base}.{node.attr}"
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        base = _dotted(node.args[0], aliases)
+        return None if base is None else f"{base}.{node.args[1].value}"
+    return None
+
+
 def private_crossings(root: Path) -> list[str]:
-    """Every place a module of ``root/functional_fp16`` uses a private name of another subpackage."""
+    """Every place a module of ``root/functional_fp16`` uses a private name of another subpackage.
+
+    Seen: ``from M import _x``, an import of a private module, and any
+    attribute chain or constant ``getattr`` on a name bound by an import
+    (``import functional_fp16.a.b`` binds ``functional_fp16``; ``as m`` binds
+    ``m``; ``from P import m`` binds ``m`` to ``P.m``).
+    """
     found = []
     for path in sorted((root / "functional_fp16").rglob("*.py")):
         importer = _module_name(path, root)
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
-        aliases: dict[str, str] = {}  # local name -> module of another subpackage
+        aliases: dict[str, str] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = importer if is_package else importer.rpartition(".")[0]
@@ -54,26 +91,36 @@ def private_crossings(root: Path) -> list[str]:
                 source = (
                     f"{base}.{node.module}" if node.level and node.module else node.module or base
                 )
-                if not source.startswith("functional_fp16") or _unit(source) == _unit(importer):
+                if not source.startswith("functional_fp16"):
                     continue
-                inner = source.split(".")[2:]
                 for alias in node.names:
-                    if any(map(_private, [*inner, alias.name])):
+                    if _crossing(importer, f"{source}.{alias.name}"):
                         found.append(f"{importer}:{node.lineno} imports {source}.{alias.name}")
                     aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name.startswith("functional_fp16") and alias.asname:
-                        if _unit(alias.name) != _unit(importer):
-                            aliases[alias.asname] = alias.name
+                    if not alias.name.startswith("functional_fp16"):
+                        continue
+                    if _crossing(importer, alias.name):
+                        found.append(f"{importer}:{node.lineno} imports {alias.name}")
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+                    else:
+                        aliases[alias.name.partition(".")[0]] = alias.name.partition(".")[0]
+        seen = set()
         for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and _private(node.attr)
-            ):
-                found.append(f"{importer}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+            if not isinstance(node, (ast.Attribute, ast.Call)):
+                continue
+            dotted = _dotted(node, aliases)
+            if dotted and _crossing(importer, dotted) and (node.lineno, dotted) not in seen:
+                # Report the shortest chain that crosses (not every longer one).
+                parts = dotted.split(".")
+                first = next(i for i in range(2, len(parts)) if _private(parts[i]))
+                short = ".".join(parts[: first + 1])
+                if (node.lineno, short) not in seen:
+                    seen.add((node.lineno, short))
+                    found.append(f"{importer}:{node.lineno} uses {short}")
+                seen.add((node.lineno, dotted))
     return found
 
 
@@ -89,12 +136,22 @@ def test_the_private_name_check_sees_a_planted_crossing(tmp_path):
         target.read_text()
         + "\nfrom functional_fp16.update.state import _planted\n"
         + "import functional_fp16.update.step as _step_module\n_step_module._hidden\n"
+        + "import functional_fp16.update.dispatch\nfunctional_fp16.update.dispatch._route\n"
+        + "from functional_fp16 import update as upd\nupd.step._check_state\n"
+        + "getattr(_step_module, '_by_getattr')\n"
+        + "from functional_fp16.checkpoint import _read\n"
     )
     found = private_crossings(tmp_path)
-    assert [f.split(" ", 1)[1] for f in found] == [
-        "imports functional_fp16.update.state._planted",
-        "uses functional_fp16.update.step._hidden",
-    ]
+    assert sorted(f.split(" ", 1)[1] for f in found) == sorted(
+        [
+            "imports functional_fp16.update.state._planted",
+            "uses functional_fp16.update.step._hidden",
+            "uses functional_fp16.update.dispatch._route",
+            "uses functional_fp16.update.step._check_state",
+            "uses functional_fp16.update.step._by_getattr",
+            "imports functional_fp16.checkpoint._read",
+        ]
+    )
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:

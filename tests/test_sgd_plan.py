@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import functional_fp16 as ff
-from functional_fp16._fused.chains import replace_at, state_at
 from functional_fp16._fused.sgd import sgd_plan
+from functional_fp16.transforms.base import replace_at, state_at
 
 
 def test_sgd_declares_its_hyperparameters():

@@ -40,14 +40,19 @@ import torch
 from torch import Tensor
 
 from functional_fp16._fused import op_checks, plain_kernels
-from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits, replace_at, state_at
+from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._util.tree import tree_flatten, tree_unflatten
 from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
-from functional_fp16.transforms.base import GradientTransformation, saturating_increment
+from functional_fp16.transforms.base import (
+    GradientTransformation,
+    replace_at,
+    saturating_increment,
+    state_at,
+)
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec
 

@@ -4,8 +4,9 @@ Every transform of the library declares what it computes in its ``spec``
 (:class:`~functional_fp16.transforms.base.ChainSpec` and the parts' own specs). A fused
 plan flattens a chain into ``(spec, state path)`` pairs with :func:`chain_parts`
 and accepts or refuses the parts' types; :func:`cached_plan` caches its answer
-by the specs' values. :func:`state_at` and :func:`replace_at` read and replace
-the inner state of a part in the nested tuple a chain's state is.
+by the specs' values. A part's state is addressed with
+:func:`~functional_fp16.transforms.base.state_at` and
+:func:`~functional_fp16.transforms.base.replace_at`.
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ from typing import Any
 
 import torch
 
-from functional_fp16.transforms.base import ChainSpec, GradientTransformation, saturating_increment
+from functional_fp16.transforms.base import (
+    ChainSpec,
+    GradientTransformation,
+    StatePath,
+    saturating_increment,
+    state_at,
+)
 from functional_fp16.transforms.sgd import ScaleByScheduleState
 
 __all__ = [
     "Path",
     "chain_parts",
     "cached_plan",
-    "state_at",
-    "replace_at",
     "lr_state_fits",
     "lr_factor",
 ]
 
-Path = tuple[int, ...]
+Path = StatePath
 
 
 def chain_parts(spec: Any, path: Path = ()) -> list[tuple[Any, Path]] | None:
@@ -85,22 +90,6 @@ def cached_plan(read: Callable[[list[tuple[Any, Path]]], Any]) -> Callable[..., 
         return of_key(key, spec)
 
     return plan
-
-
-def state_at(state: Any, path: Path) -> Any:
-    """The inner state at ``path`` of a nested chain state."""
-    for i in path:
-        state = state[i]
-    return state
-
-
-def replace_at(state: Any, path: Path, value: Any) -> Any:
-    """A copy of the nested chain state with the inner state at ``path`` replaced."""
-    if not path:
-        return value
-    parts = list(state)
-    parts[path[0]] = replace_at(state[path[0]], path[1:], value)
-    return tuple(parts)
 
 
 def lr_state_fits(plan: Any, opt_state: Any) -> bool:

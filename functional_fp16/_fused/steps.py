@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused.chains import lr_factor, replace_at, state_at
+from functional_fp16._fused.chains import lr_factor
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
@@ -43,6 +43,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_factor,
 )
+from functional_fp16.transforms.base import replace_at, state_at
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
 from functional_fp16.transforms.sgd import ScaleByScheduleState
 

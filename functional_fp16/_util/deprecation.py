@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import sys
 import types
 import warnings
@@ -59,26 +60,50 @@ def keyword_only(*names: str) -> Callable[[Callable[..., Any]], Callable[..., An
 
 
 class _MovedModule(types.ModuleType):
-    """An old module path whose attributes are read, with a warning, from the module that moved."""
+    """An old module path: its names are the moved module's, read and written with a warning.
+
+    ``__all__`` (so ``from old import *`` works) and any other name are
+    looked up in the moved module when read; setting or deleting a name
+    (``mock.patch("old.name")``) changes the moved module, which the library
+    reads. A name the moved module lacks raises ``AttributeError`` without
+    a warning, so probing tools see an ordinary module.
+    """
 
     def __init__(self, name: str, new_name: str) -> None:
         super().__init__(name, f"Deprecated path of :mod:`{new_name}`.")
         self.__dict__["_new_name"] = new_name
+        self.__dict__["__spec__"] = importlib.machinery.ModuleSpec(name, None)
+
+    def _target(self) -> types.ModuleType:
+        return importlib.import_module(self.__dict__["_new_name"])
+
+    def _warn(self) -> None:
+        new = self.__dict__["_new_name"]
+        # One text per old path, so that the warning filters show it once per line.
+        warnings.warn(
+            f"{self.__name__} moved to {new}; import from there (or from "
+            f"{new.partition('.')[0]}). The old path stops working in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        target = importlib.import_module(self._new_name)
-        warnings.warn(
-            f"{self.__name__} moved to {self._new_name}; import {attr} from there (or from "
-            f"{self._new_name.partition('.')[0]}). The old path stops working in the next release.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        target = self._target()
+        if (attr.startswith("__") and attr != "__all__") or not hasattr(target, attr):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+        self._warn()
         return getattr(target, attr)
 
+    def __setattr__(self, attr: str, value: Any) -> None:
+        self._warn()
+        setattr(self._target(), attr, value)
+
+    def __delattr__(self, attr: str) -> None:
+        self._warn()
+        delattr(self._target(), attr)
+
     def __dir__(self) -> list[str]:
-        return dir(importlib.import_module(self._new_name))
+        return dir(self._target())
 
 
 def redirect_moved_modules(moved: Mapping[str, str]) -> None:

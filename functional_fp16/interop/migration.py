@@ -37,7 +37,6 @@ from typing import Any
 import optree
 import torch
 
-from functional_fp16._fused.chains import replace_at, state_at
 from functional_fp16._util.tree import (
     NAMESPACE,
     PyTree,
@@ -60,6 +59,7 @@ from functional_fp16.interop.torch_optim import (
     _transform,
 )
 from functional_fp16.precision.loss_scale import LossScale
+from functional_fp16.transforms.base import replace_at, state_at
 from functional_fp16.update import FP16State, fp16_init
 
 __all__ = ["from_torch", "to_torch"]

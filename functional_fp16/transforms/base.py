@@ -12,8 +12,8 @@ No function here modifies its arguments.
 
 from __future__ import annotations
 
-import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,6 +30,9 @@ __all__ = [
     "apply_updates",
     "saturating_increment",
     "update_with_extra_args",
+    "StatePath",
+    "state_at",
+    "replace_at",
 ]
 
 InitFn = Callable[[PyTree], Any]
@@ -52,6 +55,10 @@ class GradientTransformation(NamedTuple):
     init: InitFn
     update: UpdateFn
     spec: Any = None
+
+
+# The position of a part's state in a nested chain state: one index per level.
+StatePath = tuple[int, ...]
 
 
 class ChainSpec(NamedTuple):
@@ -144,16 +151,31 @@ def update_with_extra_args(
     return tx.update(updates, state, params, **extra_args)
 
 
-@functools.lru_cache(maxsize=4096)
+# update function -> the keywords it takes; weak, so a cached transform can still be freed.
+_KEYWORDS: weakref.WeakKeyDictionary[Callable[..., Any], frozenset[str] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _keywords(update: Callable[..., Any]) -> frozenset[str] | None:
     """The keyword names ``update`` takes, or ``None`` when it takes ``**kwargs``."""
-    names = set()
+    try:
+        return _KEYWORDS[update]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable / hashable
+        pass
+    names: set[str] | None = set()
     for p in inspect.signature(update).parameters.values():
         if p.kind is p.VAR_KEYWORD:
-            return None
+            names = None
+            break
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
             names.add(p.name)
-    return frozenset(names)
+    found = None if names is None else frozenset(names)
+    try:
+        _KEYWORDS[update] = found
+    except TypeError:
+        pass
+    return found
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -180,3 +202,19 @@ def saturating_increment(count: torch.Tensor) -> torch.Tensor:
     """
     top = torch.iinfo(torch.int32).max
     return torch.where(count < top, count + 1, count).to(torch.int32)
+
+
+def state_at(state: Any, path: StatePath) -> Any:
+    """The inner state at ``path`` of a nested chain state."""
+    for i in path:
+        state = state[i]
+    return state
+
+
+def replace_at(state: Any, path: StatePath, value: Any) -> Any:
+    """A copy of the nested chain state with the inner state at ``path`` replaced."""
+    if not path:
+        return value
+    parts = list(state)
+    parts[path[0]] = replace_at(state[path[0]], path[1:], value)
+    return tuple(parts)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._fused.chains import lr_factor, replace_at, state_at
+from functional_fp16._fused.chains import lr_factor
 from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
 from functional_fp16._util.finite import grads_finite
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
@@ -53,7 +53,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_factor,
 )
-from functional_fp16.transforms.base import update_with_extra_args
+from functional_fp16.transforms.base import replace_at, state_at, update_with_extra_args
 from functional_fp16.transforms.sgd import ScaleByScheduleState, TraceState
 
 __all__ = ["foreach_update", "grads_finite", "sgd_sequence"]
@@ -171,7 +171,7 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     if cfg is not None:
         master, opt_state = _sgd_eager(cfg, state.opt_state, g32, m_leaves, finite, donate)
     else:
-        extra = decide.extra_args()
+        extra = {} if decide is None else decide.extra_args()
         master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate, extra)
 
     params = _cast_params(master, p_leaves, donate)
