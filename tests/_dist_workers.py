@@ -20,7 +20,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16._util.tree import tree_leaves, tree_map, tree_paths
-from tests._launch import error_of, run_scenarios, thread_names
+from tests._launch import error_of, exit_now, run_scenarios, thread_names
 
 # -- the model, the data, the reference ------------------------------------
 
@@ -384,4 +384,4 @@ def _keep_info(info: ffd.DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_scenarios(SCENARIOS, sys.argv[1], _keep_info))
+    exit_now(run_scenarios(SCENARIOS, sys.argv[1], _keep_info))

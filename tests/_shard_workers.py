@@ -21,7 +21,7 @@ import torch
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed import sharded_step
-from tests._launch import error_of, run_scenarios
+from tests._launch import error_of, exit_now, run_scenarios
 
 # Odd sizes, and leaves smaller than 3 ranks: 35 + 5 + 15 + 2 + 1 = 58 elements,
 # which neither 2 nor 3 ranks divide into whole leaves (3 does not divide 58).
@@ -354,4 +354,4 @@ SCENARIOS = {
 
 
 if __name__ == "__main__":
-    sys.exit(run_scenarios(SCENARIOS, sys.argv[1]))
+    exit_now(run_scenarios(SCENARIOS, sys.argv[1]))

@@ -30,7 +30,7 @@ import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed import sharded_checkpoints
 from tests import _shard_workers as SW
-from tests._launch import error_of, run_scenarios
+from tests._launch import error_of, exit_now, run_scenarios
 
 LR = 1e-2
 FIRST_STEPS = 3  # steps before the 1-process checkpoint
@@ -434,4 +434,4 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     names = os.environ["FF_SCKPT_SCENARIOS"].split(",")
-    sys.exit(run_scenarios({n: SCENARIOS[n] for n in names}, sys.argv[1]))
+    exit_now(run_scenarios({n: SCENARIOS[n] for n in names}, sys.argv[1]))
