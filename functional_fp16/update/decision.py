@@ -55,11 +55,6 @@ class Decision(NamedTuple):
             raise TypeError(f"agree must return a 0-d bool tensor on {local.device}, got {got}")
         return finite
 
-    def also(self, require: torch.Tensor) -> Decision:
-        """This rule with one more condition that must hold."""
-        both = require if self.require is None else self.require & require
-        return self._replace(require=both)
-
     def with_require(self, require: torch.Tensor | None) -> Decision:
         """This rule with ``require`` in place of its own condition."""
         return self._replace(require=require)
