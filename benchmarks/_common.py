@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmark scripts: timing, memory, machine description."""
+"""Shared helpers for the benchmark scripts: timing, memory, machine description, reports, ranks."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import ctypes
 import ctypes.util
 import datetime
 import gc
+import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.multiprocessing as mp
 
 _LIBC = None
 
@@ -158,3 +161,155 @@ def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
     return f"{n / 2**20:.0f} MiB"
+
+
+def machine_line() -> str:
+    """:func:`machine_description` as one markdown line, ``Machine: key: value; ...``."""
+    return "Machine: " + "; ".join(f"{k}: {v}" for k, v in machine_description().items())
+
+
+def print_report(md: list[str], out: str | None) -> None:
+    """Prints the markdown lines ``md``; with ``out``, also writes them to that file."""
+    text = "\n".join(md)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
+# Side-against-side benchmarks: each side's worker in a fresh process, taking turns.
+
+
+def run_worker(cmd: list[str]) -> dict | None:
+    """Runs one worker process; its last JSON line, or None (its output on stderr) if it failed."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(out.stdout + out.stderr, file=sys.stderr)
+        return None
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def alternate_rounds(
+    rounds: int,
+    sides: Sequence[str],
+    run_side: Callable[[str], dict | None],
+    rate_key: str,
+    unit: str,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]] | None:
+    """Each side once per round (``run_side(side)``), the order reversed every other round.
+
+    ``run_side`` runs one side's worker and returns its JSON line (see
+    :func:`run_worker`), or None if it failed. Returns each side's rates (the
+    lines' ``rate_key``) and first-call seconds (``first_call_s``), one per
+    round; None as soon as a side fails. Each result goes to stderr as
+    ``[round r] side: rate unit``.
+    """
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    first_calls: dict[str, list[float]] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            line = run_side(side)
+            if line is None:
+                return None
+            rates[side].append(line[rate_key])
+            first_calls[side].append(line["first_call_s"])
+            print(f"[round {r + 1}] {side}: {rates[side][-1]:.0f} {unit}", file=sys.stderr)
+    return rates, first_calls
+
+
+def rounds_table(
+    unit: str,
+    sides: Sequence[str],
+    labels: dict[str, str],
+    rates: dict[str, list[float]],
+    first_calls: dict[str, list[float]],
+    cold_compile: Iterable[str] = (),
+) -> list[str]:
+    """Markdown table: per side its label, median rate and every round's rate.
+
+    The rows of the sides in ``cold_compile`` also give the median first call
+    (the cold compile, which the warm-up steps absorb).
+    """
+    cold = set(cold_compile)
+    md = [f"| side | {unit} (median) | every round |", "|---|---:|---|"]
+    for side in sides:
+        note = ""
+        if side in cold:
+            note = f" (cold compile, the first call: {median(first_calls[side]):.1f} s)"
+        md.append(
+            f"| {labels[side]} | {median(rates[side]):.0f} | "
+            + ", ".join(f"{v:.0f}" for v in rates[side])
+            + note
+            + " |"
+        )
+    return md
+
+
+def time_steps(
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]],
+    warmup: int,
+    steps: int,
+    device: torch.device,
+    sync_warmup: bool,
+) -> tuple[float, float]:
+    """(first call s, seconds of ``steps`` timed steps) after ``max(1, warmup)`` untimed ones.
+
+    ``batches(k)`` draws k (inputs, targets) pairs; the timed ones are drawn
+    after the warm-up, outside the timing. On CUDA the timing is synchronised;
+    with ``sync_warmup`` each warm-up step is too (the first call then counts
+    the device's work, not only the launch).
+    """
+    first = None
+    for x, y in batches(max(1, warmup)):
+        t0 = time.perf_counter()
+        step(x, y)
+        if sync_warmup and device.type == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0 if first is None else first
+    work = batches(steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for x, y in work:
+        step(x, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return first, time.perf_counter() - t0
+
+
+# Benchmarks over several CPU processes (gloo on 127.0.0.1).
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, *args) -> None:
+    """Runs ``worker(rank, world, port, *args)`` in ``world`` fresh processes and waits for them.
+
+    ``port``: a free port on 127.0.0.1 for the ranks to meet at (:func:`init_gloo_rank`).
+    """
+    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def init_gloo_rank(rank: int, world: int, port: int) -> None:
+    """Joins this process to the gloo group as ``rank`` of ``world``, one torch thread.
+
+    Through the environment variables of ``torch.distributed`` (meeting at
+    127.0.0.1:``port``) and ``functional_fp16.distributed.init_from_env``.
+    """
+    from functional_fp16 import distributed as ffd
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    ffd.init_from_env(device="cpu")

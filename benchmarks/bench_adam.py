@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         k: v for k, v in all_trees.items() if k in ("example CNN", "flat 10M", "small tree")
     }
     md = ["## AdamW step", ""]
-    md.append("Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()))
+    md.append(C.machine_line())
     md.append(f"torch threads: {args.threads}")
     md.append("")
     failed = False
@@ -183,11 +183,7 @@ def main(argv=None) -> int:
             continue
         print(f"[bench] {label} ...", file=sys.stderr, flush=True)
         md += [table(label, shapes, bench(shapes, args.reps, args.warmup)), ""]
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    C.print_report(md, args.out)
     return 1 if failed else 0
 
 

@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from functional_fp16 import distributed as ffd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+from functional_fp16 import distributed as ffd  # noqa: E402
 
 
 def _time(fn, reps: int) -> list[float]:
@@ -44,16 +47,8 @@ def _time(fn, reps: int) -> list[float]:
     return out
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, result_file: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(args.procs),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    ffd.init_from_env(device="cpu")
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
+    C.init_gloo_rank(rank, world, port)
     rows = []
     try:
         for dtype in (torch.float32, torch.float16):
@@ -110,12 +105,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.tsv")
-        mp.spawn(_worker, args=(args, port, result_file), nprocs=args.procs, join=True)
+        C.spawn_ranks(_worker, args.procs, args, result_file)
         with open(result_file) as f:
             rows = [line.rstrip("\n").split("\t") for line in f]
     print(

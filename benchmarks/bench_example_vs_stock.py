@@ -33,18 +33,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, ROOT)
 sys.path.insert(2, os.path.dirname(os.path.abspath(__file__)))
 
+import _common as C  # noqa: E402
 
 SIDES = ("example", "stock", "stock-tuned", "example-compiled")
+LABELS = {
+    "example": "example (functional FP16, defaults)",
+    "stock": "stock recipe (autocast)",
+    "stock-tuned": "stock recipe + tune_malloc",
+    "example-compiled": "example, compiled (`--compile`)",
+}
 
 
 def _load(args):
@@ -105,25 +109,22 @@ def worker(args) -> None:
         order = torch.randint(0, n, (k, batch), generator=g).to(device)
         return [(images[i], labels[i]) for i in order]
 
-    first = None
-    for x, y in batches(max(1, args.warmup)):
-        t0 = time.perf_counter()
-        step(x, y)
-        first = time.perf_counter() - t0 if first is None else first
-    work = batches(args.steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for x, y in work:
-        step(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    first, seconds = C.time_steps(step, batches, args.warmup, args.steps, device, sync_warmup=False)
     print(
         json.dumps(
             {"side": args.side, "images_per_s": args.steps * batch / seconds, "first_call_s": first}
         )
     )
+
+
+def side_command(args, side: str) -> list[str]:
+    """The command line of one side's worker process for one round."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
+    for key in ("device", "steps", "warmup", "threads"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    return cmd
 
 
 def main(argv=None) -> int:
@@ -147,74 +148,43 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         args.rounds, args.steps, args.warmup = 1, 3, 1
-    import _common as C
-
     sides = SIDES[:3] if args.device == "cpu" else SIDES[:2]
     if args.only_example:
         sides = ("example",)
     if args.compiled:
         sides += ("example-compiled",)
-    results: dict[str, list[float]] = {side: [] for side in sides}
-    first_calls: dict[str, list[float]] = {side: [] for side in sides}
-    for r in range(args.rounds):
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
-            for key in ("device", "steps", "warmup", "threads"):
-                cmd += [f"--{key}", str(getattr(args, key))]
-            if args.data_dir:
-                cmd += ["--data-dir", args.data_dir]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                print(out.stdout + out.stderr, file=sys.stderr)
-                return 1
-            line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
-            results[side].append(json.loads(line)["images_per_s"])
-            first_calls[side].append(json.loads(line)["first_call_s"])
-            print(f"[round {r + 1}] {side}: {results[side][-1]:.0f} images/s", file=sys.stderr)
-    med = {side: statistics.median(v) for side, v in results.items()}
+    rounds = C.alternate_rounds(
+        args.rounds,
+        sides,
+        lambda side: C.run_worker(side_command(args, side)),
+        "images_per_s",
+        "images/s",
+    )
+    if rounds is None:
+        return 1
+    results, first_calls = rounds
+    med = {side: C.median(v) for side, v in results.items()}
     ex, st = med["example"], med.get("stock", float("nan"))
-    machine = C.machine_description()
     md = [
         "## The example's training step against the stock recipe",
         "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in machine.items()),
+        C.machine_line(),
         f"Data: {'real (' + args.data_dir + ')' if args.data_dir else 'synthetic'}; "
         f"{args.rounds} rounds of {args.steps} steps (batch 128) per side, processes alternating",
         "",
-        "| side | images/s (median) | every round |",
-        "|---|---:|---|",
-        f"| example (functional FP16, defaults) | {ex:.0f} | "
-        + ", ".join(f"{v:.0f}" for v in results["example"])
-        + " |",
     ]
-    if "stock" in results:
-        md.append(
-            f"| stock recipe (autocast{'+GradScaler' if args.device == 'cuda' else ''}) "
-            f"| {st:.0f} | " + ", ".join(f"{v:.0f}" for v in results["stock"]) + " |"
-        )
-    if "stock-tuned" in med:
-        md.append(
-            f"| stock recipe + tune_malloc | {med['stock-tuned']:.0f} | "
-            + ", ".join(f"{v:.0f}" for v in results["stock-tuned"])
-            + " |"
-        )
-    if "example-compiled" in med:
-        md.append(
-            f"| example, compiled (`--compile`) | {med['example-compiled']:.0f} | "
-            + ", ".join(f"{v:.0f}" for v in results["example-compiled"])
-            + f" (cold compile, the first call: "
-            f"{statistics.median(first_calls['example-compiled']):.1f} s) |"
-        )
+    labels = dict(LABELS)
+    if args.device == "cuda":
+        labels["stock"] = "stock recipe (autocast+GradScaler)"
+    md += C.rounds_table(
+        "images/s", sides, labels, results, first_calls, cold_compile=["example-compiled"]
+    )
     md += ["", f"**example / stock: {ex / st:.2f}x** (above 1: the example is faster)"]
     if "example-compiled" in med:
         md.append(f"example compiled / example eager: {med['example-compiled'] / ex:.2f}x")
     if "stock-tuned" in med:
         md.append(f"example / (stock + tune_malloc): {ex / med['stock-tuned']:.2f}x")
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    C.print_report(md, args.out)
     return 0
 
 

@@ -35,15 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(1, ROOT)
 sys.path.insert(2, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
 
 SIDES = ("example", "stock", "stock-tuned", "stock-fp32", "example-compiled")
 LABELS = {
@@ -127,22 +126,7 @@ def worker(args) -> None:
             out.append((x[None], y[None]))
         return out
 
-    first = None
-    for x, y in batches(max(1, args.warmup)):
-        t0 = time.perf_counter()
-        step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        first = time.perf_counter() - t0 if first is None else first
-    work = batches(args.steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for x, y in work:
-        step(x, y)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    first, seconds = C.time_steps(step, batches, args.warmup, args.steps, device, sync_warmup=True)
     tokens = args.steps * ex.batch_size * ex.context
     print(json.dumps({"side": args.side, "tokens_per_s": tokens / seconds, "first_call_s": first}))
 
@@ -158,11 +142,7 @@ def side_command(args, side: str) -> list[str]:
 
 def run_side(args, side: str) -> dict | None:
     """Runs one side for one round in a fresh process; its JSON line, or None if it failed."""
-    out = subprocess.run(side_command(args, side), capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        print(out.stdout + out.stderr, file=sys.stderr)
-        return None
-    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    return C.run_worker(side_command(args, side))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -191,50 +171,35 @@ def main(argv=None) -> int:
     if args.smoke:
         args.rounds, args.steps, args.warmup = 1, 2, 1
         args.layers, args.heads, args.width, args.context, args.batch_size = 1, 2, 32, 16, 4
-    import _common as C
-
     sides = ["example", "stock"] + (["stock-tuned"] if args.device == "cpu" else [])
     if args.fp32:
         sides.append("stock-fp32")
     if args.compiled:
         sides.append("example-compiled")
-    results: dict[str, list[float]] = {side: [] for side in sides}
-    first_calls: dict[str, list[float]] = {side: [] for side in sides}
-    for r in range(args.rounds):
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            line = run_side(args, side)
-            if line is None:
-                return 1
-            results[side].append(line["tokens_per_s"])
-            first_calls[side].append(line["first_call_s"])
-            print(f"[round {r + 1}] {side}: {results[side][-1]:.0f} tokens/s", file=sys.stderr)
-    med = {side: statistics.median(v) for side, v in results.items()}
+    rounds = C.alternate_rounds(
+        args.rounds, sides, lambda side: run_side(args, side), "tokens_per_s", "tokens/s"
+    )
+    if rounds is None:
+        return 1
+    results, first_calls = rounds
+    med = {side: C.median(v) for side, v in results.items()}
     size = ", ".join(
         f"{k.replace('_', ' ')} {getattr(args, k)}" for k in SIZE_FLAGS if getattr(args, k)
     )
     md = [
         "## The GPT example's training step against the stock recipe",
         "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()),
+        C.machine_line(),
         f"Text: {args.text or 'synthetic'}; model: {size or 'the example defaults'}; "
         f"{args.rounds} rounds of {args.steps} steps per side, processes alternating",
         "",
-        "| side | tokens/s (median) | every round |",
-        "|---|---:|---|",
     ]
-    for side in sides:
-        label = LABELS[side]
-        if side == "stock" and args.device == "cuda":
-            label = "stock recipe (autocast FP16 + GradScaler)"
-        note = ""
-        if side == "example-compiled":
-            note = f" (cold compile, the first call: {statistics.median(first_calls[side]):.1f} s)"
-        md.append(
-            f"| {label} | {med[side]:.0f} | "
-            + ", ".join(f"{v:.0f}" for v in results[side])
-            + note
-            + " |"
-        )
+    labels = dict(LABELS)
+    if args.device == "cuda":
+        labels["stock"] = "stock recipe (autocast FP16 + GradScaler)"
+    md += C.rounds_table(
+        "tokens/s", sides, labels, results, first_calls, cold_compile=["example-compiled"]
+    )
     ex, st = med["example"], med["stock"]
     md += ["", f"**example / stock: {ex / st:.2f}x** (above 1: the example is faster)"]
     if "stock-tuned" in med:
@@ -243,11 +208,7 @@ def main(argv=None) -> int:
         md.append(f"example / stock FP32: {ex / med['stock-fp32']:.2f}x")
     if "example-compiled" in med:
         md.append(f"example compiled / example eager: {med['example-compiled'] / ex:.2f}x")
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    C.print_report(md, args.out)
     return 0
 
 

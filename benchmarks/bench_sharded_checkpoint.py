@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -43,18 +42,19 @@ import time
 import optree
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
+    init_gloo_rank,
     machine_description,
     peak_rss_bytes,
     release_free_memory,
     reset_peak_rss,
     rss_bytes,
+    spawn_ranks,
 )
-from bench_sharding import make_params  # noqa: E402
+from bench_sharding import make_params, nbytes  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
@@ -65,11 +65,6 @@ CALLS = (
     "save_checkpoint_rank0",
     "load_checkpoint_broadcast",
 )
-
-
-def nbytes(tree) -> int:
-    leaves = optree.tree_leaves(tree, namespace=ff.NAMESPACE)
-    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _measure(fn) -> tuple[int, float]:
@@ -88,16 +83,8 @@ def _measure(fn) -> tuple[int, float]:
     return peak - before, seconds
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    ffd.init_from_env(device="cpu")
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    init_gloo_rank(rank, world, port)
     try:
         params = make_params(args.params)
         numel, leaves = sum(p.numel() for p in params.values()), len(params)
@@ -155,11 +142,8 @@ def main() -> None:
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench_sharded_checkpoint.")
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out = os.path.join(args.dir, "result.json")
-        mp.spawn(_worker, args=(args.world, args, port, out), nprocs=args.world, join=True)
+        spawn_ranks(_worker, args.world, args, out)
         with open(out) as f:
             result = json.load(f)
     finally:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,11 +36,15 @@ import time
 import optree
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_description, release_free_memory  # noqa: E402
+from _common import (  # noqa: E402
+    init_gloo_rank,
+    machine_description,
+    release_free_memory,
+    spawn_ranks,
+)
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
@@ -98,16 +101,8 @@ def _memory(params, tx) -> dict[str, float]:
     }
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    ffd.init_from_env(device="cpu")
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    init_gloo_rank(rank, world, port)
     try:
         params = make_params(args.params)
         result = {
@@ -159,12 +154,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
 
 
 def _run(world: int, args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, args, port, out), nprocs=world, join=True)
+        spawn_ranks(_worker, world, args, out)
         with open(out) as f:
             return json.load(f)
 

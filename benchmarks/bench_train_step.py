@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     md = [
         f"### Training step, example CNN, batch {args.batch} (CPU, {args.compute.upper()} compute)",
         "",
-        "Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()),
+        C.machine_line(),
         f"glibc malloc thresholds raised (tune_malloc): {tuned}",
         "",
         "| row | ms/step | vs imperative (same kind of row) |",
@@ -262,11 +262,7 @@ def main(argv=None) -> int:
         t = C.median(times[r.name])
         ref = base_fb if isinstance(r, ForwardBackwardOnly) else base
         md.append(f"| {r.name} | {t * 1e3:.1f} | {t / ref:.3f}x |")
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    C.print_report(md, args.out)
     return 0
 
 

@@ -648,7 +648,7 @@ def main(argv=None) -> int:
         wanted = {s.strip() for s in args.only.split(",")}
         all_trees = {k: v for k, v in all_trees.items() if k in wanted}
     md = ["## Optimiser step", ""]
-    md.append("Machine: " + "; ".join(f"{k}: {v}" for k, v in C.machine_description().items()))
+    md.append(C.machine_line())
     md.append(f"glibc malloc thresholds raised (tune_malloc): {tuned}")
     md.append(f"update path of the default rows: {_default_path()}")
     if not args.smoke:
@@ -694,11 +694,7 @@ def main(argv=None) -> int:
     md += tables["compiled"]
     md += ["## Peers", ""] + tables["peers"]
     md.append(f"load average at the end: {C.machine_description()['load average (1, 5, 15 min)']}")
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    C.print_report(md, args.out)
     return 1 if failed else 0
 
 
