@@ -2,7 +2,8 @@
 
 :func:`parse_args` builds the parser from the four groups (data, training,
 precision and device, output), parses, and rejects values the run cannot
-use with argparse's usual one-line error (exit status 2).
+use with argparse's usual one-line error (exit status 2). The flags the
+GPT example has too come from ``run_cli.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ import os
 from collections.abc import Sequence
 
 import cifar10_data
-import torch
+import run_cli
 
 from functional_fp16.precision.policy import get_policy
-
-PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-"""The ``--precision`` and ``--compute-dtype`` names and their dtypes."""
 
 
 def add_data_flags(d: argparse._ArgumentGroup) -> None:
@@ -80,64 +78,26 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
 
 def add_precision_flags(m: argparse._ArgumentGroup) -> None:
     """Dtypes, loss scaling, the device and how the step runs there."""
-    m.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default="fp16",
-        help="parameter dtype (an FP32 master copy is always kept)",
-    )
-    m.add_argument(
-        "--compute-dtype",
-        choices=["auto", *sorted(PRECISIONS)],
-        default="auto",
-        help="dtype of the forward/backward pass; auto: the parameter dtype on CUDA; on CPU "
-        "(no fast FP16) fp16 parameters compute in bf16 if the CPU has native BF16, else fp32",
-    )
+    run_cli.add_dtype_flags(m, cpu="CPU")
     m.add_argument(
         "--policy",
         default=None,
         help="a full policy string such as 'p=f16,c=f16,o=f32'; overrides "
         "--precision and --compute-dtype",
     )
-    m.add_argument(
-        "--loss-scale",
-        choices=["auto", "dynamic", "none"],
-        default="auto",
-        help="auto: dynamic when the policy involves float16, none otherwise",
-    )
-    m.add_argument("--init-scale", type=float, default=2.0**16)
-    m.add_argument(
-        "--stuck-patience",
-        type=int,
-        default=20,
-        help="stop with an error after N consecutive skipped steps at the minimum loss scale "
-        "or with a non-finite loss, checked when metrics are logged (0: never)",
-    )
+    run_cli.add_loss_scale_flags(m)
+    run_cli.add_stuck_patience_flag(m)
     m.add_argument("--growth-interval", type=int, default=2000)
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    m.add_argument(
-        "--no-tune-malloc",
-        action="store_true",
-        help="on CPU, keep glibc's malloc thresholds (by default they are raised with "
+    run_cli.add_system_flags(
+        m,
+        tune_malloc_help="on CPU, keep glibc's malloc thresholds (by default they are raised with "
         "ff.tune_malloc() so that freed activations are reused instead of page-faulted anew)",
-    )
-    m.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="use deterministic kernels (needed on CUDA for a resumed run to end bit-identical "
-        "to an uninterrupted one; CPU runs are deterministic anyway)",
-    )
-    m.add_argument(
-        "--compile",
-        action="store_true",
-        help="wrap the whole train step in torch.compile(fullgraph=True). Pays off on CUDA, where "
-        "this small network's eager step is bound by kernel launches; on a CPU the compiled step "
-        "runs at about eager speed after a cold compile of ~30 s, so it does not pay off there",
-    )
-    m.add_argument(
-        "--distributed",
-        action="store_true",
-        help="data-parallel over the processes started by torchrun (gloo on CPU, NCCL on CUDA)",
+        deterministic_help="use deterministic kernels (needed on CUDA for a resumed run to end "
+        "bit-identical to an uninterrupted one; CPU runs are deterministic anyway)",
+        compile_help="wrap the whole train step in torch.compile(fullgraph=True). Pays off on "
+        "CUDA, where this small network's eager step is bound by kernel launches; on a CPU the "
+        "compiled step runs at about eager speed after a cold compile of ~30 s, so it does not "
+        "pay off there",
     )
     m.add_argument(
         "--shard-master",
@@ -150,27 +110,12 @@ def add_precision_flags(m: argparse._ArgumentGroup) -> None:
 
 def add_output_flags(o: argparse._ArgumentGroup) -> None:
     """What the run writes and shows: the output folder, checkpoints, metrics, progress."""
-    o.add_argument("--out-dir", default="runs/cifar10")
-    o.add_argument(
-        "--resume",
-        default=None,
-        metavar="PATH",
-        help="continue from a checkpoint written by this script",
+    run_cli.add_output_flags(
+        o,
+        out_dir="runs/cifar10",
+        resume_help="continue from a checkpoint written by this script",
+        keep_help="keep only the newest N epoch checkpoints (0: keep all)",
     )
-    o.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=3,
-        help="keep only the newest N epoch checkpoints (0: keep all)",
-    )
-    o.add_argument(
-        "--log-every",
-        type=int,
-        default=25,
-        help="read metrics back from the device every N steps (no per-step sync)",
-    )
-    o.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
-    o.add_argument("--no-plot", action="store_true", help="do not write training.png")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -40,11 +40,9 @@ on every rank (a shared file system, or a copy on every machine).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import optree
@@ -56,20 +54,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The sibling modules, importable from any working directory.
 import cifar10_data  # noqa: E402
-from cifar10_cli import PRECISIONS, parse_args  # noqa: E402
+from cifar10_cli import parse_args  # noqa: E402
 from cifar10_loop import fit  # noqa: E402
-from cifar10_outputs import history_rows, load_resume, plot_metrics, run_config  # noqa: E402
+from cifar10_outputs import load_resume, plot_metrics, run_config  # noqa: E402
+from run_outputs import summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
-    configure_process,
+    auto_policy,
+    configure_process,  # noqa: F401 - ensemble_vmap.py and the benchmarks use it
     cpu_has_fast_bf16,
-    resolve_device,
-    start_distributed,
+    load_data_once,
+    loss_scale_from_flags,
+    make_out_dir,
+    print_distributed,
+    resolve_device,  # noqa: F401 - ensemble_vmap.py and the benchmarks use it
+    start_run,
 )
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
-from functional_fp16.precision.policy import Policy, default_loss_scale, get_policy  # noqa: E402
+from functional_fp16.precision.policy import Policy, get_policy  # noqa: E402
 
 IMAGE_SIZE = 32
 
@@ -144,24 +148,12 @@ def resolve_policy(args: argparse.Namespace, device: torch.device) -> Policy:
     """
     if args.policy is not None:
         return get_policy(args.policy)
-    param = PRECISIONS[args.precision]
-    if args.compute_dtype != "auto":
-        compute = PRECISIONS[args.compute_dtype]
-    elif device.type == "cpu" and param == torch.float16:
-        compute = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    else:
-        compute = param
-    return Policy(param, compute, torch.float32)
+    return auto_policy(args, device, cpu_has_fast_bf16)
 
 
 def resolve_loss_scale(args: argparse.Namespace, policy: Policy) -> ff.LossScale:
     """The loss scale ``--loss-scale`` asks for (``auto``: the policy's default kind)."""
-    kind = args.loss_scale
-    if kind == "auto":
-        kind = "dynamic" if isinstance(default_loss_scale(policy), ff.DynamicLossScale) else "none"
-    if kind == "none":
-        return ff.NoOpLossScale()
-    return ff.DynamicLossScale(init_scale=args.init_scale, growth_interval=args.growth_interval)
+    return loss_scale_from_flags(args, policy)
 
 
 # -- state and the pure step ---------------------------------------------------------
@@ -267,19 +259,13 @@ def fp32_bytes(state: ff.FP16State) -> int:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    info, device = start_distributed(args, device)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    configure_process(args, device)
+    info, device = start_run(args)
     policy = resolve_policy(args, device)
     loss_scale = resolve_loss_scale(args, policy)
-    if info is not None and args.download and not info.is_main:
-        torch.distributed.barrier()  # rank 0 downloads first
-    try:
-        data = cifar10_data.load_data(
+    data = load_data_once(
+        info,
+        args.download,
+        lambda: cifar10_data.load_data(
             args.dataset,
             args.data_dir,
             download=args.download,
@@ -289,14 +275,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             image_size=IMAGE_SIZE,
             fake_train_size=args.fake_train_size,
             fake_test_size=args.fake_test_size,
-        )
-    except cifar10_data.DataError as err:
-        raise SystemExit(f"error: {err}") from None
-    if info is not None and args.download and info.is_main:
-        torch.distributed.barrier()
-    out_dir = Path(args.out_dir)
-    if ffd.is_main_process():
-        out_dir.mkdir(parents=True, exist_ok=True)
+        ),
+        cifar10_data.DataError,
+    )
+    out_dir = make_out_dir(args.out_dir)
 
     model = build_model(len(data.classes), args.seed)
     state, buffers = build_state(model, policy, loss_scale, args, device)
@@ -314,12 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{n_params} parameters, compile: {args.compile}",
         flush=True,
     )
-    if info is not None:
-        print(
-            f"distributed: {info.world_size} ranks ({info.backend}), global batch "
-            f"{args.batch_size} = {args.batch_size // info.world_size} per rank",
-            flush=True,
-        )
+    print_distributed(info, args.batch_size)
 
     train_step = make_train_step(
         model, policy, distributed=info is not None, shard_master=args.shard_master
@@ -347,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "global_step": ckpt["global_step"],
             "accuracies": ckpt["test_accuracy"].tolist(),
             "data_rng": data_rng,
-            "rows": history_rows(ckpt["history"]),
+            "rows": ckpt["rows"],
         }
         print(
             f"resumed from {args.resume} after epoch {ckpt['epoch']} (step {ckpt['global_step']})",
@@ -368,13 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     final = accuracies[-1] if accuracies else float("nan")
     n_test = data.test.labels.shape[0]
     summary = {
-        "dataset": data.source,
-        "synthetic": data.synthetic,
-        "device": str(device),
-        "policy": str(policy),
-        "precision": args.precision,
-        "compile": args.compile,
-        "world_size": ffd.get_world_size(),
+        **summary_head(args, data, device, policy),
         "shard_master": args.shard_master,
         "per_rank_batch": args.batch_size // ffd.get_world_size(),
         "epochs": args.epochs,
@@ -386,9 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "final_loss_scale": float(result["state"].loss_scale.loss_scale),
         "skipped_steps": sum(1 for r in result["rows"] if r["skipped"]),
     }
-    if ffd.is_main_process():
-        with open(out_dir / "summary.json", "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(out_dir, summary)
     if not args.no_plot and ffd.is_main_process():
         title = f"{'SYNTHETIC data' if data.synthetic else data.source}, {policy}, {device}"
         plot_metrics(out_dir / "training.png", result["rows"], accuracies, title)

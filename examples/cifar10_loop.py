@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,15 @@ from cifar10_outputs import (
     prune_checkpoints,
     run_config,
 )
+from run_outputs import (
+    open_metrics,
+    progress_bar,
+    save_checkpoint,
+    stuck_monitor,
+    throughput,
+    write_metrics,
+)
+from run_setup import synchronize
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
@@ -61,12 +69,6 @@ def epoch_order(data_rng: torch.Generator, n: int, batch_size: int, max_steps: i
     if max_steps:
         steps = min(steps, max_steps)
     return order[: steps * batch_size]
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for ``device``'s queued work (CUDA), so that a timer measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Loop(NamedTuple):
@@ -123,32 +125,8 @@ def log_pending(fx: Fixed, pending: list[StepMetrics], last_step: int, epoch: in
     if not fx.main_rank:  # the other ranks never read their metrics back
         return []
     rows = metrics_rows(pending, last_step, epoch, float(fx.args.lr))
-    fx.metrics_file.writelines(json.dumps(row) + "\n" for row in rows)
-    fx.metrics_file.flush()
-    if fx.monitor is not None:
-        try:
-            fx.monitor.check()
-        except ff.StuckScaleError as err:
-            fx.metrics_file.close()
-            raise SystemExit(f"error: {err}") from None
+    write_metrics(fx.metrics_file, (json.dumps(row) + "\n" for row in rows), fx.monitor)
     return rows
-
-
-def progress_bar(fx: Fixed, epoch: int, steps: int):
-    """A tqdm bar for the epoch, or None (no tqdm, or --no-progress)."""
-    if fx.args.no_progress:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress bars are optional
-        return None
-    return tqdm(
-        total=steps,
-        desc=f"epoch {epoch}/{fx.args.epochs}",
-        unit="step",
-        dynamic_ncols=True,
-        leave=False,
-    )
 
 
 def train_epoch(fx: Fixed, loop: Loop, epoch: int) -> tuple[Loop, list[dict]]:
@@ -159,7 +137,7 @@ def train_epoch(fx: Fixed, loop: Loop, epoch: int) -> tuple[Loop, list[dict]]:
     per_rank = args.batch_size // world
     order = epoch_order(fx.data_rng, n, args.batch_size, args.max_steps_per_epoch).to(fx.device)
     steps = order.shape[0] // args.batch_size
-    bar = progress_bar(fx, epoch, steps)
+    bar = progress_bar(args, total=steps, desc=f"epoch {epoch}/{args.epochs}", leave=False)
     state, buffers, global_step = loop.state, loop.buffers, loop.global_step
     pending: list[StepMetrics] = []
     epoch_rows: list[dict] = []
@@ -228,12 +206,7 @@ def end_epoch(fx: Fixed, loop: Loop, epoch: int, epoch_rows: list[dict]) -> Loop
         loop.rows,
     )
     out_dir = Path(args.out_dir)
-    if (
-        ffd.is_initialized()
-    ):  # rank 0 writes (the full state); every rank returns once it is complete
-        ffd.save_checkpoint_rank0(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
-    else:
-        ff.save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
+    save_checkpoint(out_dir / CHECKPOINT_PATTERN.format(epoch), tree)
     if fx.main_rank:
         prune_checkpoints(out_dir, args.keep_checkpoints, epoch)
     return loop
@@ -250,17 +223,13 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
     # The whole run's metrics so far (from the checkpoint when resuming), so
     # that metrics.jsonl and the summary describe the whole run in any --out-dir.
     rows = list(start.get("rows", [])) if main_rank else []
-    if main_rank:
-        with open(metrics_path, "w") as f:  # rewrite: drops steps after the resumed checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    metrics_file = open_metrics(metrics_path, (json.dumps(r) + "\n" for r in rows), main_rank)
     n = data.train.labels.shape[0]
     if n < args.batch_size:
+        metrics_file.close()
         raise SystemExit(
             f"error: the training set has {n} images, fewer than --batch-size {args.batch_size}"
         )
-    monitor = ff.StuckScaleMonitor(args.stuck_patience) if args.stuck_patience else None
-    if monitor is not None:
-        monitor.observe(state)  # starts the tracker from the state in force
     fx = Fixed(
         args=args,
         train_step=train_step,
@@ -272,8 +241,8 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
         data_rng=start["data_rng"],
         label="synthetic " if data.synthetic else "",
         main_rank=main_rank,
-        metrics_file=open(metrics_path, "a") if main_rank else open(os.devnull, "w"),
-        monitor=monitor,
+        metrics_file=metrics_file,
+        monitor=stuck_monitor(args.stuck_patience, state),
     )
     loop = Loop(state, buffers, start["global_step"], list(start["accuracies"]), rows, [])
     for epoch in range(start["epoch"] + 1, args.epochs + 1):
@@ -281,16 +250,11 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
         loop = end_epoch(fx, loop, epoch, epoch_rows)
     fx.metrics_file.close()
 
-    # Throughput over the epochs of this run; the first one includes warm-up
-    # (and compilation), so it is left out when there are others.
-    measured = loop.speeds[1:] if len(loop.speeds) > 1 else loop.speeds
-    images = sum(k for k, _ in measured)
-    seconds = sum(s for _, s in measured)
     return {
         "state": loop.state,
         "buffers": loop.buffers,
         "accuracies": loop.accuracies,
         "rows": loop.rows,
-        "images_per_s": images / seconds if seconds > 0 else float("nan"),
+        "images_per_s": throughput(loop.speeds),  # over this run's epochs
         "global_step": loop.global_step,
     }

@@ -17,9 +17,16 @@ from pathlib import Path
 
 import cifar10_data
 import torch
-from run_setup import plot_loss_scale, read_for_resume
+from run_outputs import (
+    history_rows,
+    history_tensor,
+    plot_loss_scale,
+    read_for_resume,
+    read_like,
+    running_mean,
+    save_figure,
+)
 
-import functional_fp16 as ff
 from functional_fp16.precision.policy import Policy
 
 CHECKPOINT_PATTERN = "checkpoint_epoch_{:03d}.pt"
@@ -43,23 +50,7 @@ def run_config(args: argparse.Namespace, policy: Policy, data: cifar10_data.Data
 
 
 HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "skipped", "lr")
-
-
-def history_tensor(rows: list[dict]) -> torch.Tensor:
-    """The per-step metrics so far as a float64 ``(steps, 6)`` tensor (for checkpoints)."""
-    values = [[float(r[c]) for c in HISTORY_COLUMNS] for r in rows]
-    return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(HISTORY_COLUMNS))
-
-
-def history_rows(history: torch.Tensor) -> list[dict]:
-    """The inverse of :func:`history_tensor`: metrics rows as written to ``metrics.jsonl``."""
-    rows = []
-    for values in history.tolist():
-        row = dict(zip(HISTORY_COLUMNS, values))
-        row["step"], row["epoch"] = int(row["step"]), int(row["epoch"])
-        row["skipped"] = bool(row["skipped"])
-        rows.append(row)
-    return rows
+"""The columns of a checkpoint's ``history`` tensor; ``step`` and ``epoch`` are counts."""
 
 
 def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, config, rows) -> dict:
@@ -69,7 +60,7 @@ def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, co
     another ``--out-dir`` still writes the whole run's ``metrics.jsonl`` and summary.
     """
     return {
-        "history": history_tensor(rows),
+        "history": history_tensor(rows, HISTORY_COLUMNS),
         "state": state,
         "buffers": buffers,
         "epoch": epoch,  # epochs completed
@@ -102,7 +93,7 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
     The checkpoint is read twice: once without a template to learn its sizes
     and settings, then against a template built from this run's freshly
     initialised state, which checks every tensor's shape and dtype and puts
-    the state on this run's device.
+    the state on this run's device. Returns the tree with ``rows`` decoded.
     """
     plain = read_for_resume(path, config, CHECKPOINT_KEYS, RESUME_KEYS)
     like = {
@@ -117,13 +108,8 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
         "test_accuracy": torch.empty_like(plain["test_accuracy"]),
         "config": config,
     }
-    try:
-        ckpt = ff.load_checkpoint(path, like=like)
-    except ff.CheckpointError as err:
-        raise SystemExit(f"error: --resume: {err}") from None
-    torch.set_rng_state(ckpt["torch_rng"])
-    if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(ckpt["cuda_rng"])
+    ckpt = read_like(path, like)
+    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", "epoch"))
     return ckpt
 
 
@@ -142,36 +128,23 @@ def prune_checkpoints(out_dir: Path, keep: int, epoch: int) -> None:
 
 def plot_metrics(path: Path, rows: list[dict], accuracies: list[float], title: str) -> None:
     """PNG with the loss and the loss scale per step and the test accuracy per epoch."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed, so no plot (pip install matplotlib)", flush=True)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    steps = [r["step"] for r in rows]
-    losses = [r["loss"] for r in rows]
-    ax = axes[0]
-    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
-    if len(losses) >= 10:
-        w = max(1, len(losses) // 50)
-        smooth = [
-            sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1])
-            for i in range(len(losses))
-        ]
-        ax.plot(steps, smooth, lw=1.5, label=f"mean of {w}")
-    ax.set(xlabel="step", ylabel="training loss", title="loss")
-    ax.legend()
-    ax = axes[1]
-    plot_loss_scale(ax, rows)
-    ax = axes[2]
-    ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    def draw(axes) -> None:
+        import matplotlib.ticker
+
+        steps = [r["step"] for r in rows]
+        losses = [r["loss"] for r in rows]
+        ax = axes[0]
+        ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
+        if len(losses) >= 10:
+            w = max(1, len(losses) // 50)
+            ax.plot(steps, running_mean(losses, w), lw=1.5, label=f"mean of {w}")
+        ax.set(xlabel="step", ylabel="training loss", title="loss")
+        ax.legend()
+        plot_loss_scale(axes[1], rows)
+        ax = axes[2]
+        ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+
+    save_figure(path, title, draw)

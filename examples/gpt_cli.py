@@ -5,7 +5,8 @@ precision and device, output), parses, fills the model and batch settings
 left unset from ``--preset``, and rejects values the run cannot use with
 argparse's usual one-line error (exit status 2). ``benchmarks/stock_gpt.py``
 builds its parser from the same data, model and training groups, so both
-sides of the comparison take the same settings.
+sides of the comparison take the same settings. The flags the CIFAR-10
+example has too come from ``run_cli.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
-import torch
-
-PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-"""The ``--precision`` and ``--compute-dtype`` names and their dtypes."""
+import run_cli
 
 PRESETS = {
     # Runs on a 2-core CPU in about five minutes at 2,000 steps.
@@ -140,26 +138,8 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
 
 def add_precision_flags(m: argparse._ArgumentGroup) -> None:
     """Dtypes, loss scaling, the device and how the step runs there."""
-    m.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default="fp16",
-        help="parameter dtype (an FP32 master copy is always kept)",
-    )
-    m.add_argument(
-        "--compute-dtype",
-        choices=["auto", *sorted(PRECISIONS)],
-        default="auto",
-        help="dtype of the forward/backward pass; auto: the parameter dtype on CUDA; on a CPU "
-        "(no fast FP16) fp16 parameters compute in bf16 if the CPU has native BF16, else fp32",
-    )
-    m.add_argument(
-        "--loss-scale",
-        choices=["auto", "dynamic", "none"],
-        default="auto",
-        help="auto: dynamic when the policy involves float16, none otherwise",
-    )
-    m.add_argument("--init-scale", type=float, default=2.0**16)
+    run_cli.add_dtype_flags(m, cpu="a CPU")
+    run_cli.add_loss_scale_flags(m)
     m.add_argument("--growth-interval", type=int, default=2000)
     m.add_argument(
         "--hysteresis",
@@ -168,61 +148,35 @@ def add_precision_flags(m: argparse._ArgumentGroup) -> None:
         help="overflows tolerated before the scale backs off (Megatron-LM's hysteresis; 1: "
         "every overflow backs off, as GradScaler does); overflowed steps are always skipped",
     )
-    m.add_argument(
-        "--stuck-patience",
-        type=int,
-        default=20,
-        help="stop with an error after N consecutive skipped steps at the minimum loss scale "
-        "or with a non-finite loss, checked when metrics are logged (0: never)",
-    )
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    m.add_argument(
-        "--no-tune-malloc",
-        action="store_true",
-        help="on a CPU, keep glibc's malloc thresholds (by default ff.tune_malloc() raises them)",
-    )
-    m.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic kernels (needed on CUDA for a resumed run to end bit-identical)",
-    )
-    m.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the forward and backward pass with torch.compile(fullgraph=True); the "
-        "update (masked weight decay) stays eager",
-    )
-    m.add_argument(
-        "--distributed",
-        action="store_true",
-        help="data-parallel over the processes started by torchrun (gloo on CPU, NCCL on CUDA)",
+    run_cli.add_stuck_patience_flag(m)
+    run_cli.add_system_flags(
+        m,
+        tune_malloc_help="on a CPU, keep glibc's malloc thresholds (by default ff.tune_malloc() "
+        "raises them)",
+        deterministic_help="deterministic kernels (needed on CUDA for a resumed run to end "
+        "bit-identical)",
+        compile_help="compile the forward and backward pass with torch.compile(fullgraph=True); "
+        "the update (masked weight decay) stays eager",
     )
 
 
-def add_output_flags(o: argparse._ArgumentGroup) -> None:
-    """What the run writes and shows: the output folder, checkpoints, metrics, progress."""
-    o.add_argument("--out-dir", default="runs/gpt")
-    o.add_argument(
-        "--resume", default=None, metavar="PATH", help="continue from a checkpoint of this script"
-    )
-    o.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=3,
-        help="keep only the newest N checkpoints (0: keep all)",
-    )
-    o.add_argument(
-        "--log-every",
-        type=int,
-        default=25,
-        help="read metrics back from the device every N steps (no per-step sync)",
-    )
+def add_sample_flags(o: argparse._ArgumentGroup) -> None:
+    """What is sampled from the trained model at the end: ``--sample-chars``, ``--sample-seed``."""
     o.add_argument(
         "--sample-chars", type=int, default=300, help="characters sampled at the end (0: none)"
     )
     o.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's fixed seed")
-    o.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
-    o.add_argument("--no-plot", action="store_true", help="do not write training.png")
+
+
+def add_output_flags(o: argparse._ArgumentGroup) -> None:
+    """What the run writes and shows: the output folder, checkpoints, metrics, progress."""
+    run_cli.add_output_flags(
+        o,
+        out_dir="runs/gpt",
+        resume_help="continue from a checkpoint of this script",
+        keep_help="keep only the newest N checkpoints (0: keep all)",
+        job_flags=add_sample_flags,
+    )
 
 
 def apply_preset(args: argparse.Namespace) -> None:

@@ -45,11 +45,9 @@ draw the same windows), the scaled FP16 gradients are averaged with
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import optree
@@ -59,10 +57,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# The sibling modules, importable from any working directory; the device and
-# CPU settings are the CIFAR-10 example's.
+# The sibling modules, importable from any working directory; the device, CPU
+# and output settings are shared with the CIFAR-10 example (run_setup.py,
+# run_outputs.py).
 import gpt_data  # noqa: E402
-from gpt_cli import PRECISIONS, parse_args  # noqa: E402
+from gpt_cli import parse_args  # noqa: E402
 from gpt_loop import fit  # noqa: E402
 from gpt_model import (  # noqa: E402
     GPT,
@@ -73,17 +72,23 @@ from gpt_model import (  # noqa: E402
     model_config,
 )
 from gpt_outputs import load_resume, peak_memory, plot_metrics, run_config  # noqa: E402
+from run_outputs import summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
-    configure_process,
+    auto_policy,
+    configure_process,  # noqa: F401 - the benchmarks call it through this module
     cpu_has_fast_bf16,
-    resolve_device,
-    start_distributed,
+    load_data_once,
+    loss_scale_from_flags,
+    make_out_dir,
+    print_distributed,
+    resolve_device,  # noqa: F401 - the benchmarks call it through this module
+    start_run,
 )
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
 from functional_fp16.bridge import make_apply, scaled_grad_and_value, split_module  # noqa: E402
-from functional_fp16.precision.policy import Policy, default_loss_scale  # noqa: E402
+from functional_fp16.precision.policy import Policy  # noqa: E402
 
 # -- precision ---------------------------------------------------------------------
 
@@ -96,14 +101,7 @@ def resolve_policy(args: argparse.Namespace, device: torch.device) -> Policy:
     computed in BF16 when the CPU has native BF16 and in FP32 otherwise, and
     still get FP16 gradients (so loss scaling is exercised). Outputs are FP32.
     """
-    param = PRECISIONS[args.precision]
-    if args.compute_dtype != "auto":
-        compute = PRECISIONS[args.compute_dtype]
-    elif device.type == "cpu" and param == torch.float16:
-        compute = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    else:
-        compute = param
-    return Policy(param, compute, torch.float32)
+    return auto_policy(args, device, cpu_has_fast_bf16)
 
 
 def module_policies(policy: Policy) -> dict[type[nn.Module], Policy]:
@@ -133,16 +131,7 @@ def module_policies(policy: Policy) -> dict[type[nn.Module], Policy]:
 
 def resolve_loss_scale(args: argparse.Namespace, policy: Policy) -> ff.LossScale:
     """``--loss-scale`` (``auto``: dynamic when the policy involves FP16), with hysteresis."""
-    kind = args.loss_scale
-    if kind == "auto":
-        kind = "dynamic" if isinstance(default_loss_scale(policy), ff.DynamicLossScale) else "none"
-    if kind == "none":
-        return ff.NoOpLossScale()
-    return ff.DynamicLossScale(
-        init_scale=args.init_scale,
-        growth_interval=args.growth_interval,
-        hysteresis=args.hysteresis,
-    )
+    return loss_scale_from_flags(args, policy, hysteresis=args.hysteresis)
 
 
 # -- the optimiser -----------------------------------------------------------------
@@ -317,18 +306,13 @@ def generate(
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a summary dict (also written to ``summary.json``)."""
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    info, device = start_distributed(args, device)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    configure_process(args, device)
+    info, device = start_run(args)
     policy = resolve_policy(args, device)
     loss_scale = resolve_loss_scale(args, policy)
-    if info is not None and args.download and not info.is_main:
-        torch.distributed.barrier()  # rank 0 downloads first
-    try:
-        data = gpt_data.load_text(
+    data = load_data_once(
+        info,
+        args.download,
+        lambda: gpt_data.load_text(
             text=args.text,
             data_dir=args.data_dir,
             download=args.download,
@@ -336,14 +320,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             synthetic_chars=args.synthetic_chars,
             val_fraction=args.val_fraction,
             context=args.context,
-        )
-    except gpt_data.DataError as err:
-        raise SystemExit(f"error: {err}") from None
-    if info is not None and args.download and info.is_main:
-        torch.distributed.barrier()
-    out_dir = Path(args.out_dir)
-    if ffd.is_main_process():
-        out_dir.mkdir(parents=True, exist_ok=True)
+        ),
+        gpt_data.DataError,
+    )
+    out_dir = make_out_dir(args.out_dir)
 
     cfg = model_config(args, data.vocab_size)
     model = build_model(cfg, args.seed)
@@ -368,12 +348,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"compile: {args.compile}",
         flush=True,
     )
-    if info is not None:
-        print(
-            f"distributed: {info.world_size} ranks ({info.backend}), global batch "
-            f"{args.batch_size} = {args.batch_size // info.world_size} per rank",
-            flush=True,
-        )
+    print_distributed(info, args.batch_size)
 
     schedule = lr_schedule(args)
     train_step = make_train_step(
@@ -402,13 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     val_loss = evals[-1][1] if evals else float("nan")
     skipped_at = [r["step"] for r in result["rows"] if r["skipped"]]
     summary = {
-        "dataset": data.source,
-        "synthetic": data.synthetic,
-        "device": str(device),
-        "policy": str(policy),
-        "precision": args.precision,
-        "compile": args.compile,
-        "world_size": ffd.get_world_size(),
+        **summary_head(args, data, device, policy),
         "model": cfg._asdict(),
         "parameters": n_params,
         "batch_size": args.batch_size,
@@ -426,9 +395,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "sample_seed": args.sample_seed,
         "sample": sample,
     }
+    write_summary(out_dir, summary)
     if ffd.is_main_process():
-        with open(out_dir / "summary.json", "w") as f:
-            json.dump(summary, f, indent=2)
         (out_dir / "sample.txt").write_text(sample, encoding="utf-8")
         if not args.no_plot:
             title = f"{'SYNTHETIC text' if data.synthetic else data.describe()}, {policy}, {device}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,15 @@ from typing import Any, NamedTuple
 import gpt_data
 import torch
 from gpt_outputs import CHECKPOINT_PATTERN, checkpoint_tree, metrics_lines, prune_checkpoints
+from run_outputs import (
+    open_metrics,
+    progress_bar,
+    save_checkpoint,
+    stuck_monitor,
+    throughput,
+    write_metrics,
+)
+from run_setup import synchronize
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
@@ -48,12 +56,6 @@ def evaluate(eval_step, params, windows, batch_size: int, max_batches: int) -> f
     if world > 1:
         torch.distributed.all_reduce(total)
     return total.item() / (n * inputs.shape[1])
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for ``device``'s queued work (CUDA), so that a timer measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Loop(NamedTuple):
@@ -110,14 +112,7 @@ def log_pending(fx: Fixed, pending: list, last_step: int) -> list[dict]:
         {"step": first + i, "loss": loss, "loss_scale": scale, "skipped": bool(skip), "lr": lr}
         for i, (loss, scale, skip, lr) in enumerate(stacked.tolist())
     ]
-    fx.metrics_file.writelines(metrics_lines(rows, []))
-    fx.metrics_file.flush()
-    if fx.monitor is not None:
-        try:
-            fx.monitor.check()
-        except ff.StuckScaleError as err:
-            fx.metrics_file.close()
-            raise SystemExit(f"error: {err}") from None
+    write_metrics(fx.metrics_file, metrics_lines(rows, []), fx.monitor)
     return rows
 
 
@@ -188,26 +183,10 @@ def end_segment(fx: Fixed, loop: Loop, segment_rows: list[dict]) -> Loop:
     tree = checkpoint_tree(loop.state, loop.step, fx.data_rng, loop.rows, loop.evals, fx.config)
     out_dir = Path(args.out_dir)
     path = out_dir / CHECKPOINT_PATTERN.format(loop.step)
-    if ffd.is_initialized():  # rank 0 writes; every rank returns once the file is complete
-        ffd.save_checkpoint_rank0(path, tree)
-    else:
-        ff.save_checkpoint(path, tree)
+    save_checkpoint(path, tree)
     if fx.main_rank:
         prune_checkpoints(out_dir, args.keep_checkpoints)
     return loop
-
-
-def progress_bar(args: argparse.Namespace, start: int):
-    """A tqdm bar over the run's steps, or None (no tqdm, or --no-progress)."""
-    if args.no_progress:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress bars are optional
-        return None
-    return tqdm(
-        total=args.max_steps, initial=start, desc="training", unit="step", dynamic_ncols=True
-    )
 
 
 def fit(args, data, state, train_step, eval_step, device, config, data_rng, start) -> dict:
@@ -219,12 +198,7 @@ def fit(args, data, state, train_step, eval_step, device, config, data_rng, star
     main_rank = ffd.is_main_process()
     metrics_path = Path(args.out_dir) / "metrics.jsonl"
     rows = list(start["rows"]) if main_rank else []
-    if main_rank:  # rewrite: drops steps after the resumed checkpoint
-        with open(metrics_path, "w") as f:
-            f.writelines(metrics_lines(rows, start["evals"]))
-    monitor = ff.StuckScaleMonitor(args.stuck_patience) if args.stuck_patience else None
-    if monitor is not None:
-        monitor.observe(state)  # starts the tracker from the state in force
+    metrics_file = open_metrics(metrics_path, metrics_lines(rows, start["evals"]), main_rank)
     fx = Fixed(
         args=args,
         train_step=train_step,
@@ -236,9 +210,9 @@ def fit(args, data, state, train_step, eval_step, device, config, data_rng, star
         data_rng=data_rng,
         label="synthetic " if data.synthetic else "",
         main_rank=main_rank,
-        metrics_file=open(metrics_path, "a") if main_rank else open(os.devnull, "w"),
-        monitor=monitor,
-        bar=progress_bar(args, start["step"]),
+        metrics_file=metrics_file,
+        monitor=stuck_monitor(args.stuck_patience, state),
+        bar=progress_bar(args, total=args.max_steps, initial=start["step"], desc="training"),
     )
     loop = Loop(state, start["step"], rows, list(start["evals"]), [])
     while loop.step < args.max_steps:
@@ -249,15 +223,10 @@ def fit(args, data, state, train_step, eval_step, device, config, data_rng, star
     if fx.bar is not None:
         fx.bar.close()
 
-    # Throughput over this process's segments; the first one includes the
-    # warm-up (and compilation), so it is left out when there are others.
-    measured = loop.speeds[1:] if len(loop.speeds) > 1 else loop.speeds
-    tokens = sum(k for k, _ in measured)
-    seconds = sum(s for _, s in measured)
     return {
         "state": loop.state,
         "rows": loop.rows,
         "evals": loop.evals,
-        "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+        "tokens_per_s": throughput(loop.speeds),  # over this process's segments
         "step": loop.step,
     }

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import gpt_data
 import torch
-from run_setup import plot_loss_scale, read_for_resume
+from run_outputs import (
+    history_rows,
+    history_tensor,
+    plot_loss_scale,
+    read_for_resume,
+    read_like,
+    running_mean,
+    save_figure,
+)
 
 import functional_fp16 as ff
 from functional_fp16.precision.policy import Policy
@@ -68,22 +76,7 @@ def run_config(args: argparse.Namespace, policy: Policy, data: gpt_data.TextData
 
 
 HISTORY_COLUMNS = ("step", "loss", "loss_scale", "skipped", "lr")
-
-
-def history_tensor(rows: list[dict]) -> torch.Tensor:
-    """The per-step metrics so far as a float64 ``(steps, 5)`` tensor (for checkpoints)."""
-    values = [[float(r[c]) for c in HISTORY_COLUMNS] for r in rows]
-    return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(HISTORY_COLUMNS))
-
-
-def history_rows(history: torch.Tensor) -> list[dict]:
-    """The inverse of :func:`history_tensor`: metrics rows as written to ``metrics.jsonl``."""
-    rows = []
-    for values in history.tolist():
-        row = dict(zip(HISTORY_COLUMNS, values))
-        row["step"], row["skipped"] = int(row["step"]), bool(row["skipped"])
-        rows.append(row)
-    return rows
+"""The columns of a checkpoint's ``history`` tensor; ``step`` is a count."""
 
 
 def metrics_lines(rows: list[dict], evals: list[tuple[int, float]]) -> list[str]:
@@ -102,7 +95,7 @@ def metrics_lines(rows: list[dict], evals: list[tuple[int, float]]) -> list[str]
 def checkpoint_tree(state, step, data_rng, rows, evals, config) -> dict:
     """Everything needed to continue bit-identically, as plain tensors and numbers."""
     return {
-        "history": history_tensor(rows),
+        "history": history_tensor(rows, HISTORY_COLUMNS),
         "evals": torch.tensor(evals, dtype=torch.float64).reshape(len(evals), 2),
         "state": state,
         "step": step,  # optimiser steps completed
@@ -144,14 +137,8 @@ def load_resume(path: str, state: ff.FP16State, config: dict) -> dict:
         "cuda_rng": None if plain["cuda_rng"] is None else torch.empty_like(plain["cuda_rng"]),
         "config": config,
     }
-    try:
-        ckpt = ff.load_checkpoint(path, like=like)
-    except ff.CheckpointError as err:
-        raise SystemExit(f"error: --resume: {err}") from None
-    torch.set_rng_state(ckpt["torch_rng"])
-    if ckpt["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(ckpt["cuda_rng"])
-    ckpt["rows"] = history_rows(ckpt["history"])
+    ckpt = read_like(path, like)
+    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step",))
     ckpt["evals"] = [(int(s), v) for s, v in ckpt["evals"].tolist()]
     return ckpt
 
@@ -187,35 +174,22 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 def plot_metrics(path: Path, rows: list[dict], evals: list[tuple[int, float]], title: str) -> None:
     """PNG with train and validation loss, the loss scale and the learning rate per step."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed, so no plot (pip install matplotlib)", flush=True)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    steps = [r["step"] for r in rows]
-    losses = [r["loss"] for r in rows]
-    ax = axes[0]
-    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="train, per step")
-    w = max(1, len(losses) // 50)
-    if w > 1:
-        smooth = [
-            sum(losses[max(0, i - w + 1) : i + 1]) / min(w, i + 1) for i in range(len(losses))
-        ]
-        ax.plot(steps, smooth, lw=1.5, label=f"train, mean of {w}")
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="validation")
-    ax.set(xlabel="step", ylabel="loss (nats/character)", title="loss")
-    ax.legend()
-    ax = axes[1]
-    plot_loss_scale(ax, rows)
-    ax = axes[2]
-    ax.plot(steps, [r["lr"] for r in rows], lw=1.0)
-    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    def draw(axes) -> None:
+        steps = [r["step"] for r in rows]
+        losses = [r["loss"] for r in rows]
+        ax = axes[0]
+        ax.plot(steps, losses, lw=0.5, alpha=0.4, label="train, per step")
+        w = max(1, len(losses) // 50)
+        if w > 1:
+            ax.plot(steps, running_mean(losses, w), lw=1.5, label=f"train, mean of {w}")
+        if evals:
+            ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="validation")
+        ax.set(xlabel="step", ylabel="loss (nats/character)", title="loss")
+        ax.legend()
+        plot_loss_scale(axes[1], rows)
+        ax = axes[2]
+        ax.plot(steps, [r["lr"] for r in rows], lw=1.0)
+        ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+
+    save_figure(path, title, draw)

@@ -1,7 +1,9 @@
-"""What the examples share about setting up a run: the device, the process, data parallelism, the loss-scale plot.
+"""What the examples share about setting up a run: the device, the process, data
+parallelism, the precision policy and loss scale, the data and the output folder.
 
 Imported by ``cifar10_functional.py`` and ``gpt_functional.py`` (and their
-siblings) from the ``examples`` folder.
+siblings) from the ``examples`` folder; the flags these read are
+``run_cli.py``'s, and what a run writes is ``run_outputs.py``'s.
 """
 
 from __future__ import annotations
@@ -9,12 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
+from run_cli import PRECISIONS
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
+from functional_fp16.precision.policy import Policy, default_loss_scale
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,45 +77,99 @@ def start_distributed(args: argparse.Namespace, device: torch.device) -> tuple[A
     return info, info.device
 
 
-def plot_loss_scale(ax: Any, rows: list[dict]) -> None:
-    """The loss scale per step on a log-2 axis, skipped steps marked with red crosses."""
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["loss_scale"] for r in rows], lw=1.0)
-    skipped = [r for r in rows if r["skipped"]]
-    if skipped:
-        ax.scatter(
-            [r["step"] for r in skipped],
-            [r["loss_scale"] for r in skipped],
-            color="red",
-            marker="x",
-            s=20,
-            label=f"skipped ({len(skipped)})",
-            zorder=3,
-        )
-        ax.legend()
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
+def use_deterministic_kernels() -> None:
+    """What ``--deterministic`` does: deterministic torch kernels, no cuDNN autotuning.
+
+    ``CUBLAS_WORKSPACE_CONFIG`` is set (unless already set) before cuBLAS starts.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
-def read_for_resume(
-    path: str, config: dict, checkpoint_keys: tuple[str, ...], resume_keys: tuple[str, ...]
-) -> dict:
-    """The checkpoint at ``path`` read without a template, after checking it is one of
-    this example's (``checkpoint_keys`` present) written with this run's settings (equal
-    ``resume_keys`` in its ``config``). Every failure ends the program with one line."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: --resume {path}: no such file")
+def start_run(args: argparse.Namespace) -> tuple[Any, torch.device]:
+    """``(info, device)`` of this process: the ``--device``, ``--distributed``
+    (see :func:`start_distributed`), ``--deterministic`` and the process settings
+    of :func:`configure_process`, in that order."""
+    device = resolve_device(args.device)
+    info, device = start_distributed(args, device)
+    if args.deterministic:
+        use_deterministic_kernels()
+    configure_process(args, device)
+    return info, device
+
+
+def auto_policy(
+    args: argparse.Namespace, device: torch.device, fast_bf16: Callable[[], bool]
+) -> Policy:
+    """The policy of ``--precision`` and ``--compute-dtype`` (``auto``: see below).
+
+    On CUDA the computation runs in the parameter dtype. A CPU has no fast
+    FP16 arithmetic, so there FP16 parameters compute in BF16 when
+    ``fast_bf16()`` says the CPU has native BF16 and in FP32 otherwise (they
+    still get FP16 gradients, so loss scaling is exercised). Outputs are FP32.
+    """
+    param = PRECISIONS[args.precision]
+    if args.compute_dtype != "auto":
+        compute = PRECISIONS[args.compute_dtype]
+    elif device.type == "cpu" and param == torch.float16:
+        compute = torch.bfloat16 if fast_bf16() else torch.float32
+    else:
+        compute = param
+    return Policy(param, compute, torch.float32)
+
+
+def loss_scale_from_flags(args: argparse.Namespace, policy: Policy, **dynamic: Any) -> ff.LossScale:
+    """The loss scale ``--loss-scale`` asks for (``auto``: the policy's default kind).
+
+    A dynamic one starts at ``--init-scale`` and grows every
+    ``--growth-interval`` steps; ``dynamic`` holds the job's further
+    ``DynamicLossScale`` settings (the GPT example's ``hysteresis``).
+    """
+    kind = args.loss_scale
+    if kind == "auto":
+        kind = "dynamic" if isinstance(default_loss_scale(policy), ff.DynamicLossScale) else "none"
+    if kind == "none":
+        return ff.NoOpLossScale()
+    return ff.DynamicLossScale(
+        init_scale=args.init_scale, growth_interval=args.growth_interval, **dynamic
+    )
+
+
+def load_data_once(info: Any, download: bool, load: Callable[[], T], error: type[Exception]) -> T:
+    """``load()`` on every rank, rank 0 first when it may download (``--download``
+    under ``--distributed``), so the other ranks find the files it fetched. An
+    ``error`` from ``load`` ends the program with one line."""
+    if info is not None and download and not info.is_main:
+        torch.distributed.barrier()  # rank 0 downloads first
     try:
-        plain = ff.load_checkpoint(path, map_location="cpu")
-    except ff.CheckpointError as err:
-        raise SystemExit(f"error: --resume: {err}") from None
-    if not isinstance(plain, dict) or any(k not in plain for k in checkpoint_keys):
-        raise SystemExit(f"error: --resume {path}: not a checkpoint written by this example")
-    stored = plain["config"] if isinstance(plain["config"], dict) else {}
-    for key in resume_keys:
-        if stored.get(key) != config[key]:
-            raise SystemExit(
-                f"error: --resume {path}: the checkpoint was written with {key}={stored.get(key)!r}, "
-                f"this run has {key}={config[key]!r}; a resumed run must use the same settings"
-            )
-    return plain
+        data = load()
+    except error as err:
+        raise SystemExit(f"error: {err}") from None
+    if info is not None and download and info.is_main:
+        torch.distributed.barrier()
+    return data
+
+
+def make_out_dir(path: str) -> Path:
+    """``--out-dir`` as a path, created by rank 0 (the one rank that writes files)."""
+    out_dir = Path(path)
+    if ffd.is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def print_distributed(info: Any, batch_size: int) -> None:
+    """The line saying how a ``--distributed`` run splits the global batch (none otherwise)."""
+    if info is not None:
+        print(
+            f"distributed: {info.world_size} ranks ({info.backend}), global batch "
+            f"{batch_size} = {batch_size // info.world_size} per rank",
+            flush=True,
+        )
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (CUDA), so that a timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
