@@ -29,7 +29,9 @@ import torch
 
 import functional_fp16 as ff
 from functional_fp16._fused.sgd import sgd_plan
+from functional_fp16._fused.steps import fused_plan
 from functional_fp16._util.tree import tree_leaves, tree_map
+from functional_fp16.transforms.masking import MaskedSpec
 from functional_fp16.transforms.sgd import DecaySpec
 from tests.helpers import (
     assert_bitwise_unchanged,
@@ -303,25 +305,34 @@ def test_structure_shape_and_dtype_are_preserved():
 # -- add_decayed_weights(mask=...) and the fused path --------------------------------------------
 
 
-def test_a_masked_decay_declares_no_decay_spec_so_no_kernel_decays_every_leaf():
+def test_a_masked_decay_declares_its_mask_and_fuses_into_groups():
     params = layered_params()
     plain = ff.chain(ff.add_decayed_weights(WD), ff.sgd(LR, momentum=0.9))
     masked = ff.chain(ff.add_decayed_weights(WD, mask=is_matrix), ff.sgd(LR, momentum=0.9))
     assert ff.add_decayed_weights(WD).spec == DecaySpec(WD)
-    assert ff.add_decayed_weights(WD, mask=is_matrix).spec is None
+    spec = ff.add_decayed_weights(WD, mask=is_matrix).spec
+    assert isinstance(spec, MaskedSpec) and spec.inner == DecaySpec(WD) and spec.mask_fn is is_matrix
     assert sgd_plan(plain) is not None and sgd_plan(plain).weight_decay == WD
-    assert sgd_plan(masked) is None
-    assert ff.update_path(ff.fp16_init(params, plain)) in ("fused", "foreach-sgd")
-    assert ff.update_path(ff.fp16_init(params, masked)) == "foreach"
-    assert ff.update_path(ff.fp16_init(params, ff.adamw(1e-3, mask=is_matrix))) == "foreach"
+    assert sgd_plan(masked) is None  # not a plain chain: the groups decide
+    assert ff.update_path(ff.fp16_init(params, plain)) == "fused"
+    for tx in (masked, ff.adamw(1e-3, mask=is_matrix)):
+        fp = fused_plan(ff.fp16_init(params, tx))
+        assert ff.update_path(ff.fp16_init(params, tx)) == "fused"
+        # two groups, decayed matrices and undecayed vectors, every leaf in one of them
+        decays = sorted(
+            getattr(g.plan, "weight_decay", getattr(g.plan, "decoupled_decay", None))
+            for g in fp.groups
+        )
+        assert decays == [0.0, WD if tx is masked else 1e-4]
+        assert sorted(i for g in fp.groups for i in g.leaves) == list(range(fp.n_leaves))
 
 
-def test_an_all_true_mask_decays_exactly_as_no_mask():
+def test_an_all_true_mask_decays_exactly_as_no_mask(impl):
     params = layered_params()
     grads = fp16_grads(params, steps=5)
-    ours = run_ours(ff.sgd(LR, momentum=0.9, weight_decay=WD), params, grads, "reference")
+    ours = run_ours(ff.sgd(LR, momentum=0.9, weight_decay=WD), params, grads, impl)
     tx = ff.chain(ff.add_decayed_weights(WD, mask=True), ff.sgd(LR, momentum=0.9))
-    masked = run_ours(tx, params, grads)
+    masked = run_ours(tx, params, grads, impl)
     for a, b in zip(tree_leaves(ours.master), tree_leaves(masked.master)):
         assert torch.equal(bits(a), bits(b))
 
@@ -369,7 +380,7 @@ def test_decay_mask_is_bitwise_the_two_groups_run_separately(impl):
     ]:
         sub = {k: {name: v[name]} for k, v in params.items()}
         sub_grads = [{k: {name: v[name]} for k, v in g.items()} for g in grads]
-        alone = run_ours(group_tx, sub, sub_grads, "reference")
+        alone = run_ours(group_tx, sub, sub_grads, impl)  # the same implementation
         for k in params:
             assert torch.equal(bits(alone.master[k][name]), bits(state.master[k][name]))
             assert torch.equal(bits(alone.params[k][name]), bits(state.params[k][name]))

@@ -37,26 +37,21 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
 from functional_fp16._fused import op_checks, plain_kernels
-from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits
+from functional_fp16._fused.chains import Path, chain_parts
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
-from functional_fp16._fused.steps import Fusable, register
-from functional_fp16._util.tree import tree_flatten, tree_unflatten
-from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState, bias_corrections, sqrt_rn
+from functional_fp16._fused.steps import Fusable, incremented, register
+from functional_fp16.transforms.adam import AdamSpec, bias_corrections, sqrt_rn
 from functional_fp16.transforms.base import (
     GradientTransformation,
-    replace_at,
-    saturating_increment,
-    state_at,
 )
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec
 
-__all__ = ["AdamPlan", "adam_plan", "adam_state_fits", "adam_step", "adam_step_"]
+__all__ = ["AdamPlan", "adam_plan", "adam_step", "adam_step_"]
 
 
 class AdamPlan(NamedTuple):
@@ -106,36 +101,19 @@ def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
     )
 
 
-_adam_plan = cached_plan(_read)
-
-
 def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
     """The :class:`AdamPlan` of ``tx``, or ``None`` if it is not a fusable Adam chain.
 
-    Read from the transforms' declared ``spec`` only, cached by its value.
+    Read from the transforms' declared ``spec`` only (a chain without masks or labels).
     """
-    return _adam_plan(tx)
+    parts = chain_parts(getattr(tx, "spec", None))
+    return _read(parts) if parts else None
 
 
-def adam_state_fits(plan: AdamPlan, opt_state: Any, master_spec: Any) -> bool:
-    """Whether ``opt_state`` has the plan's layout, its moments shaped like the master."""
-    try:
-        adam = state_at(opt_state, plan.adam_path)
-        if not isinstance(adam, ScaleByAdamState):
-            return False
-        if tree_flatten(adam.mu)[1] != master_spec or tree_flatten(adam.nu)[1] != master_spec:
-            return False
-        return lr_state_fits(plan, opt_state)
-    except (TypeError, IndexError, KeyError, AttributeError):
-        return False
-
-
-def adam_buffers(plan: AdamPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:
-    """The first and second moments, or ``None`` for another layout."""
-    if not adam_state_fits(plan, opt_state, master_spec):
-        return None
-    adam = state_at(opt_state, plan.adam_path)
-    return [tree_flatten(adam.mu)[0], tree_flatten(adam.nu)[0]]
+def _positions(plan: AdamPlan, by_key: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """A leaf's moment positions and the group's step count."""
+    where = by_key[plan.adam_path]
+    return {"mu": where["mu"], "nu": where["nu"]}, {"count": where["count"]}
 
 
 # ---------------------------------------------------------------------------
@@ -259,15 +237,17 @@ adam_step, adam_step_ = define_step(
 # ---------------------------------------------------------------------------
 
 
-def _step(state, plan: AdamPlan, grads, masters, own, common: dict[str, Any], donate: bool):
-    adam: ScaleByAdamState = state_at(state.opt_state, plan.adam_path)
-    mu, moment_spec = tree_flatten(adam.mu)
-    nu = tree_flatten(adam.nu)[0]
-    count = saturating_increment(adam.count)
-    inv_c1, sqrt_c2 = bias_corrections(count, plan.b1, plan.b2)
+def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """One op call for a group: ``(masters', roles', params', finite, shared')``."""
+    mu, nu = roles["mu"], roles["nu"]
+    position = shared["count"]
+    key = ("adam", position, plan.b1, plan.b2)
+    if key not in memo:
+        inv_c1, sqrt_c2 = bias_corrections(incremented(memo, position), plan.b1, plan.b2)
+        memo[key] = (inv_c1.reshape(1), sqrt_c2.reshape(1))
+    inv_c1, sqrt_c2 = memo[key]
     hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
-    hyper.update(decoupled=plan.decoupled_decay)
-    hyper.update(inv_c1=inv_c1.reshape(1), sqrt_c2=sqrt_c2.reshape(1))
+    hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
     if donate:
         finite = adam_step_(grads, masters, mu, nu, own, **common, **hyper)
         m_out, mu_out, nu_out, p_new = masters, mu, nu, own
@@ -275,14 +255,8 @@ def _step(state, plan: AdamPlan, grads, masters, own, common: dict[str, Any], do
         m_out, mu_out, nu_out, p_new, finite = adam_step(
             grads, masters, mu, nu, own, **common, **hyper
         )
-    flag = finite.reshape(())
-    new_adam = ScaleByAdamState(
-        count=torch.where(flag, count, adam.count),
-        mu=tree_unflatten(moment_spec, list(mu_out)),
-        nu=tree_unflatten(moment_spec, list(nu_out)),
-    )
-    opt_state = replace_at(state.opt_state, plan.adam_path, new_adam)
-    return opt_state, list(m_out), list(p_new), finite
+    roles_out = {"mu": list(mu_out), "nu": list(nu_out)}
+    return list(m_out), roles_out, list(p_new), finite, {}
 
 
-register(Fusable("adam", adam_plan, adam_buffers, _step))
+register(Fusable("adam", _read, _positions, _step))

@@ -31,16 +31,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
 from functional_fp16._fused import op_checks, plain_kernels
-from functional_fp16._fused.chains import Path, cached_plan, lr_state_fits
+from functional_fp16._fused.chains import Path, chain_parts, lr_state_fits
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
-from functional_fp16._util.tree import tree_flatten, tree_unflatten
-from functional_fp16.transforms.base import GradientTransformation, replace_at, state_at
+from functional_fp16._util.tree import tree_flatten
+from functional_fp16.transforms.base import GradientTransformation, state_at
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.sgd import (
     DecaySpec,
@@ -108,15 +107,13 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
     )
 
 
-_sgd_plan = cached_plan(_read)
-
-
 def sgd_plan(tx: GradientTransformation) -> SGDPlan | None:
     """The :class:`SGDPlan` of ``tx``, or ``None`` if it is not a fusable SGD chain.
 
-    Read from the transforms' declared ``spec`` only, cached by its value.
+    Read from the transforms' declared ``spec`` only (a chain without masks or labels).
     """
-    return _sgd_plan(tx)
+    parts = chain_parts(getattr(tx, "spec", None))
+    return _read(parts) if parts else None
 
 
 def state_fits(plan: SGDPlan, opt_state: Any, master_spec: Any) -> bool:
@@ -131,13 +128,12 @@ def state_fits(plan: SGDPlan, opt_state: Any, master_spec: Any) -> bool:
         return False
 
 
-def sgd_buffers(plan: SGDPlan, opt_state: Any, master_spec: Any) -> list[list[Tensor]] | None:
-    """The momentum tensors (``[]`` without momentum), or ``None`` for another layout."""
-    if not state_fits(plan, opt_state, master_spec):
-        return None
+def _positions(plan: SGDPlan, by_key: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """A leaf's momentum position and the group's ``started`` flag (none without momentum)."""
     if plan.trace_path is None:
-        return []
-    return [tree_flatten(state_at(opt_state, plan.trace_path).trace)[0]]
+        return {}, {}
+    where = by_key[plan.trace_path]
+    return {"trace": where["trace"]}, {"started": where["started"]}
 
 
 # ---------------------------------------------------------------------------
@@ -272,27 +268,27 @@ sgd_step, sgd_step_ = define_step(
 # ---------------------------------------------------------------------------
 
 
-def _step(state, plan: SGDPlan, grads, masters, own, common: dict[str, Any], donate: bool):
-    old = state_at(state.opt_state, plan.trace_path) if plan.trace_path is not None else None
-    trace, trace_spec = tree_flatten(old.trace) if old is not None else ([], None)
+def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """One op call for a group: ``(masters', roles', params', finite, shared')``."""
+    trace = roles.get("trace", [])
+    started = None
     hyper = dict(weight_decay=plan.weight_decay, momentum=plan.momentum)
     hyper.update(dampening=plan.dampening, nesterov=plan.nesterov)
-    started = old.initialized.reshape(1) if old is not None else None
+    old = None
+    if plan.trace_path is not None:
+        old = memo["opt"][shared["started"]]
+        started = old.reshape(1)
     args = (grads, masters, trace, own)
     if donate:
         finite = sgd_step_(*args, started=started, **common, **hyper)
         m_out, t_out, p_new = masters, trace, own
     else:
         m_out, t_out, p_new, finite = sgd_step(*args, started=started, **common, **hyper)
-    opt_state = state.opt_state
+    shared_out = {}
     if old is not None:
         flag = finite.reshape(())
-        new_trace = TraceState(
-            trace=tree_unflatten(trace_spec, list(t_out)),
-            initialized=torch.where(flag, torch.ones_like(old.initialized), old.initialized),
-        )
-        opt_state = replace_at(opt_state, plan.trace_path, new_trace)
-    return opt_state, list(m_out), list(p_new), finite
+        shared_out["started"] = torch.where(flag, torch.ones_like(old), old)
+    return list(m_out), {"trace": list(t_out)}, list(p_new), finite, shared_out
 
 
-register(Fusable("sgd", sgd_plan, sgd_buffers, _step))
+register(Fusable("sgd", _read, _positions, _step))

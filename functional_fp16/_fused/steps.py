@@ -1,27 +1,32 @@
-"""``impl="fused"``: a fusable optimiser chain as one call of a ``torch.library`` op.
+"""``impl="fused"``: a declared optimiser as a few calls of ``torch.library`` ops.
 
-Every fusable optimiser registers a :class:`Fusable` here (:mod:`functional_fp16._fused.sgd`,
-:mod:`functional_fp16._fused.adam`): how to read its plan from the declared
-transforms, which per-parameter state tensors it keeps, and its step. For a
-state whose optimiser is one of them, the step is at most two reads of the
-gradients and one pass over the state:
+Every fusable optimiser registers a :class:`Fusable` here
+(:mod:`functional_fp16._fused.sgd`, :mod:`functional_fp16._fused.adam`): how
+to read its plan from a leaf's declared parts, where a leaf's state tensors
+are, and its step. :func:`fused_plan` resolves a state's optimiser once per
+structure (masks and labels included, see :mod:`functional_fp16._fused.groups`)
+into a :class:`FusedPlan`: groups of leaves with one plan each, and the
+positions of every tensor the step reads, in the flattened state. A call then
+does no more than the arithmetic needs:
 
-1. with clipping, or when the decision needs more than the gradients (a
-   cross-replica ``agree``), one ``functional_fp16::grad_stats`` call: the
-   peak magnitude for the all-finite decision and the sum of squares for the
-   global norm;
-2. one ``functional_fp16::sgd_step`` / ``adam_step`` call (``sgd_step_`` /
-   ``adam_step_`` when donating), which reads gradient, master and optimiser
-   state once and writes them and the working copy once: 22 bytes per
-   parameter for SGD with momentum and FP16 gradients and parameters, 30 for
-   Adam. A pure CPU SGD step without step 1 finds the gradients' peak while
-   it updates, and undoes a skipped step afterwards (20 bytes per parameter).
+1. with clipping, several groups or a cross-replica ``agree``, one
+   ``functional_fp16::grad_stats`` call over all leaves: the peak magnitude
+   for the all-finite decision and the sum of squares for the global norm;
+2. one ``functional_fp16::sgd_step`` / ``adam_step`` call per group
+   (``sgd_step_`` / ``adam_step_`` when donating), which reads gradient,
+   master and optimiser state once and writes them and the working copy once:
+   22 bytes per parameter for SGD with momentum and FP16 gradients and
+   parameters, 30 for Adam. A pure CPU SGD step of one group without step 1
+   finds the gradients' peak while it updates, and undoes a skipped step
+   afterwards (20 bytes per parameter).
 
-What the op computes per element is in the optimiser's module; decisions, loss scale, counters and
+The scalars a step needs (the unscale factor, the learning rate of each
+schedule, each Adam part's bias corrections, the new counters) are computed
+once per call and shared by the groups. Decisions, loss scale, counters and
 skipped steps are bitwise the reference's, the master within one ulp.
 
-Because the step is an op, ``torch.compile`` calls the same kernel (the op is
-opaque to Inductor), ``vmap`` batches inside it (``K`` members are ``K``
+Because each step is an op, ``torch.compile`` calls the same kernel (the op
+is opaque to Inductor), ``vmap`` batches inside it (``K`` members are ``K``
 groups of one call) and a CUDA graph captures it.
 """
 
@@ -31,36 +36,40 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as tp
 
-from functional_fp16._fused.chains import lr_factor
 from functional_fp16._fused.device_kernels import finite_from_peak
+from functional_fp16._fused.groups import leaf_parts
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
-from functional_fp16._util.tree import tree_flatten, tree_unflatten
 from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
     unscale_factor,
 )
-from functional_fp16.transforms.base import replace_at, state_at
+from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
-from functional_fp16.transforms.sgd import ScaleByScheduleState
 
-__all__ = ["Fusable", "register", "FusedPlan", "fused_plan", "why_not_fused", "fused_update"]
+__all__ = ["Fusable", "register", "Group", "FusedPlan", "fused_plan", "why_not_fused"]
+__all__ += ["fused_update", "incremented", "advanced"]
 
 
 class Fusable(NamedTuple):
     """A fusable optimiser: what its module registers with :func:`register`.
 
-    Its plan (a NamedTuple) has at least ``max_norm`` (``None``: no clipping),
-    ``learning_rate`` (a number or a schedule), ``sign`` and ``lr_path``.
+    Its plan (a NamedTuple, hashable) has at least ``max_norm`` (``None``: no
+    clipping), ``learning_rate`` (a number or a schedule), ``sign`` and
+    ``lr_path`` (the key of its learning-rate part).
     """
 
     name: str
-    plan: Callable[[Any], Any]  # plan(tx): the declared hyperparameters, or None
-    buffers: Callable[..., list[list[torch.Tensor]] | None]  # (plan, opt_state, master spec)
-    step: Callable[..., tuple]  # (state, plan, grads, masters, own params, common, donate)
+    read: Callable[[list[tuple[Any, tuple]]], Any]  # a leaf's (spec, key) parts -> plan or None
+    # (plan, {part key: state positions}) -> (per-leaf role positions, shared 0-d positions)
+    positions: Callable[[Any, dict], tuple[dict[str, int], dict[str, int]]]
+    # (plan, grads, masters, roles, shared, own params, common, donate, memo)
+    #   -> (masters', roles', params', finite, shared')
+    step: Callable[..., tuple]
 
 
 _FUSABLE: list[Fusable] = []
@@ -71,50 +80,122 @@ def register(fusable: Fusable) -> None:
     _FUSABLE.append(fusable)
 
 
-class FusedPlan(NamedTuple):
-    """What the fused op needs to know about a state: derived from its static metadata."""
+class Group(NamedTuple):
+    """Leaves that one op call steps: one plan, one set of shared counters."""
 
     fusable: Fusable
-    plan: Any  # the optimiser's declared hyperparameters
-    separate: tuple[bool, ...]  # per leaf: the working copy is a tensor of its own (not FP32)
+    plan: Any
+    leaves: tuple[int, ...]  # positions among the master's leaves, increasing
+    whole: bool  # the group holds every leaf, in order
+    roles: tuple[tuple[str, tuple[int, ...]], ...]  # per-leaf state: (role, opt positions)
+    shared: tuple[tuple[str, int], ...]  # 0-d state: (name, opt position)
+    separate: tuple[bool, ...]  # per leaf of the group: the working copy is its own tensor
 
 
-def _optimizer_plan(state) -> tuple[Fusable | None, Any, list[list[torch.Tensor]] | None]:
-    """The fusable optimiser of ``state.tx``, its plan and its per-parameter FP32 state
-    tensors (``None``: a state of another layout); ``(None, None, None)`` if none fuses."""
-    spec = tree_flatten(state.master)[1]
-    for fusable in _FUSABLE:
-        plan = fusable.plan(state.tx)
-        if plan is not None:
-            return fusable, plan, fusable.buffers(plan, state.opt_state, spec)
-    return None, None, None
+class FusedPlan(NamedTuple):
+    """What the fused update needs to know about a state: derived from its static metadata."""
+
+    groups: tuple[Group, ...]
+    max_norm: float | None  # the global clip of every leaf (None: no clipping)
+    n_leaves: int
+    opt_spec: Any  # the optimiser state's tree structure
+    strides: tuple[tuple[int, ...], ...]  # the master's strides, leaf by leaf
+    decides: bool  # one group, no clipping: the op decides the step itself
+
+    @property
+    def fusable(self) -> Fusable:
+        """The optimiser of the first group (every group's, unless labels mix them)."""
+        return self.groups[0].fusable
+
+
+def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | None]:
+    """Reads each leaf's parts as a chain and groups the leaves with equal plans."""
+    found: dict[Any, list[int]] = {}
+    chosen: dict[Any, tuple[Fusable, dict]] = {}
+    for leaf, leaf_parts_ in enumerate(parts):
+        chain = [(spec, key) for spec, key, _ in leaf_parts_]
+        for fusable in _FUSABLE:
+            plan = fusable.read(chain)
+            if plan is not None:
+                break
+        else:
+            return "an optimiser that is not a fusable chain", None
+        by_key = {key: where for _, key, where in leaf_parts_}
+        roles, shared = fusable.positions(plan, by_key)
+        if callable(plan.learning_rate):
+            shared = {**shared, "lr_count": by_key[plan.lr_path]["count"]}
+        group_key = (fusable.name, plan, tuple(sorted(shared.items())))
+        found.setdefault(group_key, []).append(leaf)
+        chosen.setdefault(group_key, (fusable, {}))[1][leaf] = roles
+    clips = {(k[1].max_norm, _clip_key(parts[v[0]])) for k, v in found.items()}
+    if len(clips) != 1:
+        return "clipping that does not cover every leaf alike", None
+    max_norm = next(iter(clips))[0]
+    params = tp.tree_leaves(state.params)
+    n = len(params)
+    groups = []
+    for group_key, leaves in found.items():
+        fusable, roles_by_leaf = chosen[group_key]
+        names = sorted(roles_by_leaf[leaves[0]])
+        roles = tuple((r, tuple(roles_by_leaf[i][r] for i in leaves)) for r in names)
+        separate = tuple(params[i].dtype != torch.float32 for i in leaves)
+        whole = len(leaves) == n
+        groups.append(
+            Group(fusable, group_key[1], tuple(leaves), whole, roles, group_key[2], separate)
+        )
+    masters = tp.tree_leaves(state.master)
+    strides = tuple(m.stride() for m in masters)
+    decides = len(groups) == 1 and max_norm is None
+    opt_spec = tp.tree_flatten(state.opt_state)[1]
+    return None, FusedPlan(tuple(groups), max_norm, n, opt_spec, strides, decides)
+
+
+def _clip_key(parts: list) -> Any:
+    """The key of the clipping part acting on a leaf (``None``: none)."""
+    from functional_fp16.transforms.clipping import ClipSpec
+
+    for spec, key, _ in parts:
+        if isinstance(spec, ClipSpec):
+            return key
+    return None
 
 
 def _examine(state) -> tuple[str | None, FusedPlan | None]:
     """``(why not, plan)``: the reason ``state`` cannot take the fused op, or its plan."""
     if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
         return "a loss scale of another type", None
-    fusable, plan, buffers = _optimizer_plan(state)
-    if fusable is None:
+    if any(x is None for x in tp.tree_leaves(state.master)):
+        # torch.utils._pytree (what the fused path flattens with, as torch.compile
+        # traces it) counts None as a leaf where the library's trees hold no leaf.
+        return "a None placeholder in the parameters' tree", None
+    parts = leaf_parts(getattr(state.tx, "spec", None), state.master, state.opt_state)
+    if parts is None:
         return "an optimiser that is not a fusable chain", None
-    if buffers is None:
-        return "an optimiser state of another layout", None
-    masters = tree_flatten(state.master)[0]
-    params = tree_flatten(state.params)[0]
+    masters = tp.tree_leaves(state.master)
+    params = tp.tree_leaves(state.params)
+    opt = tp.tree_leaves(state.opt_state)
     device = masters[0].device
     if any(t.device != device for t in [*masters, *params]):
         return "tensors on several devices", None
-    state_tensors = [x for b in buffers for x in b]
-    if any(t.dtype != torch.float32 for t in [*masters, *state_tensors]):
+    why, fp = _group_leaves(state, parts)
+    if fp is None:
+        return why, None
+    used = {i for g in fp.groups for _, pos in g.roles for i in pos}
+    if any(opt[i].dtype != torch.float32 for i in used) or any(
+        m.dtype != torch.float32 for m in masters
+    ):
         return "a master or optimiser state that is not float32", None
     for p in params:
         if p.dtype not in DTYPE_CODES:
             return f"a working copy of dtype {p.dtype}", None
     layout = [(m.shape, m.stride()) for m in masters]
-    same = all([(t.shape, t.stride()) for t in ts] == layout for ts in [params, *buffers])
-    if not same or not all(dense(m) for m in masters):
+    if [(p.shape, p.stride()) for p in params] != layout or not all(dense(m) for m in masters):
         return "state tensors that are not dense with one layout", None
-    return None, FusedPlan(fusable, plan, tuple(p.dtype != torch.float32 for p in params))
+    for g in fp.groups:
+        for _, pos in g.roles:
+            if [(opt[i].shape, opt[i].stride()) for i in pos] != [layout[i] for i in g.leaves]:
+                return "state tensors that are not dense with one layout", None
+    return None, fp
 
 
 def why_not_fused(state) -> str | None:
@@ -125,19 +206,27 @@ def why_not_fused(state) -> str | None:
 def fused_plan(state) -> FusedPlan | None:
     """The fused plan of ``state``, or ``None`` when it runs another path.
 
-    A pure function of the state's static metadata (its ``tx`` and the
-    leaves' dtypes, shapes and strides); plans of transforms are cached by
-    the transforms' declared values.
+    A pure function of the state's static metadata (its ``tx``, the masks and
+    labels it declares, and the leaves' dtypes, shapes and strides); the
+    dispatcher computes it once per state signature.
     """
     return _examine(state)[1]
 
 
-def _grad_like(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``g`` laid out like ``m`` (a copy only when its strides or dtype differ)."""
-    if g.stride() == m.stride() and g.dtype in DTYPE_CODES:
+def _grads_like(g: list[torch.Tensor], strides) -> list[torch.Tensor]:
+    """The gradients laid out like the master (a copy only where strides or dtype differ)."""
+    if list(map(torch.Tensor.stride, g)) == list(strides) and all(
+        x.dtype in DTYPE_CODES for x in g
+    ):
         return g
-    dtype = g.dtype if g.dtype in DTYPE_CODES else torch.float32
-    return torch.empty_like(m, dtype=dtype).copy_(g)
+    out = []
+    for x, s in zip(g, strides):
+        if x.stride() == s and x.dtype in DTYPE_CODES:
+            out.append(x)
+        else:
+            dtype = x.dtype if x.dtype in DTYPE_CODES else torch.float32
+            out.append(torch.empty_strided(x.shape, s, dtype=dtype, device=x.device).copy_(x))
+    return out
 
 
 def _one(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -145,26 +234,18 @@ def _one(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(1)
 
 
-def _advance_schedule(plan, opt_state, finite: torch.Tensor, new_lr_state):
-    """The learning-rate schedule's count advanced on applied steps only."""
-    if not callable(plan.learning_rate):
-        return opt_state
-    count = state_at(opt_state, plan.lr_path).count
-    new_count = ScaleByScheduleState(count=torch.where(finite, new_lr_state.count, count))
-    return replace_at(opt_state, plan.lr_path, new_count)
+def _decision_inputs(fp: FusedPlan, g, inv, decision):
+    """``(apply, require, clip)``: what the ops are told before they run.
 
-
-def _decision_inputs(g, inv, decision, clipping: bool):
-    """``(apply, require, clip)``: what the op is told before it runs.
-
-    Without clipping or a cross-replica hook the op decides itself (``apply=None``),
-    with the rule's ``require`` (the loss is finite); otherwise one
-    ``grad_stats`` call gives the local flag, the rule (``decision``) the
-    decision, and the sum of squares the clipping norm.
+    With one group, no clipping and no cross-replica hook the op decides
+    itself (``apply=None``), with the rule's ``require`` (the loss is finite);
+    otherwise one ``grad_stats`` call gives the local flag, the rule
+    (``decision``) the decision, and the sum of squares the clipping norm.
     """
-    if not clipping and decision.agree is None:
+    if fp.decides and decision.agree is None:
         require = decision.require
         return None, None if require is None else _one(require.to(g[0].device)), None
+    clipping = fp.max_norm is not None
     peak, sum_sq = grad_stats(g, _one(inv), 1, 1, clipping)
     finite = decision(finite_from_peak(peak, _one(inv)).reshape(()))
     clip = None
@@ -173,40 +254,99 @@ def _decision_inputs(g, inv, decision, clipping: bool):
     return _one(finite), None, clip
 
 
-def fused_update(state, grads, fp: FusedPlan, decision, donate: bool):
+def _lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
+    r"""The signed step factor :math:`\sigma\,\eta_t` as a ``(1,)`` float32 tensor.
+
+    A constant :math:`\eta` is a fill on the device (capturable in CUDA
+    graphs); a schedule is evaluated at its count (the number of applied
+    steps), once per call for every group that shares it.
+    """
+    if not callable(plan.learning_rate):
+        key = ("lr", plan.sign * plan.learning_rate)
+        if key not in memo:
+            memo[key] = torch.full((1,), key[1], dtype=torch.float32, device=like.device)
+        return memo[key]
+    key = ("lr", shared["lr_count"], plan.learning_rate, plan.sign)
+    if key not in memo:
+        lr = plan.learning_rate(memo["opt"][shared["lr_count"]]).to(torch.float32) * plan.sign
+        memo[key] = lr.reshape(1)
+    return memo[key]
+
+
+def incremented(memo: dict, position: int) -> torch.Tensor:
+    """The counter at ``position`` of the optimiser state plus one (saturating), once per call."""
+    key = ("incremented", position)
+    if key not in memo:
+        memo[key] = saturating_increment(memo["opt"][position])
+    return memo[key]
+
+
+def advanced(memo: dict, position: int, finite: torch.Tensor) -> torch.Tensor:
+    """The counter at ``position`` of the optimiser state, advanced on an applied step
+    (saturating), computed once per call."""
+    key = ("advanced", position)
+    if key not in memo:
+        memo[key] = torch.where(finite, incremented(memo, position), memo["opt"][position])
+    return memo[key]
+
+
+def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     """One fused step of ``state`` (see the module docstring); returns the new state.
 
-    ``decision`` is the step's :class:`~functional_fp16.update.decision.Decision`
-    (what must also hold, and the cross-replica agreement).
+    ``g_leaves`` are the gradients' leaves, in the flattening order of
+    ``torch.utils._pytree`` (as every list here; ``torch.compile`` traces it);
+    ``decision`` is the step's
+    :class:`~functional_fp16.update.decision.Decision` (what must also hold,
+    and the cross-replica agreement).
     """
-    plan = fp.plan
-    masters, m_spec = tree_flatten(state.master)
-    params, p_spec = tree_flatten(state.params)
-    g = [_grad_like(x, m) for x, m in zip(tree_flatten(grads)[0], masters)]
+    masters, m_spec = tp.tree_flatten(state.master)
+    params, p_spec = tp.tree_flatten(state.params)
+    opt = tp.tree_leaves(state.opt_state)
+    g = _grads_like(g_leaves, fp.strides)
     inv = (
         None
         if isinstance(state.loss_scale, NoOpLossScale)
         else unscale_factor(state.loss_scale.loss_scale)
     )
-    clipping = plan.max_norm is not None
-    apply, require, norm = _decision_inputs(g, inv, decision, clipping)
+    apply, require, norm = _decision_inputs(fp, g, inv, decision)
     clip_div = clip_mul = None
-    if clipping:
-        clip_div, clip_mul = (_one(x) for x in clip_factors(norm, plan.max_norm))
-    factor, new_lr_state = lr_factor(plan, state.opt_state, masters[0])
-    separate = list(fp.separate)
-    own = [p for p, s in zip(params, separate) if s]
-    common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=_one(factor))
-    common.update(apply=apply, require=require, separate=separate, members=1)
-    opt_state, m_out, p_new, finite = fp.fusable.step(state, plan, g, masters, own, common, donate)
-    finite = finite.reshape(())
-    opt_state = _advance_schedule(plan, opt_state, finite, new_lr_state)
-    it = iter(p_new)
-    p_out = [next(it) if s else m for m, s in zip(m_out, separate)]
+    if norm is not None:
+        clip_div, clip_mul = (_one(x) for x in clip_factors(norm, fp.max_norm))
+    memo: dict = {"opt": opt}
+    new_m, new_p, new_opt = list(masters), list(params), list(opt)
+    finite = None
+    for grp in fp.groups:
+        if grp.whole:
+            gg, mm, pp = g, masters, params
+        else:
+            gg = [g[i] for i in grp.leaves]
+            mm = [masters[i] for i in grp.leaves]
+            pp = [params[i] for i in grp.leaves]
+        own = [p for p, s in zip(pp, grp.separate) if s]
+        roles = {r: [opt[i] for i in pos] for r, pos in grp.roles}
+        shared = dict(grp.shared)
+        lr = _lr_factor(grp.plan, shared, masters[0], memo)
+        common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=lr, apply=apply)
+        common.update(require=require, separate=list(grp.separate), members=1)
+        m_out, roles_out, p_out, flag, shared_out = grp.fusable.step(
+            grp.plan, gg, mm, roles, shared, own, common, donate, memo
+        )
+        finite = flag.reshape(())
+        if apply is None:
+            apply = flag  # one group decides; no other group follows it
+        it = iter(p_out)
+        for j, (i, s) in enumerate(zip(grp.leaves, grp.separate)):
+            new_m[i] = m_out[j]
+            new_p[i] = next(it) if s else m_out[j]
+        for r, pos in grp.roles:
+            for i, t in zip(pos, roles_out[r]):
+                new_opt[i] = t
+        for name, pos in grp.shared:
+            new_opt[pos] = shared_out[name] if name in shared_out else advanced(memo, pos, finite)
     return state.replace(
-        params=tree_unflatten(p_spec, p_out),
-        master=tree_unflatten(m_spec, m_out),
-        opt_state=opt_state,
+        params=tp.tree_unflatten(new_p, p_spec),
+        master=tp.tree_unflatten(new_m, m_spec),
+        opt_state=tp.tree_unflatten(new_opt, fp.opt_spec),
         loss_scale=state.loss_scale.adjust(finite),
         step=state.step + 1,
         grads_finite=finite,

@@ -27,7 +27,7 @@ from functional_fp16.transforms.base import (
 )
 from functional_fp16.transforms.masking import MaskedState, is_mask_function, masked_transform
 
-__all__ = ["MultiTransformState", "multi_transform", "set_to_zero"]
+__all__ = ["MultiTransformState", "LabelsSpec", "multi_transform", "set_to_zero"]
 
 Labels = PyTree | Callable[[PyTree], PyTree]
 """A tree of labels shaped like the parameters (or a prefix of them), or a function returning one."""
@@ -37,6 +37,20 @@ class MultiTransformState(NamedTuple):
     """State of :func:`multi_transform`."""
 
     inner_states: dict[Hashable, MaskedState]  # per label: its transform's state, on its leaves
+
+
+class LabelsSpec(NamedTuple):
+    """Declared form of :func:`multi_transform`: the labels, their transforms' specs
+    and the labels of the parameters (a tree, or a function returning one)."""
+
+    labels: tuple[Hashable, ...]  # the labels, in the order of ``transforms``
+    inner: tuple[Any, ...]  # each label's transform spec
+    param_labels: PyTree | None  # fixed labels: a tree of labels
+    label_fn: Callable[[PyTree], PyTree] | None  # labels from a function of the tree
+
+    def resolve(self, tree: PyTree) -> PyTree:
+        """The tree of labels for ``tree`` (a label function is called with it)."""
+        return self.param_labels if self.label_fn is None else self.label_fn(tree)
 
 
 def set_to_zero() -> GradientTransformation:
@@ -133,8 +147,9 @@ def multi_transform(
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
       :class:`MultiTransformState`, one
-      :class:`~functional_fp16.transforms.masking.MaskedState` per label. It declares no
-      ``spec``: ``fp16_update`` runs it on the multi-tensor path.
+      :class:`~functional_fp16.transforms.masking.MaskedState` per label. It
+      declares :class:`LabelsSpec`: labels over fusable optimisers run as
+      fused op calls, one per group of leaves with the same hyperparameters.
 
     Raises:
       TypeError: ``transforms`` is not a mapping of transformations, or a
@@ -191,4 +206,10 @@ def multi_transform(
             )
         return updates, MultiTransformState(new_states)
 
-    return GradientTransformation(init, update)
+    spec = LabelsSpec(
+        tuple(transforms),
+        tuple(tx.spec for tx in transforms.values()),
+        None if label_fn is not None else param_labels,
+        label_fn,
+    )
+    return GradientTransformation(init, update, spec)

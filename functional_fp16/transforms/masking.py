@@ -18,10 +18,10 @@ tensor. It is a tree with the structure of the parameters or a prefix of it
 returning one (called with ``params`` by ``init`` and with ``updates`` by
 ``update``, as optax calls it).
 
-Under ``torch.compile`` these transforms run with graph breaks, and
-``fullgraph=True`` fails: Dynamo (torch 2.14) cannot call methods of an
-``optree.PyTreeSpec`` built outside the trace, nor flatten a ``dict`` whose
-leaves are all Python constants (a mask, or a subtree of ``MaskedNode``).
+A masked transform declares :class:`MaskedSpec` (its inner transform's spec
+and the mask), so a chain of declared transforms stays declared with a mask
+inside: ``fp16_update`` resolves the mask once per tree structure into static
+groups of leaves and runs the fused op (``update_path`` says ``"fused"``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from functional_fp16._util.tree import (
 )
 from functional_fp16.transforms.base import GradientTransformation, update_with_extra_args
 
-__all__ = ["MaskedNode", "MaskedState", "Mask", "masked"]
+__all__ = ["MaskedNode", "MaskedState", "MaskedSpec", "Mask", "masked"]
 
 Mask = PyTree | Callable[[PyTree], PyTree]
 """A tree of bools shaped like the parameters (or a prefix of them), or a function returning one."""
@@ -58,6 +58,22 @@ class MaskedState(NamedTuple):
     """State of :func:`masked`."""
 
     inner_state: Any  # the inner transform's state; MaskedNode() where the mask is False
+
+
+class MaskedSpec(NamedTuple):
+    """Declared form of :func:`masked`: the inner transform's spec and the mask.
+
+    A fixed mask is held as given (a tree of bools, ``mask``); a mask function
+    as ``mask_fn`` (then ``mask`` is ``None``).
+    """
+
+    inner: Any  # the inner transform's spec (None: undeclared)
+    mask: PyTree | None  # a fixed mask: a tree of bools (a prefix of the parameters' tree)
+    mask_fn: Callable[[PyTree], PyTree] | None  # a mask function, called with the tree
+
+    def resolve(self, tree: PyTree) -> PyTree:
+        """The mask, a tree of bools, for ``tree`` (a mask function is called with it)."""
+        return self.mask if self.mask_fn is None else self.mask_fn(tree)
 
 
 def is_mask_function(mask: Any) -> bool:
@@ -183,7 +199,7 @@ def masked_transform(
                     out[i] = leaf
         return tree_unflatten(u_spec, out), MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, MaskedSpec(inner.spec, mask, mask_fn))
 
 
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
@@ -217,8 +233,10 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
-      :class:`MaskedState`. It declares no ``spec``: a chain holding it runs
-      the multi-tensor path (``update_path`` says ``"foreach"``).
+      :class:`MaskedState`. It declares :class:`MaskedSpec`: a chain of
+      fusable transforms holding it runs the fused op, the mask resolved
+      once per tree structure into groups of leaves (``update_path`` says
+      ``"fused"``).
 
     Raises:
       TypeError: a leaf of the mask is not a bool (the error names its path).

@@ -1,0 +1,151 @@
+r"""Masks and labels resolved into static groups of leaves: what each leaf's optimiser is.
+
+A chain of declared transforms may hold :func:`~functional_fp16.masked` parts
+(``adamw(mask=...)`` is one) and :func:`~functional_fp16.multi_transform`
+labels. Both are static configuration, so the optimiser that acts on a leaf
+follows from the tree's structure alone. :func:`leaf_parts` walks the
+declared specs once, beside an *index tree* (the parameters with leaf
+:math:`i` replaced by the int :math:`i`) and the optimiser state with its
+leaves replaced by their positions in ``tree_leaves(opt_state)``, and returns
+for every leaf the parts that act on it, in order:
+
+.. math:: \text{parts}(i) = [(s_1, k_1, r_1), (s_2, k_2, r_2), \dots]
+
+with :math:`s_j` a part's spec, :math:`k_j` its key (its position in the
+spec tree, the same for every leaf the part acts on) and :math:`r_j` the
+positions of its state tensors for leaf :math:`i` (``{"mu": 17, "nu": 165,
+"count": 3}`` for Adam). A masked part acts on the leaves where its mask is
+true; a labelled part on the leaves of its label. The fused plans then read
+each leaf's parts as a chain; leaves whose plans are equal form one group,
+one op call.
+
+Nothing here reads a tensor's value. ``None`` means a part is undeclared or
+the state has another layout; the update then runs the multi-tensor path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils._pytree as tp
+
+from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState
+from functional_fp16.transforms.base import ChainSpec, EmptyState
+from functional_fp16.transforms.clipping import ClipSpec
+from functional_fp16.transforms.combining import LabelsSpec, MultiTransformState
+from functional_fp16.transforms.masking import MaskedNode, MaskedSpec, MaskedState
+from functional_fp16.transforms.sgd import (
+    DecaySpec,
+    LearningRateSpec,
+    ScaleByScheduleState,
+    TraceSpec,
+    TraceState,
+)
+
+__all__ = ["Part", "leaf_parts"]
+
+Part = tuple[Any, tuple, dict[str, int]]
+"""``(spec, key, state positions)`` of one part acting on one leaf."""
+
+
+class _Unfusable(Exception):
+    """A part is undeclared or its state has another layout."""
+
+
+def leaf_parts(spec: Any, params: Any, opt_state: Any) -> list[list[Part]] | None:
+    """Per leaf of ``params``, the declared parts that act on it (see the module docstring).
+
+    ``params`` is the tree the optimiser sees (the master: a mask function is
+    called with it); ``opt_state`` its state. Leaves and positions count in
+    the flattening order of ``torch.utils._pytree`` (which ``torch.compile``
+    traces; the library's containers are registered with it too). ``None`` if
+    a part is undeclared or the state does not have the layout its spec
+    implies.
+    """
+    leaves, p_spec = tp.tree_flatten(params)
+    o_leaves, o_spec = tp.tree_flatten(opt_state)
+    state_index = tp.tree_unflatten(list(range(len(o_leaves))), o_spec)
+    index = tp.tree_unflatten(list(range(len(leaves))), p_spec)
+    out: list[list[Part]] = [[] for _ in leaves]
+    try:
+        _walk(spec, index, params, state_index, (), out)
+    except (_Unfusable, TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return None
+    return out
+
+
+def _positions(tree: Any) -> list[int]:
+    """The positions held by an index tree's leaves, in order."""
+    found = tp.tree_leaves(tree)
+    if not all(type(x) is int for x in found):
+        raise _Unfusable
+    return found
+
+
+def _walk(spec: Any, index: Any, real: Any, state: Any, key: tuple, out: list) -> None:
+    if spec is None:
+        raise _Unfusable
+    if isinstance(spec, ChainSpec):
+        if not isinstance(state, tuple) or len(state) != len(spec.parts):
+            raise _Unfusable
+        for i, part in enumerate(spec.parts):
+            _walk(part, index, real, state[i], key + (i,), out)
+        return
+    if isinstance(spec, MaskedSpec):
+        _masked(spec.inner, spec.resolve(real), index, real, state, key + ("mask",), out)
+        return
+    if isinstance(spec, LabelsSpec):
+        if not isinstance(state, MultiTransformState) or set(state.inner_states) != set(
+            spec.labels
+        ):
+            raise _Unfusable
+        labels = spec.resolve(real)
+        for label, inner in zip(spec.labels, spec.inner):
+            mask = tp.tree_map(lambda x, label=label: x == label, labels)
+            _masked(inner, mask, index, real, state.inner_states[label], key + (label,), out)
+        return
+    leaves = _positions(index)
+    for j, leaf in enumerate(leaves):
+        out[leaf].append((spec, key, _state_of(spec, state, j, len(leaves))))
+
+
+def _hide(mask: Any, tree: Any) -> Any:
+    """``tree`` with every subtree under a false leaf of ``mask`` replaced by ``MaskedNode()``."""
+    if not all(type(f) is bool for f in tp.tree_leaves(mask)):
+        raise _Unfusable
+    return tp.tree_map(lambda keep, part: part if keep else MaskedNode(), mask, tree)
+
+
+def _masked(inner: Any, mask: Any, index: Any, real: Any, state: Any, key: tuple, out) -> None:
+    if not isinstance(state, MaskedState):
+        raise _Unfusable
+    _walk(inner, _hide(mask, index), _hide(mask, real), state.inner_state, key, out)
+
+
+def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
+    """Positions of the state tensors of part ``spec`` for the ``j``-th of its ``n`` leaves."""
+    if isinstance(spec, TraceSpec):
+        if not isinstance(state, TraceState):
+            raise _Unfusable
+        trace = _positions(state.trace)
+        if len(trace) != n or type(state.initialized) is not int:
+            raise _Unfusable
+        return {"trace": trace[j], "started": state.initialized}
+    if isinstance(spec, AdamSpec):
+        if not isinstance(state, ScaleByAdamState):
+            raise _Unfusable
+        mu, nu = _positions(state.mu), _positions(state.nu)
+        if len(mu) != n or len(nu) != n or type(state.count) is not int:
+            raise _Unfusable
+        return {"mu": mu[j], "nu": nu[j], "count": state.count}
+    if isinstance(spec, LearningRateSpec):
+        if isinstance(state, ScaleByScheduleState) and type(state.count) is int:
+            return {"count": state.count}
+        if isinstance(state, EmptyState) and not callable(spec.learning_rate):
+            return {}
+        raise _Unfusable
+    if isinstance(spec, (ClipSpec, DecaySpec)):
+        if not isinstance(state, EmptyState):
+            raise _Unfusable
+        return {}
+    return {}  # a declared part no fused plan runs: the plans refuse it
