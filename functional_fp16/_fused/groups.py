@@ -29,11 +29,12 @@ from typing import Any
 
 import torch.utils._pytree as tp
 
+from functional_fp16._util.tree import tree_flatten, tree_rebuild
 from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState
 from functional_fp16.transforms.base import ChainSpec, EmptyState
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.combining import LabelsSpec, MultiTransformState
-from functional_fp16.transforms.masking import MaskedNode, MaskedSpec, MaskedState
+from functional_fp16.transforms.masking import MaskedSpec, MaskedState, hidden_in_trace
 from functional_fp16.transforms.sgd import (
     DecaySpec,
     LearningRateSpec,
@@ -56,16 +57,16 @@ def leaf_parts(spec: Any, params: Any, opt_state: Any) -> list[list[Part]] | Non
     """Per leaf of ``params``, the declared parts that act on it (see the module docstring).
 
     ``params`` is the tree the optimiser sees (the master: a mask function is
-    called with it); ``opt_state`` its state. Leaves and positions count in
-    the flattening order of ``torch.utils._pytree`` (which ``torch.compile``
-    traces; the library's containers are registered with it too). ``None`` if
+    called with it); ``opt_state`` its state. Positions count in the library's
+    flattening order; the walk pairs a part's leaves with its state's leaves
+    through ``torch.utils._pytree``, which ``torch.compile`` traces. ``None`` if
     a part is undeclared or the state does not have the layout its spec
     implies.
     """
-    leaves, p_spec = tp.tree_flatten(params)
-    o_leaves, o_spec = tp.tree_flatten(opt_state)
-    state_index = tp.tree_unflatten(list(range(len(o_leaves))), o_spec)
-    index = tp.tree_unflatten(list(range(len(leaves))), p_spec)
+    leaves, p_spec = tree_flatten(params)
+    o_leaves, o_spec = tree_flatten(opt_state)
+    state_index = tree_rebuild(o_spec, opt_state, list(range(len(o_leaves))))
+    index = tree_rebuild(p_spec, params, list(range(len(leaves))))
     out: list[list[Part]] = [[] for _ in leaves]
     try:
         _walk(spec, index, params, state_index, (), out)
@@ -76,7 +77,7 @@ def leaf_parts(spec: Any, params: Any, opt_state: Any) -> list[list[Part]] | Non
 
 def _positions(tree: Any) -> list[int]:
     """The positions held by an index tree's leaves, in order."""
-    found = tp.tree_leaves(tree)
+    found = [x for x in tp.tree_leaves(tree) if x is not None]
     if not all(type(x) is int for x in found):
         raise _Unfusable
     return found
@@ -113,7 +114,7 @@ def _hide(mask: Any, tree: Any) -> Any:
     """``tree`` with every subtree under a false leaf of ``mask`` replaced by ``MaskedNode()``."""
     if not all(type(f) is bool for f in tp.tree_leaves(mask)):
         raise _Unfusable
-    return tp.tree_map(lambda keep, part: part if keep else MaskedNode(), mask, tree)
+    return hidden_in_trace(mask, tree)
 
 
 def _masked(inner: Any, mask: Any, index: Any, real: Any, state: Any, key: tuple, out) -> None:

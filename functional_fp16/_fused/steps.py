@@ -36,12 +36,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as tp
 
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
+from functional_fp16._util.tree import tree_flatten, tree_leaves, tree_rebuild
 from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -131,7 +131,7 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
     if len(clips) != 1:
         return "clipping that does not cover every leaf alike", None
     max_norm = next(iter(clips))[0]
-    params = tp.tree_leaves(state.params)
+    params = tree_leaves(state.params)
     n = len(params)
     groups = []
     for group_key, leaves in found.items():
@@ -143,10 +143,10 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
         groups.append(
             Group(fusable, group_key[1], tuple(leaves), whole, roles, group_key[2], separate)
         )
-    masters = tp.tree_leaves(state.master)
+    masters = tree_leaves(state.master)
     strides = tuple(m.stride() for m in masters)
     decides = len(groups) == 1 and max_norm is None
-    opt_spec = tp.tree_flatten(state.opt_state)[1]
+    opt_spec = tree_flatten(state.opt_state)[1]
     return None, FusedPlan(tuple(groups), max_norm, n, opt_spec, strides, decides)
 
 
@@ -164,16 +164,12 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
     """``(why not, plan)``: the reason ``state`` cannot take the fused op, or its plan."""
     if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
         return "a loss scale of another type", None
-    if any(x is None for x in tp.tree_leaves(state.master)):
-        # torch.utils._pytree (what the fused path flattens with, as torch.compile
-        # traces it) counts None as a leaf where the library's trees hold no leaf.
-        return "a None placeholder in the parameters' tree", None
     parts = leaf_parts(getattr(state.tx, "spec", None), state.master, state.opt_state)
     if parts is None:
         return "an optimiser that is not a fusable chain", None
-    masters = tp.tree_leaves(state.master)
-    params = tp.tree_leaves(state.params)
-    opt = tp.tree_leaves(state.opt_state)
+    masters = tree_leaves(state.master)
+    params = tree_leaves(state.params)
+    opt = tree_leaves(state.opt_state)
     device = masters[0].device
     if any(t.device != device for t in [*masters, *params]):
         return "tensors on several devices", None
@@ -293,15 +289,14 @@ def advanced(memo: dict, position: int, finite: torch.Tensor) -> torch.Tensor:
 def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     """One fused step of ``state`` (see the module docstring); returns the new state.
 
-    ``g_leaves`` are the gradients' leaves, in the flattening order of
-    ``torch.utils._pytree`` (as every list here; ``torch.compile`` traces it);
+    ``g_leaves`` are the gradients' leaves, in the params' flattening order;
     ``decision`` is the step's
     :class:`~functional_fp16.update.decision.Decision` (what must also hold,
     and the cross-replica agreement).
     """
-    masters, m_spec = tp.tree_flatten(state.master)
-    params, p_spec = tp.tree_flatten(state.params)
-    opt = tp.tree_leaves(state.opt_state)
+    masters, m_spec = tree_flatten(state.master)
+    params, p_spec = tree_flatten(state.params)
+    opt = tree_leaves(state.opt_state)
     g = _grads_like(g_leaves, fp.strides)
     inv = (
         None
@@ -344,9 +339,9 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
         for name, pos in grp.shared:
             new_opt[pos] = shared_out[name] if name in shared_out else advanced(memo, pos, finite)
     return state.replace(
-        params=tp.tree_unflatten(new_p, p_spec),
-        master=tp.tree_unflatten(new_m, m_spec),
-        opt_state=tp.tree_unflatten(new_opt, fp.opt_spec),
+        params=tree_rebuild(p_spec, state.params, new_p),
+        master=tree_rebuild(m_spec, state.master, new_m),
+        opt_state=tree_rebuild(fp.opt_spec, state.opt_state, new_opt),
         loss_scale=state.loss_scale.adjust(finite),
         step=state.step + 1,
         grads_finite=finite,

@@ -73,6 +73,29 @@ def tree_unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
     return optree.tree_unflatten(spec, leaves)
 
 
+def tree_rebuild(spec: optree.PyTreeSpec, like: PyTree, leaves: Sequence[Any]) -> PyTree:
+    """``tree_unflatten(spec, leaves)`` where ``spec`` is ``like``'s structure, in a form
+    ``torch.compile`` traces.
+
+    Eager, this is ``optree``'s unflatten. While Dynamo traces, its ``optree``
+    polyfill cannot rebuild a ``dict`` (torch 2.14), so the tree is rebuilt
+    with ``torch.utils._pytree``, which Dynamo traces: ``like``'s leaves are
+    matched to the library's order by flattening, with ``optree``, a tree of
+    their ``torch.utils._pytree`` positions (where torch counts ``None`` as a
+    leaf and the library does not, the ``None`` stays).
+    """
+    if not torch.compiler.is_compiling():
+        return optree.tree_unflatten(spec, leaves)
+    t_leaves, t_spec = torch_pytree.tree_flatten(like)
+    index = torch_pytree.tree_unflatten(
+        [None if x is None else i for i, x in enumerate(t_leaves)], t_spec
+    )
+    out: list[Any] = [None] * len(t_leaves)
+    for i, position in enumerate(optree.tree_leaves(index, namespace=NAMESPACE)):
+        out[position] = leaves[i]
+    return torch_pytree.tree_unflatten(out, t_spec)
+
+
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """``optree.tree_map`` in the library's namespace."""
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)

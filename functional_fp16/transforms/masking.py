@@ -31,6 +31,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
+import torch
+import torch.utils._pytree as torch_pytree
 
 from functional_fp16._util.tree import (
     NAMESPACE,
@@ -137,6 +139,15 @@ def leaf_positions(
     return tuple(tuple(tree_leaves(part)) for part in spec.flatten_up_to(index))
 
 
+def hidden_in_trace(mask: PyTree, tree: PyTree) -> PyTree:
+    """``tree`` with the subtrees under false leaves of ``mask`` replaced by :class:`MaskedNode`,
+    in a form ``torch.compile`` traces (``torch.utils._pytree``; Dynamo's ``optree``
+    polyfill cannot flatten a ``dict`` of Python constants in torch 2.14)."""
+    if not all(type(f) is bool for f in torch_pytree.tree_leaves(mask)):
+        raise TypeError("mask: expected a tree of Python bools")
+    return torch_pytree.tree_map(lambda keep, part: part if keep else MaskedNode(), mask, tree)
+
+
 def masked_transform(
     inner: GradientTransformation, mask: Mask, *, name: str
 ) -> GradientTransformation:
@@ -162,6 +173,9 @@ def masked_transform(
         return [part if keep else MaskedNode() for keep, part in zip(flags, parts)]
 
     def init(params: PyTree) -> MaskedState:
+        if torch.compiler.is_compiling():  # traced by the whole-state check's template
+            tree_mask = mask if mask_fn is None else mask_fn(params)
+            return MaskedState(inner_state=inner.init(hidden_in_trace(tree_mask, params)))
         flags, spec, tree_mask, shown = resolve(params, "params")
         parts = split_by(spec, tree_mask, params, name=shown, tree_name="params")
         return MaskedState(inner_state=inner.init(tree_unflatten(spec, hide(flags, parts))))

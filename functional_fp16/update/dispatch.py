@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as torch_pytree
 
 from functional_fp16._fused.device_kernels import kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
@@ -64,7 +63,7 @@ class Route(NamedTuple):
 
 def _fused_runner(fp):
     def run(state, grads, decision, donate):
-        return fused_update(state, torch_pytree.tree_leaves(grads), fp, decision, donate)
+        return fused_update(state, tree_leaves(grads), fp, decision, donate)
 
     return run
 

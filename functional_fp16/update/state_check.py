@@ -40,6 +40,7 @@ from functional_fp16._util.tree import (
     first_difference,
     tree_flatten,
     tree_paths,
+    tree_rebuild,
 )
 from functional_fp16.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from functional_fp16.transforms.base import GradientTransformation
@@ -142,12 +143,12 @@ def _template(state: FP16State) -> FP16State:
     # While torch.compile traces, tensors of the parameters' device (the traced
     # allocations have no use and are dropped from the graph); else ``meta``.
     where = device if torch.compiler.is_compiling() else _META
-    master = spec.unflatten([_empty(s, torch.float32, where) for s in shapes])
+    master = tree_rebuild(spec, state.params, [_empty(s, torch.float32, where) for s in shapes])
     try:
         opt_state = state.tx.init(master)
     except Exception:  # a transform that needs real tensors: build them once per configuration
         opt_state = state.tx.init(
-            spec.unflatten([_empty(s, torch.float32, device) for s in shapes])
+            tree_rebuild(spec, state.params, [_empty(s, torch.float32, device) for s in shapes])
         )
     scale = state.loss_scale
     tensors = [_empty((), dtype, where) for dtype in type(scale).TENSOR_DTYPES]
