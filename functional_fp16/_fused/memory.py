@@ -123,5 +123,7 @@ def fresh_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     ``torch.empty_like`` (CUDA's caching allocator already reuses blocks).
     """
     if not tensors or tensors[0].device.type != "cpu":
-        return [torch.empty_like(t) for t in tensors]
+        return list(map(torch.empty_like, tensors))
+    if max(map(torch.Tensor.nbytes.__get__, tensors)) < _POOL.min_bytes:
+        return list(map(torch.empty_like, tensors))  # all small: the heap serves them
     return _POOL.empty_like(tensors, [t.dtype for t in tensors])

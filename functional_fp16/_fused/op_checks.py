@@ -9,6 +9,7 @@ the update's state check alike.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -22,24 +23,42 @@ __all__ = ["STORED", "fail", "first_overlap"]
 STORED = tuple(DTYPE_CODES)
 """The dtypes a gradient or a working copy may have."""
 
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_NBYTES = operator.attrgetter("nbytes")
+
 
 def fail(op: str, message: str, kind: type[Exception] = ValueError) -> None:
     """Raises ``kind`` with the op's name in front of ``message``."""
     raise kind(f"{NS}::{op}: {message}")
 
 
-def _check_list(op: str, name: str, xs: list[Tensor], like: list[Tensor], dtypes) -> None:
+def _layout(xs: list[Tensor]) -> tuple[list, list, set]:
+    """``(sizes, strides, devices)`` of a list of tensors, read in bulk."""
+    return list(map(Tensor.size, xs)), list(map(Tensor.stride, xs)), set(map(_DEVICE, xs))
+
+
+def _check_list(
+    op: str, name: str, xs: list[Tensor], like: list[Tensor], dtypes, layout=None
+) -> None:
     """Every ``xs[i]`` has a dtype of ``dtypes`` and ``like[i]``'s device, shape and strides.
 
-    The common case is checked in bulk; a failure is then explained leaf by leaf.
+    The common case is checked in bulk (``layout`` is ``_layout(like)`` when the
+    caller has it); a failure is then explained leaf by leaf.
     """
     if (
         len(xs) == len(like)
-        and all(x.dtype in dtypes for x in xs)
-        and [(x.device, x.shape, x.stride()) for x in xs]
-        == [(r.device, r.shape, r.stride()) for r in like]
+        and all(isinstance(x, Tensor) for x in xs)
+        and set(map(_DTYPE, xs)) <= set(dtypes)
     ):
-        return
+        sizes, strides, devices = _layout(like) if layout is None else layout
+        if (
+            list(map(Tensor.size, xs)) == sizes
+            and list(map(Tensor.stride, xs)) == strides
+            and (not xs or set(map(_DEVICE, xs)) == devices)
+            and len(devices) <= 1
+        ):
+            return
     if len(xs) != len(like):
         fail(op, f"{name} has {len(xs)} tensors, expected {len(like)} (one per leaf)")
     for i, (x, ref) in enumerate(zip(xs, like)):
@@ -75,6 +94,13 @@ def _check_grads(op: str, grads: list[Tensor], members: int) -> None:
     if not grads:
         fail(op, "grads is empty")
     device = grads[0].device
+    if (
+        members == 1
+        and set(map(_DEVICE, grads)) == {device}
+        and set(map(_DTYPE, grads)) <= set(STORED)
+        and all(map(Tensor.is_contiguous, grads))
+    ):
+        return  # the common case in bulk; a failure is explained leaf by leaf below
     for i, g in enumerate(grads):
         if g.device != device:
             fail(op, f"grads[{i}] is on {g.device}, grads[0] on {device}: one device per call")
@@ -90,17 +116,21 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     """Checks a step's arguments; returns the names of the state lists in use."""
     grads, members = a["grads"], a["members"]
     _check_grads(op, grads, members)
-    _check_list(op, "master", a["master"], grads, (torch.float32,))
+    layout = _layout(grads)
+    _check_list(op, "master", a["master"], grads, (torch.float32,), layout)
     used = spec.check(op, a)
     for name in spec.states:
         if name in used:
-            _check_list(op, name, a[name], grads, (torch.float32,))
+            _check_list(op, name, a[name], grads, (torch.float32,), layout)
         elif a[name]:
             fail(op, f"{name} must be empty here (it is not used)")
     if len(a["separate"]) != len(grads):
         fail(op, f"separate has {len(a['separate'])} flags, expected {len(grads)}")
-    own = [g for g, s in zip(grads, a["separate"]) if s]
-    _check_list(op, "params", a["params"], own, STORED)
+    if all(a["separate"]):
+        _check_list(op, "params", a["params"], grads, STORED, layout)
+    else:
+        own = [g for g, s in zip(grads, a["separate"]) if s]
+        _check_list(op, "params", a["params"], own, STORED)
     lr = a["lr"]
     if (
         lr.dim() != 1
@@ -126,8 +156,10 @@ def first_overlap(tensors: list[Tensor]) -> tuple[int, int] | None:
 
     A dense tensor covers ``[data_ptr, data_ptr + nbytes)``; empty ones cover nothing.
     """
+    starts = list(map(Tensor.data_ptr, tensors))
+    sizes = list(map(_NBYTES, tensors))
     spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in enumerate(tensors) if t.nbytes
+        (start, start + size, k) for k, (start, size) in enumerate(zip(starts, sizes)) if size
     )
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:

@@ -209,19 +209,19 @@ def fused_plan(state) -> FusedPlan | None:
     return _examine(state)[1]
 
 
-def _grads_like(g: list[torch.Tensor], strides) -> list[torch.Tensor]:
+def _grads_like(g: list[torch.Tensor], masters: list[torch.Tensor], strides) -> list[torch.Tensor]:
     """The gradients laid out like the master (a copy only where strides or dtype differ)."""
     if list(map(torch.Tensor.stride, g)) == list(strides) and all(
         x.dtype in DTYPE_CODES for x in g
     ):
         return g
     out = []
-    for x, s in zip(g, strides):
-        if x.stride() == s and x.dtype in DTYPE_CODES:
+    for x, m in zip(g, masters):
+        if x.stride() == m.stride() and x.dtype in DTYPE_CODES:
             out.append(x)
         else:
             dtype = x.dtype if x.dtype in DTYPE_CODES else torch.float32
-            out.append(torch.empty_strided(x.shape, s, dtype=dtype, device=x.device).copy_(x))
+            out.append(torch.empty_like(m, dtype=dtype).copy_(x))
     return out
 
 
@@ -297,7 +297,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     masters, m_spec = tree_flatten(state.master)
     params, p_spec = tree_flatten(state.params)
     opt = tree_leaves(state.opt_state)
-    g = _grads_like(g_leaves, fp.strides)
+    g = _grads_like(g_leaves, masters, fp.strides)
     inv = (
         None
         if isinstance(state.loss_scale, NoOpLossScale)

@@ -365,17 +365,19 @@ def pack(
                 out.args.append(None)
                 continue
             if members == 1:
-                ptrs = [t.data_ptr() for t in value]
+                ptrs = list(map(torch.Tensor.data_ptr, value))
             else:
                 ptrs = [
                     t.data_ptr() + b * (t.nbytes // members) for b in range(members) for t in value
                 ]
             out.args.append(out.array("Q", ptrs))
         elif arg.kind == "numel":
-            sizes = [t.numel() // members for t in kw[arg.of]]
+            sizes = list(map(torch.Tensor.numel, kw[arg.of]))
+            if members != 1:
+                sizes = [n // members for n in sizes]
             out.args.append(out.array("q", sizes * members))
         elif arg.kind == "codes":
-            codes = [DTYPE_CODES[t.dtype] for t in kw[arg.of]]
+            codes = [DTYPE_CODES[t.dtype] for t in kw[arg.of]]  # noqa: C416
             out.args.append(out.array("i", codes * members))
         elif arg.kind == "group":
             value = kw[arg.name]

@@ -8,12 +8,17 @@ library goes through the helpers here so that the namespace is never forgotten.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
 
 NAMESPACE = "functional_fp16"
 """The ``optree`` namespace under which the library's containers are registered."""
@@ -213,13 +218,25 @@ def check_like(
     """
     ref_leaves, ref_spec = tree_flatten(reference)
     leaves, spec = tree_flatten(other)
-    if spec == ref_spec and all(
-        type(x) is torch.Tensor  # noqa: E721 - subclasses take the slow, thorough path
-        and x.shape == r.shape
-        and (x.dtype == r.dtype or not check_dtype)
-        and (x.device == r.device or not check_device)
-        and x.layout == r.layout
-        for x, r in zip(leaves, ref_leaves)
+    if torch.compiler.is_compiling():  # Dynamo traces no attrgetter: leaf by leaf
+        fast = spec == ref_spec and all(
+            type(x) is torch.Tensor  # noqa: E721 - subclasses take the slow, thorough path
+            and x.shape == r.shape
+            and (x.dtype == r.dtype or not check_dtype)
+            and (x.device == r.device or not check_device)
+            and x.layout == r.layout
+            for x, r in zip(leaves, ref_leaves)
+        )
+        if fast:
+            return leaves
+    elif (
+        spec == ref_spec
+        and all(type(x) is torch.Tensor for x in leaves)  # noqa: E721 - subclasses: thorough path
+        and list(map(torch.Tensor.size, leaves)) == list(map(torch.Tensor.size, ref_leaves))
+        and (not check_dtype or list(map(_DTYPE, leaves)) == list(map(_DTYPE, ref_leaves)))
+        and (not check_device or list(map(_DEVICE, leaves)) == list(map(_DEVICE, ref_leaves)))
+        and set(map(_LAYOUT, leaves)) <= {torch.strided}
+        and set(map(_LAYOUT, ref_leaves)) <= {torch.strided}
     ):
         return leaves
     leaves = check_same_structure(reference, other, name=name, reference_name=reference_name)
