@@ -261,7 +261,32 @@ def optimiser_matrix() -> dict:
         "clip_l2_adam": ff.chain(
             ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-2), ff.adam(1e-3)
         ),
+        # The transformer recipe: clip + AdamW, a warmup-cosine schedule, no decay on vectors.
+        "recipe": ff.chain(
+            ff.clip_by_global_norm(1.0),
+            ff.adamw(
+                ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
+                b2=0.95,
+                weight_decay=0.1,
+                mask=matrices,
+            ),
+        ),
+        "masked_sgd_decay": ff.chain(
+            ff.add_decayed_weights(1e-2, mask=matrices), ff.sgd(0.05, momentum=0.9)
+        ),
+        # Labels as torch.optim parameter groups: SGD on the matrices, Adam on the rest.
+        "labels_sgd_adam": ff.multi_transform(
+            {"matrix": ff.sgd(0.05, momentum=0.9), "vector": ff.adam(1e-3)},
+            lambda tree: optree.tree_map(
+                lambda p: "matrix" if p.ndim >= 2 else "vector", tree, namespace=NAMESPACE
+            ),
+        ),
     }
+
+
+def matrices(tree):
+    """A weight-decay mask: the leaves with two or more dimensions."""
+    return optree.tree_map(lambda p: p.ndim >= 2, tree, namespace=NAMESPACE)
 
 
 TX_NAMES = sorted(optimiser_matrix())
