@@ -384,3 +384,30 @@ def implementation(name: str) -> Implementation:
     if name == "auto":
         return next(i for i in IMPLEMENTATION_MATRIX if i.default)
     return next(i for i in IMPLEMENTATION_MATRIX if i.name == name)
+
+
+_CPP_ENTRIES = {"sgd": "sgd_update", "adam": "adam_update", "grad_stats": "grad_stats"}
+
+
+def count_c_kernel_calls(monkeypatch, calls: list[str]) -> list[str]:
+    """Records the C kernel's entries (``sgd_update``, ``adam_update``, ``grad_stats``) as
+    they run, through ctypes (``cpu.call``) or the C++ op library (``cpu.run_op``).
+
+    A C++ step that decides itself runs its ``grad_stats`` inside; it counts as its
+    update entry alone, like the speculative C step.
+    """
+    from functional_fp16._kernels import cpu
+
+    real_call, real_op = cpu.call, cpu.run_op
+
+    def call(entry, **kw):
+        calls.append(entry)
+        return real_call(entry, **kw)
+
+    def run_op(name, *args):
+        calls.append(_CPP_ENTRIES[name])
+        return real_op(name, *args)
+
+    monkeypatch.setattr(cpu, "call", call)
+    monkeypatch.setattr(cpu, "run_op", run_op)
+    return calls

@@ -36,6 +36,7 @@ from tests.helpers import (
     STEPS,
     TX_NAMES,
     assert_within_one_operation_ulp,
+    count_c_kernel_calls,
     matrix_grads,
     optimiser_matrix,
     random_tree,
@@ -248,11 +249,7 @@ def test_the_compiled_update_still_matches_eager_fused(kernel, monkeypatch):
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
     grads = matrix_grads(state, 0, 0)
     assert ff.update_path(state) == "fused"
-    calls = []
-    real_call = cpu_kernel.call
-    monkeypatch.setattr(
-        cpu_kernel, "call", lambda entry, **kw: calls.append(entry) or real_call(entry, **kw)
-    )
+    calls = count_c_kernel_calls(monkeypatch, [])
     backend = CompileCounterWithBackend("inductor")  # keeps the traced graph
     compiled = torch.compile(ff.fp16_update, fullgraph=True, backend=backend)
     new = compiled(state, grads)

@@ -21,7 +21,7 @@ from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._util.tree import tree_leaves, tree_map
-from tests.helpers import bits
+from tests.helpers import bits, count_c_kernel_calls
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
 
@@ -191,15 +191,7 @@ def test_bad_arguments_raise_in_python_before_any_kernel(change, message, monkey
 
 @pytest.fixture
 def count_kernel_calls(monkeypatch):
-    calls: list[str] = []
-    real = cpu_kernel.call
-
-    def counting(entry, **kw):
-        calls.append(entry)
-        return real(entry, **kw)
-
-    monkeypatch.setattr(cpu_kernel, "call", counting)
-    return calls
+    return count_c_kernel_calls(monkeypatch, [])
 
 
 @pytest.mark.slow

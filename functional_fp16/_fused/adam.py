@@ -212,6 +212,15 @@ SPEC = StepSpec(
     check=lambda op, a: _require_corrections(op, a),
     kernel_args=_kernel_args,
     generic=_generic,
+    cpp_op="adam",
+    cpp_hyper=lambda a: (
+        a["l2"],
+        f32(1.0 - a["b1"]),  # torch.lerp's weight, rounded once to float32
+        a["b2"],
+        1.0 - a["b2"],  # addcmul's value, rounded once to float32 by the kernel
+        a["eps"],
+        a["decoupled"],
+    ),
 )
 
 

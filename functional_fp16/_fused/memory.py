@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BufferPool", "fresh_like", "storage_use_count"]
+__all__ = ["BufferPool", "POOL", "fresh_like", "storage_use_count"]
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int | None:
@@ -113,7 +113,8 @@ class BufferPool:
             self._held = []
 
 
-_POOL = BufferPool()
+POOL = _POOL = BufferPool()
+"""The pool that the fused CPU updates' outputs come from."""
 
 
 def fresh_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -26,7 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functional_fp16._fused.device_kernels import kernel_for, run_step, stats
+from functional_fp16._fused.device_kernels import (
+    cpp_ready,
+    cpp_stats,
+    cpp_step,
+    kernel_for,
+    run_step,
+    stats,
+)
 from functional_fp16._fused.memory import fresh_like
 from functional_fp16._fused.op_checks import (
     _check_disjoint,
@@ -80,11 +87,21 @@ def _grad_stats(
     ``M_k`` is ``+inf`` if any element is inf or NaN; ``S_k`` is accumulated in
     float64 (zeros unless ``sum_squares``). Returns two ``(groups,)`` tensors.
     """
+    if grads and isinstance(grads[0], Tensor) and cpp_ready(None, kernel_for(grads[0].device)):
+        try:
+            return cpp_stats(grads, inv, groups, members, sum_squares)
+        except RuntimeError:
+            _checked_stats(grads, inv, groups, members)  # raises what is wrong, by name
+            raise
+    _checked_stats(grads, inv, groups, members)
+    return stats(grads, inv, groups, members, sum_squares, kernel_for(grads[0].device))
+
+
+def _checked_stats(grads, inv, groups, members) -> None:
     _check_grads("grad_stats", grads, members)
     if groups < 1 or groups % members or len(grads) % (groups // members):
         fail("grad_stats", f"{len(grads)} leaves of {members} member(s) in {groups} groups")
     _check_group("grad_stats", "inv", inv, groups, torch.float32, grads[0].device)
-    return stats(grads, inv, groups, members, sum_squares, kernel_for(grads[0].device))
 
 
 def _grad_stats_fake(grads, inv, groups, members, sum_squares):
@@ -121,8 +138,22 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
     """The functional and the donated op of ``spec`` (with fake kernels and ``vmap`` rules)."""
     names = arg_names(spec)
 
+    def via_cpp(a: dict, donated: bool) -> Any:
+        """The C++ op's outputs; a refusal is explained by the Python checks, by name."""
+        try:
+            return cpp_step(spec, a, donated)
+        except RuntimeError:
+            op = spec.name + ("_" if donated else "")
+            used = _check_step(op, spec, a)
+            if donated:
+                _check_disjoint(op, a, ["master", *used, "params"])
+            raise
+
     def functional(*args):
         a = dict(zip(names, args))
+        if a["grads"] and isinstance(a["grads"][0], Tensor):
+            if cpp_ready(spec, kernel_for(a["grads"][0].device)):
+                return tuple(via_cpp(a, donated=False))
         used = _check_step(spec.name, spec, a)
         # One request for every output: the pool then keeps the dropped state's
         # buffers (as many as this step takes) for the next step.
@@ -138,6 +169,9 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
 
     def donated(*args):
         a = dict(zip(names, args))
+        if a["grads"] and isinstance(a["grads"][0], Tensor):
+            if cpp_ready(spec, kernel_for(a["grads"][0].device)):
+                return via_cpp(a, donated=True)[-1]
         used = _check_step(spec.name + "_", spec, a)
         _check_disjoint(spec.name + "_", a, ["master", *used, "params"])
         out = {"master": a["master"], **{s: a[s] for s in spec.states}}

@@ -251,6 +251,13 @@ SPEC = StepSpec(
     generic=_generic,
     c_extra={"require": None, "decided_out": None},
     speculative=True,
+    cpp_op="sgd",
+    cpp_hyper=lambda a: (
+        a["weight_decay"],
+        a["momentum"],
+        1.0 - a["dampening"],  # rounded once to float32 by the kernel
+        bool(a["nesterov"]),
+    ),
 )
 
 sgd_step, sgd_step_ = define_step(

@@ -62,6 +62,10 @@ class StepSpec(NamedTuple):
     # The C entry can run a pure step before its decision: apply=None, then it decides
     # (require, decided_out) and undoes the groups that skip, in the same call.
     speculative: bool = False
+    # The C++ op that runs the step on the CPU (functional_fp16_cpu::<cpp_op>, see
+    # _kernels/cpu.py) and its trailing hyperparameters, from the op's arguments.
+    cpp_op: str = ""
+    cpp_hyper: Callable[[dict], tuple] | None = None
 
 
 def schema(spec: StepSpec, donated: bool) -> str:
