@@ -11,12 +11,9 @@ have passed the op's checks (``op_checks``).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import Tensor
 
-from functional_fp16._fused.memory import POOL, fresh_like
 from functional_fp16._fused.plain_kernels import stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._fused.triton_fallback import with_triton
@@ -24,9 +21,6 @@ from functional_fp16._kernels import cpu as c_kernel
 
 __all__ = ["kernel_for", "member_views", "finite_from_peak", "stats", "run_step"]
 __all__ += ["cpp_ready", "cpp_step", "cpp_stats"]
-
-
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def kernel_for(device: torch.device) -> str:
@@ -180,22 +174,17 @@ def cpp_ready(spec: StepSpec | None, kernel: str) -> bool:
 def cpp_step(spec: StepSpec, a: dict, donated: bool):
     """The step through ``functional_fp16_cpu::<spec.cpp_op>``: the op's outputs.
 
-    The C++ op checks every tensor, allocates the outputs (or takes them from
-    the pool where a leaf is large enough to page-fault, see ``memory``),
-    decides the step as :func:`run_step` does and calls the same C kernel.
+    The C++ op checks every tensor, allocates the outputs (from its pool of
+    storages that nothing refers to any more), decides the step as
+    :func:`run_step` does and calls the same C kernel.
     """
     lists = [a[n] for n in ("grads", "master", *spec.states, "params")]
-    fresh: list[Tensor] = []
-    master = a["master"]
-    if not donated and master and max(map(_NBYTES, master)) >= POOL.min_bytes:
-        fresh = fresh_like([x for n in ("master", *spec.states, "params") for x in a[n]])
     scalars = [a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")]
     scalars += [a[n] for n in spec.scalars]
     return c_kernel.run_op(
         spec.cpp_op,
         *lists,
         list(a["separate"]),
-        fresh,
         *scalars,
         *spec.cpp_hyper(a),
         a["members"],

@@ -329,10 +329,13 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
         finite = flag.reshape(())
         if apply is None:
             apply = flag  # one group decides; no other group follows it
-        it = iter(p_out)
-        for j, (i, s) in enumerate(zip(grp.leaves, grp.separate)):
-            new_m[i] = m_out[j]
-            new_p[i] = next(it) if s else m_out[j]
+        if grp.whole and len(p_out) == len(m_out):  # every leaf, each with its working copy
+            new_m, new_p = list(m_out), list(p_out)
+        else:
+            it = iter(p_out)
+            for j, (i, s) in enumerate(zip(grp.leaves, grp.separate)):
+                new_m[i] = m_out[j]
+                new_p[i] = next(it) if s else m_out[j]
         for r, pos in grp.roles:
             for i, t in zip(pos, roles_out[r]):
                 new_opt[i] = t

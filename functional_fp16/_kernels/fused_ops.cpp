@@ -17,9 +17,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -160,22 +165,93 @@ std::vector<const Tensor *> working(const TensorList &master, const TensorList &
   return out;
 }
 
-// Outputs like `like`: the given fresh tensors (checked) or new ones.
-TensorList outputs(const std::vector<const Tensor *> &like, const TensorList &fresh,
-                   size_t &next) {
+// The memory of the functional steps' outputs: freed blocks kept for the next step.
+//
+// A pure update returns a new state in fresh memory every step. Allocated
+// tensor by tensor through the dispatcher, that costs more than the update of
+// a small tree; for large leaves glibc maps and faults fresh pages every step.
+// The outputs' storages come from this allocator instead: a block freed (when
+// its last tensor, view or Python storage object is gone) goes back to a free
+// list by size, and the next request of that size takes it, as CUDA's caching
+// allocator does. At most twice the bytes of the largest call are kept free, so
+// a loop `state = fp16_update(state, grads)` keeps about one dropped state.
+class BlockCache final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    void *p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(n);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= n;
+      }
+    }
+    if (p == nullptr) p = c10::alloc_cpu(std::max<size_t>(n, 1));
+    return {p, new Block{n, p}, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void *dest, const void *src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+  // A call will hand out `bytes`: keep up to twice the largest such call free.
+  void expect(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_ = std::max(limit_, 2 * bytes);
+  }
+
+ private:
+  struct Block {
+    size_t size;
+    void *ptr;
+  };
+
+  static void release(void *ctx);
+
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<void *>> free_;
+  size_t cached_ = 0;
+  size_t limit_ = 0;
+
+  friend BlockCache &block_cache();
+  void give_back(Block *b) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (cached_ + b->size <= limit_) {
+        free_[b->size].push_back(b->ptr);
+        cached_ += b->size;
+        b->ptr = nullptr;
+      }
+    }
+    if (b->ptr != nullptr) c10::free_cpu(b->ptr);
+    delete b;
+  }
+};
+
+BlockCache &block_cache() {
+  static BlockCache *instance = new BlockCache();  // never destroyed: blocks may outlive teardown
+  return *instance;
+}
+
+void BlockCache::release(void *ctx) { block_cache().give_back(static_cast<Block *>(ctx)); }
+
+// Outputs like `like`, each with a storage of its own (outputs of a functional op
+// never alias each other) from the block cache, made without a dispatcher call each.
+TensorList outputs(const std::vector<const Tensor *> &like) {
+  size_t total = 0;
+  for (const Tensor *t : like) total += static_cast<size_t>(t->numel()) * t->element_size();
+  BlockCache &cache = block_cache();
+  cache.expect(total);
   TensorList out;
   out.reserve(like.size());
   for (const Tensor *t : like) {
-    if (!fresh.empty()) {
-      TORCH_CHECK(next < fresh.size(), "fresh: too few tensors");
-      const Tensor &f = fresh[next++];
-      TORCH_CHECK(f.device().is_cpu() && f.scalar_type() == t->scalar_type() &&
-                      f.sizes() == t->sizes() && f.strides() == t->strides(),
-                  "fresh: a tensor of another layout");
-      out.push_back(f);
-    } else {
-      out.push_back(at::empty_strided(t->sizes(), t->strides(), t->options()));
-    }
+    const size_t bytes = static_cast<size_t>(t->numel()) * t->element_size();
+    c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &cache, false);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), t->key_set(), t->dtype());
+    impl->set_sizes_and_strides(t->sizes(), t->strides());
+    out.emplace_back(std::move(impl));
   }
   return out;
 }
@@ -237,7 +313,7 @@ int64_t check_common(const TensorList &grads, const TensorList &master, const Te
 
 std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
     const TensorList &grads, const TensorList &master, const TensorList &trace,
-    const TensorList &params, const c10::List<bool> &separate_list, const TensorList &fresh,
+    const TensorList &params, const c10::List<bool> &separate_list,
     const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
     const OptTensor &apply, const OptTensor &require, const OptTensor &started,
     double weight_decay, double momentum, double take_started, bool nesterov, int64_t members,
@@ -265,11 +341,14 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
     check_disjoint(written);
     m_out = master, t_out = trace, p_new = params;
   } else {
-    size_t next = 0;
-    m_out = outputs(refs(master), fresh, next);
-    t_out = outputs(refs(trace), fresh, next);
-    p_new = outputs(refs(params), fresh, next);
-    TORCH_CHECK(fresh.empty() || next == fresh.size(), "fresh: too many tensors");
+    std::vector<const Tensor *> like = refs(master);
+    for (const Tensor &t : trace) like.push_back(&t);
+    for (const Tensor &t : params) like.push_back(&t);
+    TensorList all = outputs(like);
+    const size_t nm = master.size(), nt = trace.size();
+    m_out.assign(all.begin(), all.begin() + nm);
+    t_out.assign(all.begin() + nm, all.begin() + nm + nt);
+    p_new.assign(all.begin() + nm + nt, all.end());
   }
   size_t j = 0;
   for (size_t i = 0; i < master.size(); ++i) p_out.push_back(separate[i] ? &p_new[j++] : &m_out[i]);
@@ -312,7 +391,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
 
 std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
     const TensorList &grads, const TensorList &master, const TensorList &mu, const TensorList &nu,
-    const TensorList &params, const c10::List<bool> &separate_list, const TensorList &fresh,
+    const TensorList &params, const c10::List<bool> &separate_list,
     const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
     const OptTensor &apply, const OptTensor &require, const Tensor &inv_c1, const Tensor &sqrt_c2,
     double l2, double w, double b2, double c2, double eps, double decoupled, int64_t members,
@@ -334,12 +413,15 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
     check_disjoint(written);
     m_out = master, a_out = mu, v_out = nu, p_new = params;
   } else {
-    size_t next = 0;
-    m_out = outputs(refs(master), fresh, next);
-    a_out = outputs(refs(mu), fresh, next);
-    v_out = outputs(refs(nu), fresh, next);
-    p_new = outputs(refs(params), fresh, next);
-    TORCH_CHECK(fresh.empty() || next == fresh.size(), "fresh: too many tensors");
+    std::vector<const Tensor *> like = refs(master);
+    for (const TensorList *l : {&mu, &nu, &params})
+      for (const Tensor &t : *l) like.push_back(&t);
+    TensorList all = outputs(like);
+    const size_t n = master.size();
+    m_out.assign(all.begin(), all.begin() + n);
+    a_out.assign(all.begin() + n, all.begin() + 2 * n);
+    v_out.assign(all.begin() + 2 * n, all.begin() + 3 * n);
+    p_new.assign(all.begin() + 3 * n, all.end());
   }
   std::vector<const Tensor *> p_out;
   size_t j = 0;
@@ -392,13 +474,13 @@ std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &
 TORCH_LIBRARY(functional_fp16_cpu, m) {
   m.def(
       "sgd(Tensor[] grads, Tensor[] master, Tensor[] trace, Tensor[] params, bool[] separate, "
-      "Tensor[] fresh, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "
+      "Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "
       "Tensor? apply, Tensor? require, Tensor? started, float weight_decay, float momentum, "
       "float take_started, bool nesterov, int members, int threads, bool donated) "
       "-> (Tensor[], Tensor[], Tensor[], Tensor)");
   m.def(
       "adam(Tensor[] grads, Tensor[] master, Tensor[] mu, Tensor[] nu, Tensor[] params, "
-      "bool[] separate, Tensor[] fresh, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, "
+      "bool[] separate, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, "
       "Tensor lr, Tensor? apply, Tensor? require, Tensor inv_c1, Tensor sqrt_c2, float l2, "
       "float w, float b2, float c2, float eps, float decoupled, int members, int threads, "
       "bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor)");

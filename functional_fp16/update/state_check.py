@@ -56,16 +56,36 @@ _CACHE_SIZE = 256
 _good: dict[Any, None] = {}  # signatures of states that matched their template (insertion order)
 
 
-def _signature(state: FP16State) -> Any:
+class Signature:
+    """A state's structure and leaf metadata as a dictionary key whose hash is computed once.
+
+    ``value`` is ``(tree spec, ((shape, strides, dtype, device), ...))``; a
+    tuple of that size would be hashed anew at every lookup.
+    """
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Signature) and self._hash == other._hash and self.value == other.value
+        )
+
+
+def _signature(state: FP16State) -> Signature | None:
     """A hashable key of the state's structure and leaf metadata (shapes, strides,
     dtypes, devices); ``None`` if it has none."""
     leaves, spec = tree_flatten(state)
     try:
-        key = (spec, tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves]))
-        hash(key)
+        return Signature((spec, tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves])))
     except (AttributeError, TypeError):  # a non-tensor leaf, or unhashable static metadata
         return None
-    return key
 
 
 def check_state(state: FP16State) -> Any:

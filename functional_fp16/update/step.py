@@ -11,9 +11,11 @@ Which implementation runs is decided in :mod:`functional_fp16.update.dispatch`.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from functional_fp16._util.tree import PyTree, check_like, tree_map
+from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_map
 from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook, SumHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
@@ -92,7 +94,7 @@ def fp16_update(
     signature = _check_state(state)
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-    g_leaves = check_like(state.params, grads, name="grads", reference_name="params")
+    g_leaves = _grad_leaves(state, grads, signature)
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     if agree is not None and not callable(agree):
@@ -103,7 +105,7 @@ def fp16_update(
         raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
     # with ``create_graph``) are taken as values: no graph reaches the new state.
-    if any(g.requires_grad for g in g_leaves):
+    if _any_requires_grad(g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
     chosen = route(state, impl, signature)
     decision = _decision(loss, agree, global_sum)
@@ -120,6 +122,55 @@ def fp16_update(
     if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
         check_disjoint(state, g_leaves)
     return mark_checked(chosen.run(state, grads, decision, donate), signature)
+
+
+_LAYOUTS: dict = {}  # signature -> the params' (tree spec, sizes, dtypes, devices)
+_LAYOUTS_KEPT = 256
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _grad_leaves(state: FP16State, grads, signature) -> list[torch.Tensor]:
+    """The gradients' leaves, after checking them against ``state.params`` (structure,
+    shapes, dtypes, devices; the error names the leaf path).
+
+    For a state with a signature the params' layout is read once and kept, so
+    a call compares the gradients' metadata, read in bulk, with it.
+    """
+    if signature is None or torch.compiler.is_compiling():
+        return check_like(state.params, grads, name="grads", reference_name="params")
+    layout = _LAYOUTS.get(signature)
+    if layout is None:
+        p_leaves, p_spec = tree_flatten(state.params)
+        layout = (p_spec, *_metadata(p_leaves))
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            del _LAYOUTS[next(iter(_LAYOUTS))]
+        _LAYOUTS[signature] = layout
+    leaves, spec = tree_flatten(grads)
+    if (
+        spec == layout[0]
+        and set(map(type, leaves)) == {torch.Tensor}
+        and set(map(_LAYOUT, leaves)) == {torch.strided}
+        and _metadata(leaves) == layout[1:]
+    ):
+        return leaves
+    return check_like(state.params, grads, name="grads", reference_name="params")
+
+
+def _metadata(leaves: list[torch.Tensor]) -> tuple[list, list, list]:
+    return (
+        list(map(torch.Tensor.size, leaves)),
+        list(map(_DTYPE, leaves)),
+        list(map(_DEVICE, leaves)),
+    )
+
+
+def _any_requires_grad(leaves: list[torch.Tensor]) -> bool:
+    if torch.compiler.is_compiling():  # Dynamo traces no attrgetter
+        return any(g.requires_grad for g in leaves)
+    return any(map(_REQUIRES_GRAD, leaves))
 
 
 def _decision(loss, agree, global_sum) -> Decision:
