@@ -140,3 +140,43 @@ def test_bad_masks_and_labels_are_refused_at_init_naming_the_path():
     labels = lambda tree: {k: "head" for k in tree}  # noqa: E731
     with pytest.raises(ValueError, match="has no transform"):
         ff.fp16_init(params, ff.multi_transform({"body": ff.sgd(0.1)}, labels))
+
+
+def _ops_run(fn) -> set[str]:
+    """The ``functional_fp16`` ops (outer and C++) that ``fn()`` dispatched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("functional_fp16")}
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "recipe", "labels_sgd_adam"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_direct_eager_call_is_the_op_call_bitwise(name, donate, monkeypatch):
+    """In plain eager mode the fused update calls the C++ op without the outer op's
+    dispatch; forcing every call through ``functional_fp16::*`` gives the same state,
+    bit for bit, through a skipped step."""
+    from functional_fp16._fused import op_library
+    from functional_fp16._kernels import cpu
+
+    if not cpu.ops_available():
+        pytest.skip(cpu.ops_reason())
+    tx = optimiser_matrix().get(name) or ff.sgd(0.05, momentum=0.9)
+    params = block_params()
+    states = [ff.fp16_init(params, tx, ff.DynamicLossScale(growth_interval=2)) for _ in range(2)]
+    for step in range(5):
+        grads = grads_for(params, step, bad="attn.b" if step == 2 else None)
+
+        def direct():
+            states[0] = ff.fp16_update(states[0], grads, donate=donate)
+
+        def through_op():
+            states[1] = ff.fp16_update(states[1], grads, donate=donate)
+
+        ran = _ops_run(direct)
+        assert ran and all(n.startswith("functional_fp16_cpu::") for n in ran), ran
+        with monkeypatch.context() as m:
+            m.setattr(op_library, "_transformed", lambda: True)
+            ran = _ops_run(through_op)
+        assert any(n.startswith("functional_fp16::") for n in ran), ran
+        assert_states_bitwise_equal(states[0], states[1])
+    assert [bool(s.grads_finite) for s in states] == [True, True]

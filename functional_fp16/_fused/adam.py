@@ -231,7 +231,7 @@ def _require_corrections(op: str, a: dict) -> list[str]:
     return ["mu", "nu"]
 
 
-adam_step, adam_step_ = define_step(
+ADAM_OPS = define_step(
     SPEC,
     r"""One fused Adam/AdamW step into fresh tensors: ``(master', mu', nu', params', finite)``.
 
@@ -239,6 +239,7 @@ adam_step, adam_step_ = define_step(
     for the conventions; ``inv_c1`` and ``sqrt_c2`` are the bias corrections per group.
     """,
 )
+adam_step, adam_step_ = ADAM_OPS.functional, ADAM_OPS.donated
 
 
 # ---------------------------------------------------------------------------
@@ -257,13 +258,12 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     inv_c1, sqrt_c2 = memo[key]
     hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
     hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
+    a = dict(grads=grads, master=masters, mu=mu, nu=nu, params=own, **common, **hyper)
     if donate:
-        finite = adam_step_(grads, masters, mu, nu, own, **common, **hyper)
+        finite = ADAM_OPS.call(True, a)
         m_out, mu_out, nu_out, p_new = masters, mu, nu, own
     else:
-        m_out, mu_out, nu_out, p_new, finite = adam_step(
-            grads, masters, mu, nu, own, **common, **hyper
-        )
+        m_out, mu_out, nu_out, p_new, finite = ADAM_OPS.call(False, a)
     roles_out = {"mu": list(mu_out), "nu": list(nu_out)}
     return list(m_out), roles_out, list(p_new), finite, {}
 

@@ -21,7 +21,7 @@ kernels), in CUDA graphs and under ``vmap``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ from functional_fp16._fused.step_schema import (
 )
 from functional_fp16._fused.vmap_rules import by_member, by_member_all, vmap_rule
 
-__all__ = ["define_step", "grad_stats"]
+__all__ = ["StepOps", "call_grad_stats", "define_step", "grad_stats"]
 
 _LIB = torch.library.Library(NS, "DEF")
 """The ``functional_fp16`` namespace of ops; every op is defined through it."""
@@ -69,6 +69,20 @@ def _define(name: str, schema: str, kernel: Callable, fake: Callable, rule: Call
     if rule is not None:
         torch.library.register_vmap(op, rule(op), lib=_LIB)
     return op
+
+
+_PLAIN = frozenset({Tensor})
+
+
+def _transformed() -> bool:
+    """Whether an op call would pass through more than its kernel: a ``torch.compile``
+    trace, a functorch transform (``vmap``, ``grad``), a torch-function or dispatch mode."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -129,13 +143,35 @@ grad_stats = _define(
 """``functional_fp16::grad_stats``: see :func:`_grad_stats`."""
 
 
+def call_grad_stats(grads, inv, groups: int, members: int, sum_squares: bool):
+    """``grad_stats`` on these arguments; in plain eager mode on the CPU (see
+    ``call`` in :func:`define_step`) its C++ op directly."""
+    if (
+        grads
+        and not _transformed()
+        and cpp_ready(None, kernel_for(grads[0].device))
+        and set(map(type, grads)) <= _PLAIN
+    ):
+        return _grad_stats(grads, inv, groups, members, sum_squares)
+    return grad_stats(grads, inv, groups, members, sum_squares)
+
+
 # ---------------------------------------------------------------------------
 # Step ops.
 # ---------------------------------------------------------------------------
 
 
-def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
-    """The functional and the donated op of ``spec`` (with fake kernels and ``vmap`` rules)."""
+class StepOps(NamedTuple):
+    """A step's two ops and the call that runs one of them (see ``call`` in :func:`define_step`)."""
+
+    functional: Any  # functional_fp16::<name>: fresh outputs
+    donated: Any  # functional_fp16::<name>_: written into its state arguments
+    call: Callable[[bool, dict], Any]  # call(donated, arguments by name)
+
+
+def define_step(spec: StepSpec, doc: str) -> StepOps:
+    """The functional and the donated op of ``spec`` (with fake kernels and ``vmap`` rules),
+    and the call that runs them."""
     names = arg_names(spec)
 
     def via_cpp(a: dict, donated: bool) -> Any:
@@ -179,6 +215,27 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
         kernel = kernel_for(a["grads"][0].device)
         return run_step(spec, a, used, out, kernel, speculate=False, donated=True)
 
+    def call(donated: bool, a: dict) -> Any:
+        """The op (``donated``: the donated one) on the arguments ``a``, by name.
+
+        Where the op's dispatch would go straight to its kernel and that
+        kernel to the C++ op (plain eager mode: no ``torch.compile`` trace,
+        no ``vmap`` or other functorch transform, no torch-function or
+        dispatch mode; plain CPU tensors), the C++ op is called directly:
+        the same kernel and checks, without converting every list through
+        the outer op's dispatch twice.
+        """
+        grads = a["grads"]
+        if (
+            grads
+            and not _transformed()
+            and cpp_ready(spec, kernel_for(grads[0].device))
+            and all(set(map(type, a[n])) <= _PLAIN for n in lists)
+        ):
+            out = via_cpp(a, donated)
+            return out[-1] if donated else tuple(out)
+        return (op_ if donated else op)(*[a[n] for n in names])
+
     functional.__doc__ = doc
     donated.__doc__ = (
         f"``{spec.name}`` written into its state arguments (donation); returns ``finite``."
@@ -210,4 +267,4 @@ def define_step(spec: StepSpec, doc: str) -> tuple[Any, Any]:
         fake_,
         lambda op: vmap_rule(op, names, lists, scalars, mutated, by_member),
     )
-    return op, op_
+    return StepOps(op, op_, call)

@@ -260,7 +260,7 @@ SPEC = StepSpec(
     ),
 )
 
-sgd_step, sgd_step_ = define_step(
+SGD_OPS = define_step(
     SPEC,
     r"""One fused SGD step into fresh tensors: ``(master', trace', params', finite)``.
 
@@ -268,6 +268,7 @@ sgd_step, sgd_step_ = define_step(
     for the conventions. ``trace`` is empty without momentum (and so is ``trace'``).
     """,
 )
+sgd_step, sgd_step_ = SGD_OPS.functional, SGD_OPS.donated
 
 
 # ---------------------------------------------------------------------------
@@ -285,12 +286,12 @@ def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, mem
     if plan.trace_path is not None:
         old = memo["opt"][shared["started"]]
         started = old.reshape(1)
-    args = (grads, masters, trace, own)
+    a = dict(grads=grads, master=masters, trace=trace, params=own, started=started)
     if donate:
-        finite = sgd_step_(*args, started=started, **common, **hyper)
+        finite = SGD_OPS.call(True, {**a, **common, **hyper})
         m_out, t_out, p_new = masters, trace, own
     else:
-        m_out, t_out, p_new, finite = sgd_step(*args, started=started, **common, **hyper)
+        m_out, t_out, p_new, finite = SGD_OPS.call(False, {**a, **common, **hyper})
     shared_out = {}
     if old is not None:
         flag = finite.reshape(())

@@ -39,7 +39,7 @@ import torch
 
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
-from functional_fp16._fused.op_library import grad_stats
+from functional_fp16._fused.op_library import call_grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
 from functional_fp16._util.tree import tree_flatten, tree_leaves, tree_rebuild
 from functional_fp16.precision.loss_scale import (
@@ -209,11 +209,12 @@ def fused_plan(state) -> FusedPlan | None:
     return _examine(state)[1]
 
 
+_STORED = frozenset(DTYPE_CODES)
+
+
 def _grads_like(g: list[torch.Tensor], masters: list[torch.Tensor], strides) -> list[torch.Tensor]:
     """The gradients laid out like the master (a copy only where strides or dtype differ)."""
-    if list(map(torch.Tensor.stride, g)) == list(strides) and all(
-        x.dtype in DTYPE_CODES for x in g
-    ):
+    if tuple(map(torch.Tensor.stride, g)) == strides and {x.dtype for x in g} <= _STORED:
         return g
     out = []
     for x, m in zip(g, masters):
@@ -242,7 +243,7 @@ def _decision_inputs(fp: FusedPlan, g, inv, decision):
         require = decision.require
         return None, None if require is None else _one(require.to(g[0].device)), None
     clipping = fp.max_norm is not None
-    peak, sum_sq = grad_stats(g, _one(inv), 1, 1, clipping)
+    peak, sum_sq = call_grad_stats(g, _one(inv), 1, 1, clipping)
     finite = decision(finite_from_peak(peak, _one(inv)).reshape(()))
     clip = None
     if clipping:

@@ -386,6 +386,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
                 decided_out.has_value()
                     ? reinterpret_cast<uint8_t *>(decided_out->data_ptr<bool>())
                     : nullptr);
+  if (donated) return {{}, {}, {}, finite};  // written in place: nothing to hand back
   return {m_out, t_out, p_new, finite};
 }
 
@@ -447,6 +448,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
                  static_cast<float>(w), static_cast<float>(b2), static_cast<float>(c2),
                  static_cast<float>(eps), static_cast<float>(decoupled),
                  static_cast<int32_t>(threads));
+  if (donated) return {{}, {}, {}, {}, finite};  // written in place: nothing to hand back
   return {m_out, a_out, v_out, p_new, finite};
 }
 
