@@ -311,7 +311,9 @@ def test_a_masked_decay_declares_its_mask_and_fuses_into_groups():
     masked = ff.chain(ff.add_decayed_weights(WD, mask=is_matrix), ff.sgd(LR, momentum=0.9))
     assert ff.add_decayed_weights(WD).spec == DecaySpec(WD)
     spec = ff.add_decayed_weights(WD, mask=is_matrix).spec
-    assert isinstance(spec, MaskedSpec) and spec.inner == DecaySpec(WD) and spec.mask_fn is is_matrix
+    assert (
+        isinstance(spec, MaskedSpec) and spec.inner == DecaySpec(WD) and spec.mask_fn is is_matrix
+    )
     assert sgd_plan(plain) is not None and sgd_plan(plain).weight_decay == WD
     assert sgd_plan(masked) is None  # not a plain chain: the groups decide
     assert ff.update_path(ff.fp16_init(params, plain)) == "fused"
