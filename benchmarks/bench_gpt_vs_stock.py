@@ -101,7 +101,7 @@ def worker(args) -> None:
             model,
             policy,
             example.lr_schedule(ex),
-            compile_grads=args.side == "example-compiled",
+            compiled=args.side == "example-compiled",
         )
         carry = {"state": state}
 

@@ -19,6 +19,15 @@ It finishes in under three minutes on one GPU and prints one line per check:
    (bitwise on the CPU; on CUDA the kernels may contract multiply-adds
    differently, so the largest difference is reported and must stay within
    16 eps at the tensor's scale);
+5. ``fused-vs-reference``: the fused op's contract (decisions bitwise, master
+   within one ulp at the operation's scale) for SGD, Adam, the transformer
+   recipe (clip + masked AdamW + schedule) and the recipe under ``MultiSteps``;
+6. ``reduce-overhead``: the recipe's update under
+   ``torch.compile(mode="reduce-overhead")`` (Inductor's CUDA graphs) against eager.
+
+On CUDA every check runs twice, once per fused-op kernel
+(``$FUNCTIONAL_FP16_CUDA_KERNEL``): ``torch`` (PyTorch's multi-tensor ops, the
+default) and ``triton`` (the Triton opt-in, unverified until this script passes).
 
 then a speed table at 10M and 100M FP16 parameters: ``fp16_update`` pure,
 donated, compiled (pure and donated) and replayed from a CUDA graph, against
@@ -84,12 +93,46 @@ def grads_for(state, step, bad=False):
     return out
 
 
+def is_matrix(tree):
+    return {k: v.ndim >= 2 for k, v in tree.items()}
+
+
+def recipe():
+    """The transformer recipe: clip + AdamW (warmup-cosine, b2=0.95, decay on matrices)."""
+    schedule = ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 100, 1e-4)
+    adamw = ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=is_matrix)
+    return ff.chain(ff.clip_by_global_norm(1.0), adamw)
+
+
 def txs():
     return {
         "sgd-momentum": ff.sgd(LR, momentum=MOMENTUM),
         "nesterov-wd": ff.sgd(LR, momentum=MOMENTUM, nesterov=True, weight_decay=1e-4),
         "clip+sgd": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(LR, momentum=MOMENTUM)),
+        "adam": ff.adam(1e-3),
+        "recipe": recipe(),
+        "recipe+MultiSteps(2)": ff.MultiSteps(recipe(), every_k_schedule=2),
     }
+
+
+KERNEL_CHOICES = ("torch", "triton")
+"""The CUDA kernels of the fused op (``$FUNCTIONAL_FP16_CUDA_KERNEL``): PyTorch's multi-tensor
+ops (the default) and the Triton opt-in. Every check runs under each."""
+
+
+def with_kernel(choice: str, fn, *args):
+    """Runs ``fn(*args)`` with ``$FUNCTIONAL_FP16_CUDA_KERNEL=choice``."""
+    from functional_fp16._fused.device_kernels import CUDA_KERNEL_VARIABLE
+
+    before = os.environ.get(CUDA_KERNEL_VARIABLE)
+    os.environ[CUDA_KERNEL_VARIABLE] = choice
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            del os.environ[CUDA_KERNEL_VARIABLE]
+        else:
+            os.environ[CUDA_KERNEL_VARIABLE] = before
 
 
 def clone(state):
@@ -191,18 +234,19 @@ def check_cuda_graph(device) -> None:
     if device.type != "cuda":
         report("SKIP", "cuda-graph", "needs CUDA")
         return
-    for impl in sorted(_IMPLEMENTATIONS):
+    for impl, tx_name in [*[(i, "sgd") for i in sorted(_IMPLEMENTATIONS)], ("fused", "recipe")]:
         for donate in (False, True):
-            name = f"cuda-graph capture+replay == eager impl={impl} donate={donate}"
+            name = f"cuda-graph capture+replay == eager impl={impl} donate={donate} tx={tx_name}"
             try:
-                ok, detail = _graph_vs_eager(device, impl, donate)
+                tx = recipe() if tx_name == "recipe" else None
+                ok, detail = _graph_vs_eager(device, impl, donate, tx)
                 report("PASS" if ok else "FAIL", name, detail)
             except Exception as err:  # report and go on with the other checks
                 report("FAIL", name, f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
-def _graph_vs_eager(device, impl, donate):
-    tx = ff.sgd(LR, momentum=MOMENTUM, weight_decay=1e-4)
+def _graph_vs_eager(device, impl, donate, tx=None):
+    tx = tx or ff.sgd(LR, momentum=MOMENTUM, weight_decay=1e-4)
     static_state = ff.fp16_init(
         make_tree(device), tx, ff.DynamicLossScale(SCALE, growth_interval=2)
     )
@@ -272,6 +316,35 @@ def check_compiled(device) -> None:
             report("FAIL", name, f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
+def check_reduce_overhead(device) -> None:
+    """``torch.compile(mode="reduce-overhead")`` (Inductor's CUDA graphs) of the recipe's update."""
+    if device.type != "cuda":
+        report("SKIP", "reduce-overhead", "needs CUDA")
+        return
+    import torch._dynamo
+
+    name = "compiled mode=reduce-overhead (CUDA graphs) == eager tx=recipe"
+    try:
+        torch._dynamo.reset()
+        state = ff.fp16_init(make_tree(device), recipe(), ff.DynamicLossScale(SCALE))
+        fn = torch.compile(ff.fp16_update, fullgraph=True, mode="reduce-overhead")
+        comp, eager, worst = clone(state), clone(state), 0.0
+        for i in range(8):
+            g = grads_for(state, 80 + i, bad=(i == 4))
+            comp = clone(fn(comp, g))  # the graph's outputs are overwritten by the next replay
+            eager = ff.fp16_update(eager, g)
+            if bool(comp.grads_finite) != bool(eager.grads_finite):
+                raise AssertionError(f"skip decision differs at step {i}")
+            if not bitwise_equal(comp.loss_scale, eager.loss_scale):
+                raise AssertionError(f"loss scale differs at step {i}")
+            for x, y in zip(tree_leaves(comp.master), tree_leaves(eager.master)):
+                worst = max(worst, scaled_error(x, y))
+        ok = worst <= 16
+        report("PASS" if ok else "FAIL", name, f"8 steps, max error {worst:.1f} eps x max|master|")
+    except Exception as err:
+        report("FAIL", name, f"{type(err).__name__}: {str(err).splitlines()[0]}")
+
+
 # -- 4. fast paths vs reference on the device -----------------------------------------
 
 
@@ -297,9 +370,9 @@ def check_fused_vs_reference(device) -> None:
                         tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(state.master)
                     ):
                         assert_within_one_operation_ulp(x, r, m)
-                elif not bitwise_equal(
-                    (new.master, new.opt_state), (state.master, state.opt_state)
-                ):
+                elif not bitwise_equal(new.master, state.master) or not bitwise_equal(
+                    new.opt_state, ref.opt_state
+                ):  # (MultiSteps counts a skipped micro-step in its state, as the reference)
                     raise AssertionError(f"skipped step {i} changed the state")
                 state = ref
             report("PASS", name, f"path {path}: decisions bitwise, master within 1 ulp")
@@ -340,6 +413,7 @@ CHECKS = {
     "compiled": check_compiled,
     "foreach-vs-reference": check_foreach_vs_reference,
     "fused-vs-reference": check_fused_vs_reference,
+    "reduce-overhead": check_reduce_overhead,
 }
 """The checks by name, in the order they run; each reports its PASS/FAIL/SKIP lines."""
 
@@ -347,7 +421,13 @@ CHECKS = {
 def run_check(name: str, device) -> list[tuple[str, str, str]]:
     """Runs the check ``name`` on ``device``; its ``(verdict, check, detail)`` lines."""
     before = len(RESULTS)
-    CHECKS[name](device)
+    if device.type != "cuda":
+        CHECKS[name](device)
+        return RESULTS[before:]
+    for choice in KERNEL_CHOICES:
+        start = len(RESULTS)
+        with_kernel(choice, CHECKS[name], device)
+        RESULTS[start:] = [(v, f"[kernel={choice}] {c}", d) for v, c, d in RESULTS[start:]]
     return RESULTS[before:]
 
 

@@ -155,8 +155,8 @@ def add_precision_flags(m: argparse._ArgumentGroup) -> None:
         "raises them)",
         deterministic_help="deterministic kernels (needed on CUDA for a resumed run to end "
         "bit-identical)",
-        compile_help="compile the forward and backward pass with torch.compile(fullgraph=True); "
-        "the update (masked weight decay) stays eager",
+        compile_help="compile the whole training step (every micro-batch's forward and "
+        "backward pass and the update) as one torch.compile(fullgraph=True) graph",
     )
 
 

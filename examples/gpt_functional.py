@@ -230,7 +230,7 @@ def make_train_step(
     schedule: Callable[[torch.Tensor], torch.Tensor],
     *,
     distributed: bool = False,
-    compile_grads: bool = False,
+    compiled: bool = False,
 ) -> Callable[..., tuple[ff.FP16State, StepMetrics]]:
     """``train_step(state, inputs, targets) -> (state, StepMetrics)``, pure.
 
@@ -239,12 +239,12 @@ def make_train_step(
     ``MultiSteps``, which applies the step after the ``k``-th
     ``fp16_update``). With ``distributed`` the gradients and the loss are
     averaged over the ranks and the overflow decision is agreed. With
-    ``compile_grads`` the forward and backward pass run under
-    ``torch.compile(fullgraph=True)``; the update stays eager.
+    ``compiled`` the whole step (the schedule, every micro-batch's forward
+    and backward pass and ``fp16_update``) is one
+    ``torch.compile(fullgraph=True)`` graph; the fused update is one opaque
+    op in it.
     """
     grad_fn = scaled_grad_and_value(make_loss_fn(model, policy, train=True))
-    if compile_grads:
-        grad_fn = torch.compile(grad_fn, fullgraph=True)
 
     def train_step(state: ff.FP16State, inputs: torch.Tensor, targets: torch.Tensor):
         scale = state.loss_scale.loss_scale
@@ -263,7 +263,7 @@ def make_train_step(
         metrics = StepMetrics(torch.stack(losses).mean(), scale, ~state.grads_finite, lr)
         return state, metrics
 
-    return train_step
+    return torch.compile(train_step, fullgraph=True) if compiled else train_step
 
 
 def make_eval_step(model: GPT, policy: Policy) -> Callable[..., torch.Tensor]:
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     schedule = lr_schedule(args)
     train_step = make_train_step(
-        model, policy, schedule, distributed=info is not None, compile_grads=args.compile
+        model, policy, schedule, distributed=info is not None, compiled=args.compile
     )
     eval_step = make_eval_step(model, policy)
     config = run_config(args, policy, data, cfg)

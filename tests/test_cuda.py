@@ -117,7 +117,8 @@ def test_compiled_update_on_cuda_matches_eager():
                 assert torch.equal(x, y)
 
 
-def test_the_default_update_is_the_fused_triton_kernel_within_the_contract():
+def test_the_default_update_is_the_fused_op_on_pytorch_kernels_within_the_contract():
+    from functional_fp16.update import dispatch
     from tests.helpers import assert_within_one_operation_ulp
 
     for tx in [
@@ -126,6 +127,7 @@ def test_the_default_update_is_the_fused_triton_kernel_within_the_contract():
     ]:
         state = _state(tx)
         assert ff.update_path(state) == "fused"
+        assert dispatch.route(state).kernel == "generic"  # PyTorch's multi-tensor ops
         for i in range(4):
             g = _grads(state, 30 + i, bad=(i == 1))
             ref = ff.fp16_update(state, g, impl="reference")

@@ -625,3 +625,63 @@ def test_triton_fallback_is_per_configuration_and_never_for_out_of_memory(monkey
         run(("adam_update", "torch.float16"), out_of_memory)
     assert ("adam_update", "torch.float16", dev) not in tf._failed
     assert len([w for w in recwarn if "first launch" in str(w.message)]) == 1  # one per device
+
+
+def test_cuda_runs_pytorchs_multi_tensor_kernel_by_default_and_triton_only_when_asked(
+    monkeypatch,
+):
+    """No GPU has run the Triton kernels, so CUDA's default is the plain kernel (PyTorch's
+    ``_foreach_*`` ops); ``$FUNCTIONAL_FP16_CUDA_KERNEL=triton`` opts in (where Triton runs)."""
+    from functional_fp16._fused import device_kernels as dk
+
+    class Runs:
+        @staticmethod
+        def available():
+            return True
+
+    monkeypatch.setattr(dk, "_triton", lambda: Runs)  # as if Triton and a GPU were here
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(dk.CUDA_KERNEL_VARIABLE, raising=False)
+    assert dk.kernel_for(cuda) == "generic"
+    monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "torch")
+    assert dk.kernel_for(cuda) == "generic"
+    monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "triton")
+    assert dk.kernel_for(cuda) == "triton"
+    monkeypatch.setattr(Runs, "available", staticmethod(lambda: False))
+    assert dk.kernel_for(cuda) == "generic"  # asked for, but it cannot run here
+    monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "tirton")
+    with pytest.raises(ValueError, match="FUNCTIONAL_FP16_CUDA_KERNEL must be 'torch' or 'triton'"):
+        dk.kernel_for(cuda)
+
+
+_NO_LAUNCH = ("empty", "view", "reshape", "alias", "as_strided", "detach", "lift", "unsqueeze")
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "recipe"])
+def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, monkeypatch):
+    """The plain kernel of one group (CUDA's default) is multi-tensor: the number of
+    dispatched ops does not grow with the number of leaves."""
+    from tests.helpers import optimiser_matrix
+
+    monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    tx = optimiser_matrix().get(name) or ff.sgd(0.05, momentum=0.9)
+    counts = []
+    for n in (4, 16):
+        params = {f"w{i:02d}": torch.full((3, 5), 0.1, dtype=torch.float16) for i in range(n)}
+        state = ff.fp16_init(params, tx)
+        grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+        state = ff.fp16_update(state, grads)  # the first call builds the plans
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ff.fp16_update(state, grads)
+        # The ops called from Python or from the fused op's kernel (not the ones an aten op
+        # runs inside itself, as the CPU's foreach ops do per tensor) that compute
+        # (allocations and views launch nothing), and the foreach ones among them.
+        ran = [
+            e.name
+            for e in prof.events()
+            if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        ]
+        computing = [n for n in ran if not any(w in n for w in _NO_LAUNCH)]
+        counts.append((len(computing), sum(n.startswith("aten::_foreach") for n in ran)))
+    assert counts[0] == counts[1] and counts[0][1] > 0, counts

@@ -164,6 +164,11 @@ def _generic(
 ) -> None:
     """The plain PyTorch kernel: one leaf of one member at a time (bitwise the C one on the CPU)."""
     c2 = f32(c2)
+    if plain_kernels.one_group(lr, members):
+        return _lists(
+            grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out, inv,
+            clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps, decoupled,
+        )  # fmt: skip
     results = []
     for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
         m = plain_kernels.member(master[leaf], b, members)
@@ -194,6 +199,32 @@ def _generic(
             nu_out=nu_out,
             params_out=params_out,
         )
+
+
+def _lists(
+    grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out, inv, clip_div,
+    clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps, decoupled,
+) -> None:  # fmt: skip
+    """The plain kernel of one group of one member: the same operations on flat lists,
+    a fixed number of multi-tensor ops (``torch._foreach_*``) whatever the leaves."""
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    if l2 != 0.0:
+        torch._foreach_add_(u, master, alpha=l2)
+    na = torch._foreach_lerp(mu, u, w)
+    nv = torch._foreach_mul(nu, b2)
+    torch._foreach_addcmul_(nv, u, u, value=c2)
+    denom = plain_kernels.correct_sqrt(nv)
+    torch._foreach_div_(denom, sqrt_c2.reshape(()))
+    torch._foreach_add_(denom, eps)
+    step = torch._foreach_div(na, denom)
+    torch._foreach_mul_(step, inv_c1.reshape(()))
+    if decoupled != 0.0:
+        torch._foreach_add_(step, master, alpha=decoupled)
+    new = {"master": plain_kernels.stepped(master, step, lr), "mu": na, "nu": nv}
+    plain_kernels.write_lists(
+        apply.reshape(()), new, master=master, mu=mu, nu=nu, params=params,
+        master_out=master_out, mu_out=mu_out, nu_out=nu_out, params_out=params_out,
+    )  # fmt: skip
 
 
 SPEC = StepSpec(

@@ -11,6 +11,8 @@ have passed the op's checks (``op_checks``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -19,19 +21,44 @@ from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._fused.triton_fallback import with_triton
 from functional_fp16._kernels import cpu as c_kernel
 
-__all__ = ["kernel_for", "member_views", "finite_from_peak", "stats", "run_step"]
+__all__ = [
+    "CUDA_KERNEL_VARIABLE",
+    "cuda_kernel_choice",
+    "kernel_for",
+    "member_views",
+    "finite_from_peak",
+    "stats",
+    "run_step",
+]
 __all__ += ["cpp_ready", "cpp_step", "cpp_stats"]
+
+
+CUDA_KERNEL_VARIABLE = "FUNCTIONAL_FP16_CUDA_KERNEL"
+"""The environment variable that chooses the CUDA kernel: ``torch`` (the default) or ``triton``."""
+
+
+def cuda_kernel_choice() -> str:
+    """The declared CUDA kernel: ``"torch"`` (PyTorch's multi-tensor ops, the default) or
+    ``"triton"`` (the library's Triton kernels, an opt-in that no GPU has verified yet)."""
+    choice = os.environ.get(CUDA_KERNEL_VARIABLE, "torch").strip().lower() or "torch"
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"${CUDA_KERNEL_VARIABLE} must be 'torch' or 'triton', got {choice!r}")
+    return choice
 
 
 def kernel_for(device: torch.device) -> str:
     """The kernel that runs on ``device``: ``"c"``, ``"triton"`` or ``"generic"``.
 
-    ``$FUNCTIONAL_FP16_NO_KERNEL`` makes the C library unavailable, so the CPU
-    runs the plain PyTorch kernel.
+    * the CPU: the compiled C library (``$FUNCTIONAL_FP16_NO_KERNEL`` makes it
+      unavailable, so the CPU runs the plain PyTorch kernel);
+    * CUDA: the plain PyTorch kernel, whose one-group form is a fixed number of
+      PyTorch's own multi-tensor ops (``torch._foreach_*``), unless
+      ``$FUNCTIONAL_FP16_CUDA_KERNEL=triton`` opts in to the Triton kernels;
+    * any other device: the plain PyTorch kernel.
     """
     if device.type == "cpu" and c_kernel.available():
         return "c"
-    if device.type == "cuda" and _triton().available():
+    if device.type == "cuda" and cuda_kernel_choice() == "triton" and _triton().available():
         return "triton"
     return "generic"
 

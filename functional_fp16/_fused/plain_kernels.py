@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
+__all__ += ["one_group", "unscaled_lists", "stepped", "correct_sqrt", "select_into", "write_lists"]
 
 
 def f32(x: float) -> float:
@@ -77,6 +78,8 @@ def write_member(b: int, leaf: int, members: int, apply: Tensor, new: dict, **li
 def stats_generic(grads, inv, groups, members, sum_squares, peak, sq) -> None:
     """``grad_stats`` into ``peak`` and ``sq``: per group the largest ``|g|`` (+inf if any
     element is inf or NaN) and, if ``sum_squares``, the float64 sum of ``fl32(g * inv)^2``."""
+    if groups == 1 and members == 1:
+        return stats_lists(grads, inv, sum_squares, peak, sq)
     per_member = groups // members
     per_group = len(grads) // per_member
     peaks: list[list[Tensor]] = [[] for _ in range(groups)]
@@ -96,3 +99,117 @@ def stats_generic(grads, inv, groups, members, sum_squares, peak, sq) -> None:
         peak[k] = torch.stack(peaks[k]).amax() if peaks[k] else 0.0
         if sum_squares:
             sq[k] = torch.stack(sums[k]).sum() if sums[k] else 0.0
+
+
+# ---------------------------------------------------------------------------
+# The multi-tensor form: one group of one member, on flat lists.
+# ---------------------------------------------------------------------------
+
+_SAME_WIDTH_INT = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def one_group(lr: Tensor, members: int) -> bool:
+    """Whether a call is one group of one member: the form the list kernels take."""
+    return members == 1 and lr.numel() == 1
+
+
+def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
+    r"""New float32 buffers (laid out like ``like``) holding :func:`unscaled` of every
+    gradient: :math:`u = \operatorname{fl}_{32}(g)\cdot\mathrm{inv}`, then
+    :math:`(u / c_d)\, c_m` when clipping; a few multi-tensor ops, whatever the
+    number of leaves."""
+    u = [torch.empty_like(m, dtype=torch.float32) for m in like]
+    torch._foreach_copy_(u, grads)
+    if inv is not None:
+        torch._foreach_mul_(u, inv.reshape(()))
+    if clip_div is not None:
+        torch._foreach_div_(u, clip_div.reshape(()))
+        torch._foreach_mul_(u, clip_mul.reshape(()))
+    return u
+
+
+def stepped(master: list[Tensor], v: list[Tensor], lr: Tensor) -> list[Tensor]:
+    r"""``m + v * lr`` per leaf, as one multiply-add: :math:`\operatorname{fl}_{32}(
+    \operatorname{fl}_{64}(m + v\,\eta))`.
+
+    The product of two float32 numbers is exact in float64 and the sum is
+    rounded there once, so the float32 result is the contracted one (as
+    ``addcmul`` and the compiled kernels give it) but for rare double-rounding
+    ties, which land on the neighbouring float32: within one ulp of the result.
+    A multi-tensor op takes the factor as a device tensor only as a separate
+    product, which would round twice.
+    """
+    wide = [torch.empty_like(m, dtype=torch.float64) for m in master]
+    torch._foreach_copy_(wide, v)
+    torch._foreach_mul_(wide, lr.reshape(()).double())
+    acc = [torch.empty_like(m, dtype=torch.float64) for m in master]
+    torch._foreach_copy_(acc, master)
+    torch._foreach_add_(acc, wide)
+    out = [torch.empty_like(m) for m in master]
+    torch._foreach_copy_(out, acc)
+    return out
+
+
+def correct_sqrt(x: list[Tensor]) -> list[Tensor]:
+    """The correctly rounded square roots of float32 tensors (see ``sqrt_rn``), on lists."""
+    if not x or x[0].device.type == "cuda":
+        return torch._foreach_sqrt(x)
+    wide = [torch.empty_like(t, dtype=torch.float64) for t in x]
+    torch._foreach_copy_(wide, x)
+    torch._foreach_sqrt_(wide)
+    out = [torch.empty_like(t) for t in x]
+    torch._foreach_copy_(out, wide)
+    return out
+
+
+def select_into(apply: Tensor, new: list[Tensor], old: list[Tensor], out: list[Tensor]) -> None:
+    r"""``out[i] = new[i] if apply else old[i]``, bit for bit, on lists and without reading
+    ``apply`` on the host.
+
+    On the bit patterns as integers of the same width, with :math:`a \in \{0, 1\}`:
+    :math:`o = n\,a + o_{\text{old}}\,(1 - a)`, exact (one term is zero, the other a
+    product by one), for every value, inf, NaN and signed zero. ``out`` may be
+    ``old`` (a donated step); every ``new`` is computed before.
+    """
+    if not new:
+        return
+    by_width: dict[int, list[int]] = {}
+    for i, x in enumerate(new):
+        by_width.setdefault(x.element_size(), []).append(i)
+    for width, idx in by_width.items():
+        kind = _SAME_WIDTH_INT[width]
+        a = apply.reshape(()).to(kind)
+        keep = 1 - a
+        n = [new[i].view(kind) for i in idx]
+        o = [out[i].view(kind) for i in idx]
+        if any(out[i] is not old[i] for i in idx):
+            torch._foreach_copy_(o, [old[i].view(kind) for i in idx])
+        torch._foreach_mul_(o, keep)
+        torch._foreach_add_(o, torch._foreach_mul(n, a))
+
+
+def write_lists(apply: Tensor, new: dict, **lists) -> None:
+    """:func:`write_member` for every leaf at once: ``where(apply, new, old)`` into the
+    outputs, and the working copies (``fl16`` of the new master) where they are their own."""
+    mo, po, params = lists["master_out"], lists["params_out"], lists["params"]
+    own = [i for i, (m, p) in enumerate(zip(mo, po)) if p.data_ptr() != m.data_ptr()]
+    if own:
+        rounded = [torch.empty_like(po[i]) for i in own]
+        torch._foreach_copy_(rounded, [new["master"][i] for i in own])
+        select_into(apply, rounded, [params[i] for i in own], [po[i] for i in own])
+    for name, value in new.items():
+        if value is not None:
+            select_into(apply, value, lists[name], lists[f"{name}_out"])
+
+
+def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
+    """:func:`stats_generic` of one group of one member, with multi-tensor ops."""
+    tops = torch._foreach_norm(grads, float("inf"), dtype=torch.float32)
+    top = torch.stack(tops).amax()
+    peak[0] = torch.where(torch.isnan(top), float("inf"), top)
+    if sum_squares:
+        u = unscaled_lists(grads, grads, inv, None, None)
+        wide = [torch.empty_like(x, dtype=torch.float64) for x in u]
+        torch._foreach_copy_(wide, u)
+        torch._foreach_mul_(wide, wide)  # the squares, exact in float64
+        sq[0] = torch.stack(torch._foreach_norm(wide, 1)).sum()  # each leaf's sum

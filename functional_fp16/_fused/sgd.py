@@ -200,6 +200,11 @@ def _generic(
     agrees with the C kernel bit for bit.
     """
     take = f32(take_started)
+    if plain_kernels.one_group(lr, members):
+        return _lists(
+            grads, master, trace, params, master_out, trace_out, params_out, inv, clip_div,
+            clip_mul, lr, apply, started, weight_decay, momentum, take, nesterov,
+        )  # fmt: skip
     results = []
     for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
         m = plain_kernels.member(master[leaf], b, members)
@@ -232,6 +237,29 @@ def _generic(
             trace_out=trace_out,
             params_out=params_out,
         )
+
+
+def _lists(
+    grads, master, trace, params, master_out, trace_out, params_out, inv, clip_div, clip_mul,
+    lr, apply, started, weight_decay, momentum, take, nesterov,
+) -> None:  # fmt: skip
+    """The plain kernel of one group of one member: the same operations on flat lists,
+    a fixed number of multi-tensor ops (``torch._foreach_*``) whatever the leaves."""
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    if weight_decay != 0.0:
+        torch._foreach_add_(u, master, alpha=weight_decay)
+    v, nb = u, None
+    if trace is not None:
+        on = started.reshape(())
+        keep = torch.where(on, momentum, 0.0).float()
+        nb = torch._foreach_mul(trace, keep)
+        torch._foreach_add_(nb, torch._foreach_mul(u, torch.where(on, take, 1.0).float()))
+        v = torch._foreach_add(u, nb, alpha=momentum) if nesterov else nb
+    new = {"master": plain_kernels.stepped(master, v, lr), "trace": nb}
+    plain_kernels.write_lists(
+        apply.reshape(()), new, master=master, trace=trace, params=params,
+        master_out=master_out, trace_out=trace_out, params_out=params_out,
+    )  # fmt: skip
 
 
 SPEC = StepSpec(

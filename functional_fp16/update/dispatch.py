@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.device_kernels import kernel_for
+from functional_fp16._fused.device_kernels import cuda_kernel_choice, kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel
@@ -99,7 +99,7 @@ def route(state, impl: str = "auto", signature=None) -> Route:
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     if signature is None or torch.compiler.is_compiling():
         return _route(state, impl)
-    key = (signature, impl, c_kernel.available(), triton_failures())
+    key = (signature, impl, c_kernel.available(), cuda_kernel_choice(), triton_failures())
     found = _ROUTES.get(key)
     if found is None:
         found = _route(state, impl)
@@ -126,7 +126,7 @@ def _route(state, impl: str) -> Route:
             if not torch.compiler.is_compiling():
                 device = tree_leaves(state.master)[0].device
                 kernel = kernel_for(device)
-                if kernel == "generic":
+                if kernel == "generic" and device.type != "cuda":  # CUDA's default: no warning
                     _warn_generic(device)
             # A Triton kernel that failed on its first launch here (the op warned):
             # eager updates take the multi-tensor path instead.
