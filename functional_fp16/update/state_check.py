@@ -83,7 +83,9 @@ def _signature(state: FP16State) -> Signature | None:
     dtypes, devices); ``None`` if it has none."""
     leaves, spec = tree_flatten(state)
     try:
-        return Signature((spec, tuple([(x.shape, x.stride(), x.dtype, x.device) for x in leaves])))
+        return Signature(
+            (spec, tuple([(type(x), x.shape, x.stride(), x.dtype, x.device) for x in leaves]))
+        )
     except (AttributeError, TypeError):  # a non-tensor leaf, or unhashable static metadata
         return None
 

@@ -19,6 +19,7 @@ from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_ma
 from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook, SumHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
+from functional_fp16.update.dtensor import dtensor_update, holds_dtensors, local_state
 from functional_fp16.update.state import FP16State
 from functional_fp16.update.state_check import check_disjoint, check_state, mark_checked
 
@@ -95,6 +96,12 @@ def fp16_update(
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     g_leaves = _grad_leaves(state, grads, signature)
+    if _holds_dtensors(state, signature):  # the same update on the local shards
+        new = dtensor_update(
+            state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
+            impl=impl, donate=donate,
+        )  # fmt: skip
+        return mark_checked(new, signature)
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     if agree is not None and not callable(agree):
@@ -122,6 +129,20 @@ def fp16_update(
     if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
         check_disjoint(state, g_leaves)
     return mark_checked(chosen.run(state, grads, decision, donate), signature)
+
+
+_DTENSOR_STATES: dict = {}  # signature -> whether its params are DTensors
+
+
+def _holds_dtensors(state: FP16State, signature) -> bool:
+    if signature is None:
+        return holds_dtensors(state)
+    found = _DTENSOR_STATES.get(signature)
+    if found is None:
+        found = _DTENSOR_STATES[signature] = holds_dtensors(state)
+        if len(_DTENSOR_STATES) > _LAYOUTS_KEPT:
+            del _DTENSOR_STATES[next(iter(_DTENSOR_STATES))]
+    return found
 
 
 _LAYOUTS: dict = {}  # signature -> the params' (tree spec, sizes, dtypes, devices)
@@ -210,4 +231,6 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
     :func:`functional_fp16.update.dispatch.route`.
     """
     _check_state(state)
+    if holds_dtensors(state):  # what runs on the local shards
+        return route(local_state(state)[0], impl).name
     return route(state, impl).name

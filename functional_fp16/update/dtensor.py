@@ -1,0 +1,180 @@
+r"""States whose leaves are DTensors: the update runs on the local shards.
+
+A state built from DTensor parameters (``fully_shard``'s FP16 parameters, or
+``distribute_tensor``) holds DTensors wherever ``params`` does: the FP32
+master and the optimiser's per-parameter state have the parameters' mesh and
+placements (``p.float()`` and ``zeros_like`` keep them). :func:`dtensor_update`
+steps such a state as the same computation on every rank's local shards:
+
+* every elementwise part (unscale, optimiser, select, cast) runs on
+  ``x.to_local()`` through the same implementation a plain state takes (the
+  fused op, on the local tensors: no gather and no DTensor dispatch);
+* the reductions that span leaves are completed over the mesh: the finite flag
+  :math:`f = \bigwedge_r f_r` by an all-reduce (MIN), so every rank takes the
+  same decision, and the sum of squares behind ``clip_by_global_norm``,
+  :math:`S = \sum_r S_r`, by an all-reduce (SUM) over the mesh dimensions on
+  which the leaves are sharded (a replicated dimension holds the same values
+  on every rank and is not summed);
+* the new local tensors are wrapped back with their leaf's mesh, placements,
+  global shape and stride (``DTensor.from_local``, no communication).
+
+The loss scale, ``step`` and ``grads_finite`` are plain tensors, equal on every
+rank. Leaves must be on one mesh with ``Shard`` or ``Replicate`` placements;
+the sharded parameters must be sharded over the same mesh dimensions (as FSDP2
+and HSDP lay them out), and fully replicated ones may sit beside them (their
+squares are counted once: the sum over the sharded dimensions counts them once
+per rank, and the surplus is subtracted). A ``Partial`` placement or another
+mix raises, naming the leaf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
+from functional_fp16.precision.loss_scale import NoOpLossScale, unscale_factor
+
+__all__ = ["holds_dtensors", "dtensor_update", "local_state"]
+
+
+def holds_dtensors(state) -> bool:
+    """Whether ``state.params`` holds DTensor leaves."""
+    return any(isinstance(x, DTensor) for x in tree_flatten(state.params)[0])
+
+
+def _layout(state) -> tuple[Any, tuple[int, ...]]:
+    """The params' mesh and the mesh dimensions they are sharded over (checked)."""
+    paths = tree_paths(state.params)
+    leaves = tree_flatten(state.params)[0]
+    mesh, sharded = None, None
+    for path, p in zip(paths, leaves):
+        if not isinstance(p, DTensor):
+            raise TypeError(
+                f"state.params{path}: a plain tensor among DTensor parameters; every leaf "
+                "must be a DTensor on one mesh"
+            )
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise ValueError(f"state.params{path}: on another device mesh than the first leaf")
+        if not all(isinstance(x, (Shard, Replicate)) for x in p.placements):
+            raise ValueError(
+                f"state.params{path}: placements {p.placements}; only Shard and Replicate "
+                "are supported"
+            )
+        dims = tuple(i for i, x in enumerate(p.placements) if isinstance(x, Shard))
+        if dims and dims != sharded:
+            if sharded is not None:
+                raise ValueError(
+                    f"state.params{path}: sharded over mesh dimensions {dims}, the other "
+                    f"sharded parameters over {sharded}; the global norm needs one layout"
+                )
+            sharded = dims
+    return mesh, sharded or ()
+
+
+def _replicated(p: DTensor) -> bool:
+    return all(isinstance(x, Replicate) for x in p.placements)
+
+
+def local_state(state):
+    """``state`` with every DTensor leaf replaced by its local tensor, and what wraps them back:
+    ``(local, wrap)`` where ``wrap(new_local_state)`` restores the DTensor leaves."""
+    leaves, spec = tree_flatten(state)
+    meta = [
+        (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
+        for x in leaves
+    ]
+    local = tree_unflatten(spec, [x.to_local() if m else x for x, m in zip(leaves, meta)])
+
+    def wrap(new):
+        new_leaves, new_spec = tree_flatten(new)
+        out = [
+            x
+            if m is None
+            else DTensor.from_local(x, m[0], m[1], run_check=False, shape=m[2], stride=m[3])
+            for x, m in zip(new_leaves, meta)
+        ]
+        return tree_unflatten(new_spec, out)
+
+    return local, wrap
+
+
+def _local_grads(state, grads) -> Any:
+    """The gradients' local tensors, after checking they are DTensors placed like the params."""
+    g_leaves, g_spec = tree_flatten(grads)
+    p_leaves = tree_flatten(state.params)[0]
+    out = []
+    for path, g, p in zip(tree_paths(grads), g_leaves, p_leaves):
+        if not isinstance(g, DTensor):
+            raise TypeError(
+                f"grads{path}: a plain tensor where params holds a DTensor; pass the DTensor "
+                "gradients (FSDP2's p.grad)"
+            )
+        if g.device_mesh != p.device_mesh or g.placements != p.placements:
+            raise ValueError(
+                f"grads{path}: placements {g.placements} on {g.device_mesh}, expected the "
+                f"parameter's {p.placements} on {p.device_mesh}"
+            )
+        out.append(g.to_local())
+    return tree_unflatten(g_spec, out)
+
+
+def _sum_of_squares(grads: list[torch.Tensor], loss_scale) -> torch.Tensor:
+    r""":math:`\sum (\operatorname{fl}_{32}(g)\cdot\mathrm{inv})^2` in float64, as the update sums."""
+    inv = None if isinstance(loss_scale, NoOpLossScale) else unscale_factor(loss_scale.loss_scale)
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        u = g.float() if inv is None else g.float() * inv
+        total = total + u.double().square().sum()
+    return total
+
+
+def _groups(mesh, dims) -> list:
+    return [mesh.get_group(d) for d in dims]
+
+
+def dtensor_update(state, grads, update, *, loss, agree, global_sum, **kwargs):
+    r"""``update`` (``fp16_update``) of a DTensor state, run on the local shards.
+
+    See the module docstring. ``agree`` and ``global_sum``, when given, apply
+    after the mesh's own reductions. Returns the state with its DTensor leaves.
+    """
+    mesh, sharded = _layout(state)
+    local, wrap = local_state(state)
+    local_grads = _local_grads(state, grads)
+    every_dim = _groups(mesh, range(mesh.ndim))
+    sum_dims = _groups(mesh, sharded)
+
+    def mesh_agree(finite: torch.Tensor) -> torch.Tensor:
+        flag = finite.to(torch.int32)
+        for group in every_dim:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        out = flag.to(torch.bool).reshape(finite.shape)
+        return out if agree is None else agree(out)
+
+    replicated = [
+        g
+        for g, p in zip(tree_flatten(local_grads)[0], tree_flatten(state.params)[0])
+        if _replicated(p)
+    ]
+    copies = 1
+    for group in sum_dims:
+        copies *= dist.get_world_size(group)
+
+    def mesh_sum(partial: torch.Tensor) -> torch.Tensor:
+        total = partial.clone()
+        for group in sum_dims:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        if replicated and copies > 1:  # every rank summed the replicated leaves: keep one copy
+            total = total - (copies - 1) * _sum_of_squares(replicated, state.loss_scale)
+        return total if global_sum is None else global_sum(total)
+
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    new = update(local, local_grads, loss=loss, agree=mesh_agree, global_sum=mesh_sum, **kwargs)
+    return wrap(new)

@@ -1,0 +1,146 @@
+"""Worker side of ``tests/test_dtensor.py``: one process per rank on gloo, started by the test.
+
+Every rank builds the same parameters, distributes them over a 1-D CPU mesh
+(uneven ``Shard(0)`` for most leaves, ``Replicate`` for a few) and steps the
+DTensor state with ``fp16_update``; beside it, the single-process run on the
+whole tensors. Each scenario returns, per optimiser, what the test compares.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import functional_fp16 as ff
+from functional_fp16._util.tree import tree_leaves
+from tests._launch import exit_now, run_scenarios
+from tests.helpers import optimiser_matrix
+
+STEPS = 6
+INJECT_STEP = 2  # an inf in rank 1's shard of one gradient
+SHAPES = {"wte": (13, 6), "h.attn.w": (18, 6), "h.attn.b": (18,), "ln.w": (6,), "mlp.w": (7, 6)}
+REPLICATED = ("ln.w",)
+
+
+def make_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: (torch.randn(s, generator=g) * 0.1).half() for k, s in SHAPES.items()}
+
+
+def make_grads(step: int, world: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    out = {k: (torch.randn(s, generator=g) * 256).half() for k, s in SHAPES.items()}
+    if step == INJECT_STEP:  # the last row lies in the last rank's shard
+        out["h.attn.w"][-1, 0] = math.inf
+    return out
+
+
+def placements(name: str):
+    return [Replicate()] if name in REPLICATED else [Shard(0)]
+
+
+def distribute(tree, mesh):
+    return {k: distribute_tensor(v, mesh, placements(k)) for k, v in tree.items()}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    x = x.full_tensor() if isinstance(x, DTensor) else x
+    return x.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in float32 ulps of max(|a|, |b|) (0 where bitwise equal)."""
+    a = (a.full_tensor() if isinstance(a, DTensor) else a).float()
+    b = b.float()
+    scale = torch.maximum(a.abs(), b.abs())
+    spacing = torch.nextafter(scale, torch.full_like(scale, math.inf)) - scale
+    diff = (a - b).abs()
+    return float((diff / spacing).max()) if diff.numel() else 0.0
+
+
+def _run(name: str, donate: bool, rank: int):
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tx = optimiser_matrix()[name]
+    loss_scale = ff.DynamicLossScale(2.0**10, growth_interval=2)
+    ours = ff.fp16_init(distribute(make_params(), mesh), tx, loss_scale)
+    ref = ff.fp16_init(make_params(), optimiser_matrix()[name], loss_scale)
+    path = ff.update_path(ours)
+    out = {"path": path, "decisions": [], "ref_decisions": [], "scales_equal": True}
+    out.update(master_ulps=0.0, opt_ulps=0.0, params_equal=True, kept=True)
+    for step in range(STEPS):
+        grads = make_grads(step, world)
+        ours = ff.fp16_update(ours, distribute(grads, mesh), donate=donate)
+        ref = ff.fp16_update(ref, grads)
+        out["decisions"].append(bool(ours.grads_finite))
+        out["ref_decisions"].append(bool(ref.grads_finite))
+        out["scales_equal"] &= all(
+            torch.equal(bits(a), bits(b))
+            for a, b in zip(tree_leaves(ours.loss_scale), tree_leaves(ref.loss_scale))
+        ) and torch.equal(bits(ours.step), bits(ref.step))
+        for k in SHAPES:
+            out["master_ulps"] = max(out["master_ulps"], max_ulps(ours.master[k], ref.master[k]))
+            out["params_equal"] &= torch.equal(
+                bits(ours.params[k]), bits(ours.master[k].full_tensor().half())
+            )
+            m = ours.master[k]
+            out["kept"] &= isinstance(m, DTensor) and m.placements == tuple(placements(k))
+        for a, b in zip(tree_leaves(ours.opt_state), tree_leaves(ref.opt_state)):
+            out["opt_ulps"] = max(out["opt_ulps"], max_ulps(a, b))
+            out["kept"] &= isinstance(a, DTensor) == (a.ndim > 0)
+    return out
+
+
+def scenario_matrix(rank: int, out_dir: str):
+    return {(n, d): _run(n, d, rank) for n in optimiser_matrix() for d in (False, True)}
+
+
+def scenario_multisteps(rank: int, out_dir: str):
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    recipe = optimiser_matrix()["recipe"]
+    ours = ff.fp16_init(distribute(make_params(), mesh), ff.MultiSteps(recipe, 2))
+    ref = ff.fp16_init(make_params(), ff.MultiSteps(optimiser_matrix()["recipe"], 2))
+    decisions, worst = [], 0.0
+    for step in range(STEPS):
+        grads = make_grads(step, world)
+        ours = ff.fp16_update(ours, distribute(grads, mesh))
+        ref = ff.fp16_update(ref, grads)
+        decisions.append((bool(ours.grads_finite), bool(ref.grads_finite)))
+        for k in SHAPES:
+            worst = max(worst, max_ulps(ours.master[k], ref.master[k]))
+    return {"decisions": decisions, "master_ulps": worst, "path": ff.update_path(ours)}
+
+
+def scenario_bad_grads(rank: int, out_dir: str):
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    state = ff.fp16_init(distribute(make_params(), mesh), ff.sgd(0.1))
+    grads = make_grads(0, world)
+    errors = {}
+    for what, g in {
+        "plain": dict(grads),
+        "placement": {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in grads.items()},
+    }.items():
+        try:
+            ff.fp16_update(
+                state, g if what == "placement" else {**distribute(grads, mesh), "wte": g["wte"]}
+            )
+            errors[what] = None
+        except (TypeError, ValueError) as err:
+            errors[what] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+SCENARIOS = {
+    "matrix": scenario_matrix,
+    "multisteps": scenario_multisteps,
+    "bad_grads": scenario_bad_grads,
+}
+
+if __name__ == "__main__":
+    exit_now(run_scenarios(SCENARIOS, sys.argv[1]))
