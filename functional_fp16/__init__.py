@@ -21,6 +21,7 @@ from functional_fp16.bridge import (
     module_state_dict,
     scaled_grad_and_value,
     split_module,
+    write_params,
 )
 from functional_fp16.checkpoint import (
     CheckpointCorruptError,
@@ -188,6 +189,7 @@ __all__ = [
     "make_apply",
     "scaled_grad_and_value",
     "module_state_dict",
+    "write_params",
     # precision policies
     "Policy",
     "get_policy",

@@ -57,6 +57,7 @@ __all__ = [
     "make_apply",
     "scaled_grad_and_value",
     "module_state_dict",
+    "write_params",
     "ApplyFn",
 ]
 
@@ -397,6 +398,36 @@ def scaled_grad_and_value(loss_fn: LossFn, *, has_aux: bool = False) -> GradFn:
         return torch.func.grad(scaled_loss, has_aux=True)(params)
 
     return grad_fn
+
+
+def write_params(module: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
+    r"""Writes ``params`` (e.g. ``state.params`` after a pure update) into ``module``'s own
+    parameters, in place: :math:`p_{\text{module}} \leftarrow p` for every name.
+
+    For a module sharded with FSDP2 (``fully_shard``) both sides are DTensors
+    with the same placements, so each rank copies its local shard: no
+    communication, and FSDP2 all-gathers the new values at the next forward
+    pass. A donated update (``fp16_update(..., donate=True)``) of a state
+    built from ``dict(module.named_parameters())`` has already written them,
+    and a parameter that *is* the new tensor is skipped.
+
+    Args:
+      module: the module the parameters belong to.
+      params: one tensor per ``module.named_parameters()`` name, of its shape
+        (checked, naming the parameter).
+
+    Returns:
+      ``module``, for chaining.
+    """
+    module = _check_module(module)
+    refs = dict(module.named_parameters())
+    _check_named("params", params, refs, module_name=type(module).__name__)
+    with torch.no_grad():
+        for name, p in refs.items():
+            new = params[name]
+            if new is not p:
+                p.copy_(new)
+    return module
 
 
 def module_state_dict(

@@ -136,10 +136,128 @@ def scenario_bad_grads(rank: int, out_dir: str):
     return errors
 
 
+# -- FSDP2 -------------------------------------------------------------------------------
+
+VOCAB, WIDTH, CONTEXT, BATCH, FSDP_STEPS, FSDP_INJECT = 17, 16, 8, 8, 20, 7
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(WIDTH)
+        self.attn = torch.nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x):
+        q, k, v = self.attn(self.ln(x)).chunk(3, dim=-1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a)
+        return x + self.mlp(x)
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).float()
+
+
+def fsdp_batch(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def fsdp_loss(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _fsdp_run(model, state, rank, world, sharded, donate):
+    """FSDP_STEPS steps of the recipe; with ``sharded`` each rank takes its rows of the batch."""
+    out = {"decisions": [], "scales": [], "losses": []}
+    out["init"] = {
+        n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
+        for n, m in state.master.items()
+    }
+    for step in range(FSDP_STEPS):
+        x, y = fsdp_batch(step)
+        if sharded:
+            n = BATCH // world
+            x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        loss = fsdp_loss(model, x, y)
+        state.loss_scale.scale(loss).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if step == FSDP_INJECT:  # an overflow in the last rank's shard of one gradient
+            g = grads["blocks.1.mlp.0.weight"]
+            if sharded and rank == world - 1:
+                g.to_local()[-1, 0] = math.inf
+            elif not sharded:
+                g[-1, 0] = math.inf
+        state = ff.fp16_update(state, grads, donate=donate)
+        if not donate:
+            ff.write_params(model, state.params)
+        model.zero_grad(set_to_none=True)
+        loss = loss.detach().clone()
+        if sharded:
+            torch.distributed.all_reduce(loss)
+            loss = loss / world
+        out["decisions"].append(bool(state.grads_finite))
+        out["scales"].append(float(state.loss_scale.loss_scale))
+        out["losses"].append(float(loss))
+    full = {
+        n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
+        for n, m in state.master.items()
+    }
+    out["master"] = full
+    out["path"] = ff.update_path(state)
+    return out
+
+
+def scenario_fsdp2(rank: int, out_dir: str):
+    from torch.distributed.fsdp import fully_shard
+
+    world = torch.distributed.get_world_size()
+    results = {}
+    for tx_name, donate in [("recipe", False), ("recipe", True), ("clip", False)]:
+        torch.manual_seed(0)
+        model = TinyTransformer().half()
+        reference = TinyTransformer().half()
+        reference.load_state_dict(model.state_dict())
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        loss_scale = ff.DynamicLossScale(2.0**8, growth_interval=4)
+        tx = optimiser_matrix()[tx_name]
+        ours = _fsdp_run(
+            model, ff.fp16_init(dict(model.named_parameters()), tx, loss_scale), rank, world,
+            sharded=True, donate=donate,
+        )  # fmt: skip
+        ref = _fsdp_run(
+            reference,
+            ff.fp16_init(dict(reference.named_parameters()), optimiser_matrix()[tx_name],
+                         loss_scale),
+            rank, world, sharded=False, donate=donate,
+        )  # fmt: skip
+        results[(tx_name, donate)] = {"ours": ours, "ref": ref}
+    return results
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
     "bad_grads": scenario_bad_grads,
+    "fsdp2": scenario_fsdp2,
 }
 
 if __name__ == "__main__":
