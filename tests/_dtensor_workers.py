@@ -253,11 +253,62 @@ def scenario_fsdp2(rank: int, out_dir: str):
     return results
 
 
+# -- DCP --------------------------------------------------------------------------------
+
+
+def _full(state) -> list[torch.Tensor]:
+    return [
+        (x.full_tensor() if isinstance(x, DTensor) else x).clone()
+        for x in tree_leaves(state)
+        if isinstance(x, torch.Tensor)
+    ]
+
+
+def _dcp_state(mesh):
+    return ff.fp16_init(distribute(make_params(), mesh), optimiser_matrix()["recipe"])
+
+
+def scenario_dcp(rank: int, out_dir: str):
+    """Trains 3 steps and saves (``dcp_<world>``); at 4 ranks also loads the 2-rank save."""
+    import os
+
+    from functional_fp16 import distributed as ffd
+
+    world = torch.distributed.get_world_size()
+    shared = os.environ["FF_DCP_DIR"]
+    mesh = init_device_mesh("cpu", (world,))
+    state = _dcp_state(mesh)
+    for step in range(3):
+        state = ff.fp16_update(state, distribute(make_grads(step, world), mesh))
+    ffd.save_dcp_state(state, os.path.join(shared, f"dcp_{world}"))
+    truth = _full(state)
+    if rank == 0:
+        torch.save(truth, os.path.join(shared, f"truth_{world}.pt"))
+    out = {"saved": True, "resumed_equal": None}
+    earlier = os.path.join(shared, "dcp_2")
+    if world == 4 and os.path.isdir(earlier):
+        like = _dcp_state(mesh)
+        loaded = ffd.load_dcp_state(like, earlier)
+        want = torch.load(os.path.join(shared, "truth_2.pt"))
+        got = _full(loaded)
+        out["resumed_equal"] = len(got) == len(want) and all(
+            a.dtype == b.dtype and torch.equal(bits(a), bits(b)) for a, b in zip(got, want)
+        )
+        out["placements_kept"] = all(
+            m.placements == tuple(placements(k)) for k, m in loaded.master.items()
+        )
+        # the resumed state steps like the saved one would have
+        nxt = ff.fp16_update(loaded, distribute(make_grads(3, world), mesh))
+        out["steps_after_resume"] = int(nxt.step)
+    return out
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
     "bad_grads": scenario_bad_grads,
     "fsdp2": scenario_fsdp2,
+    "dcp": scenario_dcp,
 }
 
 if __name__ == "__main__":

@@ -31,10 +31,20 @@ LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing
 CLIPPING = ("clip", "clip_trace", "clip_l2_adam", "recipe")
 
 
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory) -> Path:
+    """Where the 2-rank launch saves and the 4-rank launch (then this process) resumes."""
+    return tmp_path_factory.mktemp("dcp")
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
-def launch(request, tmp_path_factory) -> Launch:
+def launch(request, tmp_path_factory, dcp_dir) -> Launch:
     return launch_workers(
-        WORKER_FILE, tmp_path_factory.mktemp("dtensor"), request.param, LAUNCH_TIMEOUT_S
+        WORKER_FILE,
+        tmp_path_factory.mktemp("dtensor"),
+        request.param,
+        LAUNCH_TIMEOUT_S,
+        env={"FF_DCP_DIR": str(dcp_dir)},
     )
 
 
@@ -99,3 +109,43 @@ def test_fsdp2_training_skips_and_scales_like_one_process(launch):
         a = per_rank[0][run]["ours"]["master"]
         for other in per_rank[1:]:  # every rank holds the same model
             assert all(torch.equal(a[k], other[run]["ours"]["master"][k]) for k in a)
+
+
+def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch, dcp_dir):
+    """Saved through DCP at 2 and at 4 ranks; the 4-rank run resumes the 2-rank save
+    (resharded) bitwise, with its placements, and steps on. Then one process (no
+    process group) resumes the 4-rank save into a plain state, bitwise, and a plain
+    DCP user loads the FP32 master into an unsharded module."""
+    import torch
+
+    import functional_fp16 as ff
+    from functional_fp16 import distributed as ffd
+    from functional_fp16._util.tree import tree_leaves
+    from tests import _dtensor_workers as W
+
+    per_rank = results(launch, "dcp")
+    assert all(r["saved"] for r in per_rank)
+    if launch.world == 2:
+        assert all(r["resumed_equal"] is None for r in per_rank)
+        return
+    for r in per_rank:
+        assert r["resumed_equal"] is True and r["placements_kept"], r
+        assert r["steps_after_resume"] == 4
+    # 4 ranks -> 1 process
+    like = ff.fp16_init(W.make_params(), optimiser_matrix()["recipe"])
+    before = [x.clone() for x in tree_leaves(like)]
+    loaded = ffd.load_dcp_state(like, dcp_dir / "dcp_4")
+    want = torch.load(dcp_dir / "truth_4.pt")
+    got = [x for x in tree_leaves(loaded) if isinstance(x, torch.Tensor)]
+    assert len(got) == len(want)
+    assert all(torch.equal(W.bits(a), W.bits(b)) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(like), before))  # untouched
+    assert not torch.equal(loaded.master["wte"], like.master["wte"])  # it did read something
+    # a plain DCP user: the FP32 master into a module's state dict, in place
+    import torch.distributed.checkpoint as dcp
+
+    module = {k: torch.zeros(v.shape) for k, v in W.make_params().items()}
+    with pytest.warns(UserWarning, match="single process"):  # DCP's note, no process group
+        dcp.load({"master": module}, checkpoint_id=str(dcp_dir / "dcp_4"), no_dist=True)
+    for k, m in loaded.master.items():
+        assert torch.equal(module[k], m), k

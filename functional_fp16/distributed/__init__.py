@@ -87,6 +87,7 @@ from functional_fp16.distributed.checkpoints import (
     load_checkpoint_broadcast,
     save_checkpoint_rank0,
 )
+from functional_fp16.distributed.dcp_state import load_dcp_state, save_dcp_state, state_to_dcp
 from functional_fp16.distributed.process_group import (
     DistInfo,
     ProcessGroup,
@@ -123,6 +124,9 @@ __all__ = [
     "load_checkpoint_broadcast",
     "save_checkpoint_sharded",
     "load_checkpoint_sharded",
+    "state_to_dcp",
+    "save_dcp_state",
+    "load_dcp_state",
     "ShardLayout",
     "shard_state",
     "unshard_state",
