@@ -3,16 +3,16 @@
 :func:`state_to_dcp` lays a :class:`~functional_fp16.FP16State` out as the
 nested dict of tensors DCP takes, with keys a plain PyTorch user can read:
 
-=================  =====================================================================
-key                what
-=================  =====================================================================
-``params.<name>``  the working copies (FP16), one per parameter
-``master.<name>``  the FP32 master, one per parameter
-``opt_state.<p>``  every tensor of the optimiser state, ``<p>`` its path in the state
-``loss_scale.<f>`` the loss scale's tensors (``loss_scale``, its counters)
-``step``           the number of updates
-``grads_finite``   whether the last update was applied
-=================  =====================================================================
+==================  ====================================================================
+key                 what
+==================  ====================================================================
+``params.<name>``   the working copies (FP16), one per parameter
+``master.<name>``   the FP32 master, one per parameter
+``opt_state.<p>``   every tensor of the optimiser state, ``<p>`` its path in the state
+``loss_scale.<f>``  the loss scale's tensors (``loss_scale``, its counters)
+``step``            the number of updates
+``grads_finite``    whether the last update was applied
+==================  ====================================================================
 
 ``<name>`` is the parameter's key where ``params`` is a flat dict with string
 keys (``dict(model.named_parameters())``), else its path (``['a'][0]``).
