@@ -253,6 +253,63 @@ def scenario_fsdp2(rank: int, out_dir: str):
     return results
 
 
+def scenario_fsdp2_mixed_precision(rank: int, out_dir: str):
+    """FSDP2's own mixed precision: FP32 shards, FP16 all-gathers and compute
+    (``MixedPrecisionPolicy(param_dtype=torch.float16)``). The module's FP32 shards are the
+    master and the working copy (``param_dtype=torch.float32``): no third copy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    params = dict(model.named_parameters())
+    state = ff.fp16_init(
+        params, optimiser_matrix()["recipe"], ff.DynamicLossScale(2.0**8, growth_interval=4),
+        param_dtype=torch.float32, copy_master=False,
+    )  # fmt: skip
+    out = {"decisions": [], "scales": [], "losses": [], "skip_kept_master": None}
+    out["one_copy"] = all(
+        state.params[k] is state.master[k]
+        and state.master[k].to_local().data_ptr() == params[k].to_local().data_ptr()
+        for k in params
+    )
+    for step in range(FSDP_STEPS):
+        x, y = fsdp_batch(step % 2)  # two batches, again and again: it must learn them
+        n = BATCH // world
+        x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        loss = fsdp_loss(model, x, y)
+        state.loss_scale.scale(loss).backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        if step == FSDP_INJECT and rank == world - 1:
+            grads["blocks.1.mlp.0.weight"].to_local()[-1, 0] = math.inf
+        before = [m.to_local().clone() for m in state.master.values()]
+        state = ff.fp16_update(state, grads, donate=True)
+        model.zero_grad(set_to_none=True)
+        if step == FSDP_INJECT:
+            out["skip_kept_master"] = all(
+                torch.equal(bits(a), bits(m.to_local()))
+                for a, m in zip(before, state.master.values())
+            )
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        out["losses"].append(float(loss) / world)
+        out["decisions"].append(bool(state.grads_finite))
+        out["scales"].append(float(state.loss_scale.loss_scale))
+    out["in_place"] = all(
+        state.master[k].to_local().data_ptr() == p.to_local().data_ptr()
+        for k, p in model.named_parameters()
+    )
+    out["path"] = ff.update_path(state)
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    out["state_bytes"] = local_bytes
+    return out
+
+
 # -- DCP --------------------------------------------------------------------------------
 
 
@@ -308,6 +365,7 @@ SCENARIOS = {
     "multisteps": scenario_multisteps,
     "bad_grads": scenario_bad_grads,
     "fsdp2": scenario_fsdp2,
+    "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,
 }
 

@@ -149,3 +149,20 @@ def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch, d
         dcp.load({"master": module}, checkpoint_id=str(dcp_dir / "dcp_4"), no_dist=True)
     for k, m in loaded.master.items():
         assert torch.equal(module[k], m), k
+
+
+def test_fsdp2_mixed_precision_policy_keeps_one_fp32_copy(launch):
+    """``MixedPrecisionPolicy(param_dtype=torch.float16)``: FSDP2 keeps FP32 shards and
+    all-gathers FP16 copies. The state built with ``param_dtype=torch.float32`` takes the
+    module's FP32 shards as its master *and* working copy (the same tensors: no third
+    copy), a donated update writes them in place, the overflow in one rank's shard skips
+    the step on every rank with the master bitwise unchanged, and the run learns."""
+    per_rank = results(launch, "fsdp2_mixed_precision")
+    for r in per_rank:
+        assert r["one_copy"] and r["in_place"], r
+        assert not r["decisions"][7] and r["decisions"].count(False) == 1, r
+        assert r["skip_kept_master"] is True
+        assert r["path"] == "fused"
+        assert r["losses"][-2] < r["losses"][0] - 0.1, r["losses"]  # the same batch, 0.1 nats lower
+    assert all(r["scales"] == per_rank[0]["scales"] for r in per_rank)
+    assert all(r["decisions"] == per_rank[0]["decisions"] for r in per_rank)

@@ -952,3 +952,21 @@ def test_update_path_names_the_implementation_that_runs(monkeypatch):
                 ran.clear()
                 ff.fp16_update(state, grads, impl=impl)
                 assert ran == [ff.update_path(state, impl)], (name, impl, ran)
+
+
+def test_copy_master_false_takes_fp32_params_as_the_master_and_refuses_others():
+    w = torch.randn(3, 4)
+    state = ff.fp16_init({"w": w}, ff.sgd(0.1), param_dtype=torch.float32, copy_master=False)
+    assert state.master["w"].data_ptr() == w.data_ptr() and state.params["w"] is state.master["w"]
+    g = {"w": torch.ones(3, 4)}
+    before = w.clone()
+    ff.fp16_update(state, g)  # pure: the shared tensor is not written
+    assert torch.equal(w, before)
+    ff.fp16_update(state, g, donate=True)  # donated: written in place
+    assert torch.equal(w, before - 0.1)
+    copied = ff.fp16_init({"w": w}, ff.sgd(0.1), param_dtype=torch.float32)
+    assert copied.master["w"].data_ptr() != w.data_ptr()  # the default copies
+    with pytest.raises(TypeError, match=r"params\['h'\]: dtype torch.float16; copy_master=False"):
+        ff.fp16_init({"h": w.half()}, ff.sgd(0.1), copy_master=False)
+    with pytest.raises(TypeError, match="copy_master must be a bool"):
+        ff.fp16_init({"w": w}, ff.sgd(0.1), copy_master=1)

@@ -199,6 +199,7 @@ def fp16_init(
     loss_scale: LossScale | None = None,
     *,
     param_dtype: torch.dtype = torch.float16,
+    copy_master: bool = True,
 ) -> FP16State:
     r"""Builds the initial :class:`FP16State` from a tree of parameters.
 
@@ -206,12 +207,19 @@ def fp16_init(
 
     Args:
       params: a pytree (dicts, lists, tuples, NamedTuples) of floating-point
-        tensors of any dtype, all on one device. They are copied, never aliased.
+        tensors of any dtype, all on one device. They are copied, never aliased
+        (unless ``copy_master=False``).
       tx: the optimiser, e.g. ``sgd(1e-3, momentum=0.9)``.
       loss_scale: a loss scale; default :class:`DynamicLossScale` for FP16
         ``param_dtype`` and :class:`NoOpLossScale` otherwise. It is moved to
         the parameters' device.
       param_dtype: dtype of the working copy ``state.params`` (default FP16).
+      copy_master: ``False`` makes FP32 ``params`` the master without a copy
+        (the state's master shares their memory, so a donated update writes
+        into them). For FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.float16)``,
+        where the module's FP32 shards are the master: with
+        ``param_dtype=torch.float32`` they are the working copy too, and no
+        other copy of the weights exists. Every leaf must then be float32.
 
     Returns:
       The initial state, with ``step == 0`` and ``grads_finite == True``.
@@ -227,9 +235,18 @@ def fp16_init(
             "loss_scale must be a DynamicLossScale, StaticLossScale or NoOpLossScale, "
             f"got {type(loss_scale).__name__}"
         )
+    if not isinstance(copy_master, bool):
+        raise TypeError(f"copy_master must be a bool, got {type(copy_master).__name__}")
     leaves = check_params(params)
     device = leaves[0].device
-    master = tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+    if not copy_master:
+        for path, p in zip(tree_paths(params), leaves):
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"params{path}: dtype {p.dtype}; copy_master=False takes float32 "
+                    "parameters as the master"
+                )
+    master = tree_map(lambda p: p.detach().to(torch.float32, copy=copy_master), params)
     working = tree_map(lambda m: m.to(param_dtype), master)
     _check_param_values(params, master, working)
     return FP16State(
