@@ -82,9 +82,9 @@ def is_matrix(tree):
     return {k: v.ndim >= 2 for k, v in tree.items()}
 
 
-def recipe():
+def recipe(peak=6e-4, warmup=10, decay_steps=100_000, end=6e-5):
     """clip + AdamW with a weight-decay mask and a warmup-cosine schedule (nanoGPT's)."""
-    schedule = ff.warmup_cosine_decay_schedule(0.0, 6e-4, 10, 100_000, 6e-5)
+    schedule = ff.warmup_cosine_decay_schedule(0.0, peak, warmup, decay_steps, end)
     adamw = ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=is_matrix)
     return ff.chain(ff.clip_by_global_norm(1.0), adamw)
 

@@ -54,6 +54,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_recipe  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16._util.tree import tree_leaves, tree_map  # noqa: E402
@@ -93,15 +96,9 @@ def grads_for(state, step, bad=False):
     return out
 
 
-def is_matrix(tree):
-    return {k: v.ndim >= 2 for k, v in tree.items()}
-
-
 def recipe():
-    """The transformer recipe: clip + AdamW (warmup-cosine, b2=0.95, decay on matrices)."""
-    schedule = ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 100, 1e-4)
-    adamw = ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=is_matrix)
-    return ff.chain(ff.clip_by_global_norm(1.0), adamw)
+    """The transformer recipe (``bench_recipe.recipe``) with a schedule that moves in a few steps."""
+    return bench_recipe.recipe(peak=1e-3, warmup=2, decay_steps=100, end=1e-4)
 
 
 def txs():
