@@ -321,8 +321,22 @@ def _full(state) -> list[torch.Tensor]:
     ]
 
 
-def _dcp_state(mesh):
-    return ff.fp16_init(distribute(make_params(), mesh), optimiser_matrix()["recipe"])
+def _dcp_state(mesh, extra=()):
+    """The recipe's state on ``mesh``; ``extra`` placements go before each leaf's own."""
+    params = {
+        k: distribute_tensor(v, mesh, [*extra, *placements(k)]) for k, v in make_params().items()
+    }
+    return ff.fp16_init(params, optimiser_matrix()["recipe"])
+
+
+def _trained(mesh, extra=()):
+    state = _dcp_state(mesh, extra)
+    world = torch.distributed.get_world_size()
+    for step in range(3):
+        g = make_grads(step, world)
+        g = {k: distribute_tensor(v, mesh, [*extra, *placements(k)]) for k, v in g.items()}
+        state = ff.fp16_update(state, g)
+    return state
 
 
 def scenario_dcp(rank: int, out_dir: str):
@@ -332,21 +346,23 @@ def scenario_dcp(rank: int, out_dir: str):
     from functional_fp16 import distributed as ffd
 
     world = torch.distributed.get_world_size()
-    shared = os.environ["FF_DCP_DIR"]
+    shared = os.path.join(out_dir, "dcp")
     mesh = init_device_mesh("cpu", (world,))
-    state = _dcp_state(mesh)
-    for step in range(3):
-        state = ff.fp16_update(state, distribute(make_grads(step, world), mesh))
+    state = _trained(mesh)
     ffd.save_dcp_state(state, os.path.join(shared, f"dcp_{world}"))
-    truth = _full(state)
+    truth = _full(state)  # a collective: every rank
     if rank == 0:
         torch.save(truth, os.path.join(shared, f"truth_{world}.pt"))
     out = {"saved": True, "resumed_equal": None}
-    earlier = os.path.join(shared, "dcp_2")
-    if world == 4 and os.path.isdir(earlier):
+    if world == 4:
+        # Saved sharded 2 ways (a 2 x 2 mesh: replicated over its first dimension), resumed
+        # sharded 4 ways.
+        two_way = _trained(init_device_mesh("cpu", (2, 2)), extra=(Replicate(),))
+        earlier = os.path.join(shared, "dcp_2x2")
+        ffd.save_dcp_state(two_way, earlier)
+        want = _full(two_way)
         like = _dcp_state(mesh)
         loaded = ffd.load_dcp_state(like, earlier)
-        want = torch.load(os.path.join(shared, "truth_2.pt"))
         got = _full(loaded)
         out["resumed_equal"] = len(got) == len(want) and all(
             a.dtype == b.dtype and torch.equal(bits(a), bits(b)) for a, b in zip(got, want)

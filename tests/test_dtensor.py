@@ -31,20 +31,10 @@ LAUNCH_TIMEOUT_S = 240  # an upper bound for a slow shared machine, not a timing
 CLIPPING = ("clip", "clip_trace", "clip_l2_adam", "recipe")
 
 
-@pytest.fixture(scope="module")
-def dcp_dir(tmp_path_factory) -> Path:
-    """Where the 2-rank launch saves and the 4-rank launch (then this process) resumes."""
-    return tmp_path_factory.mktemp("dcp")
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
-def launch(request, tmp_path_factory, dcp_dir) -> Launch:
+def launch(request, tmp_path_factory) -> Launch:
     return launch_workers(
-        WORKER_FILE,
-        tmp_path_factory.mktemp("dtensor"),
-        request.param,
-        LAUNCH_TIMEOUT_S,
-        env={"FF_DCP_DIR": str(dcp_dir)},
+        WORKER_FILE, tmp_path_factory.mktemp("dtensor"), request.param, LAUNCH_TIMEOUT_S
     )
 
 
@@ -111,11 +101,11 @@ def test_fsdp2_training_skips_and_scales_like_one_process(launch):
             assert all(torch.equal(a[k], other[run]["ours"]["master"][k]) for k in a)
 
 
-def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch, dcp_dir):
-    """Saved through DCP at 2 and at 4 ranks; the 4-rank run resumes the 2-rank save
-    (resharded) bitwise, with its placements, and steps on. Then one process (no
-    process group) resumes the 4-rank save into a plain state, bitwise, and a plain
-    DCP user loads the FP32 master into an unsharded module."""
+def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch):
+    """Saved through DCP by every rank. At 4 ranks a state sharded 2 ways (a 2 x 2 mesh)
+    is saved and resumed sharded 4 ways, bitwise, with its placements, and steps on.
+    Then one process (no process group) resumes the 4-rank save into a plain state,
+    bitwise, and a plain DCP user loads the FP32 master into an unsharded module."""
     import torch
 
     import functional_fp16 as ff
@@ -124,6 +114,7 @@ def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch, d
     from tests import _dtensor_workers as W
 
     per_rank = results(launch, "dcp")
+    dcp_dir = launch.out / "dcp"
     assert all(r["saved"] for r in per_rank)
     if launch.world == 2:
         assert all(r["resumed_equal"] is None for r in per_rank)
@@ -134,7 +125,7 @@ def test_dcp_saves_without_gathering_and_resumes_at_another_world_size(launch, d
     # 4 ranks -> 1 process
     like = ff.fp16_init(W.make_params(), optimiser_matrix()["recipe"])
     before = [x.clone() for x in tree_leaves(like)]
-    loaded = ffd.load_dcp_state(like, dcp_dir / "dcp_4")
+    loaded = ffd.load_dcp_state(like, dcp_dir / "dcp_4")  # 4 ranks -> 1 process
     want = torch.load(dcp_dir / "truth_4.pt")
     got = [x for x in tree_leaves(loaded) if isinstance(x, torch.Tensor)]
     assert len(got) == len(want)

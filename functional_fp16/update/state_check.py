@@ -83,11 +83,18 @@ def _signature(state: FP16State) -> Signature | None:
     dtypes, devices); ``None`` if it has none."""
     leaves, spec = tree_flatten(state)
     try:
-        return Signature(
-            (spec, tuple([(type(x), x.shape, x.stride(), x.dtype, x.device) for x in leaves]))
-        )
+        return Signature((spec, tuple([_leaf_key(x) for x in leaves])))
     except (AttributeError, TypeError):  # a non-tensor leaf, or unhashable static metadata
         return None
+
+
+def _leaf_key(x: torch.Tensor) -> tuple:
+    """A leaf's metadata in a signature; a DTensor's mesh and placements too."""
+    key = (type(x), x.shape, x.stride(), x.dtype, x.device)
+    if type(x) is torch.Tensor:
+        return key
+    placements = getattr(x, "placements", None)
+    return key if placements is None else (*key, x.device_mesh, placements)
 
 
 def check_state(state: FP16State) -> Any:

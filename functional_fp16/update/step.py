@@ -99,7 +99,7 @@ def fp16_update(
     if _holds_dtensors(state, signature):  # the same update on the local shards
         new = dtensor_update(
             state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
-            impl=impl, donate=donate,
+            signature=signature, impl=impl, donate=donate,
         )  # fmt: skip
         return mark_checked(new, signature)
     if loss is not None and not isinstance(loss, torch.Tensor):
@@ -145,7 +145,7 @@ def _holds_dtensors(state: FP16State, signature) -> bool:
     return found
 
 
-_LAYOUTS: dict = {}  # signature -> the params' (tree spec, sizes, dtypes, devices)
+_LAYOUTS: dict = {}  # signature -> the params' (tree spec, types, sizes, dtypes, devices)
 _LAYOUTS_KEPT = 256
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -165,16 +165,18 @@ def _grad_leaves(state: FP16State, grads, signature) -> list[torch.Tensor]:
     layout = _LAYOUTS.get(signature)
     if layout is None:
         p_leaves, p_spec = tree_flatten(state.params)
-        layout = (p_spec, *_metadata(p_leaves))
+        types = list(map(type, p_leaves))  # plain tensors, or DTensors where params are
+        layout = (p_spec, [torch.Tensor if t is torch.nn.Parameter else t for t in types])
+        layout += _metadata(p_leaves)
         if len(_LAYOUTS) >= _LAYOUTS_KEPT:
             del _LAYOUTS[next(iter(_LAYOUTS))]
         _LAYOUTS[signature] = layout
     leaves, spec = tree_flatten(grads)
     if (
         spec == layout[0]
-        and set(map(type, leaves)) == {torch.Tensor}
+        and list(map(type, leaves)) == layout[1]
         and set(map(_LAYOUT, leaves)) == {torch.strided}
-        and _metadata(leaves) == layout[1:]
+        and _metadata(leaves) == layout[2:]
     ):
         return leaves
     return check_like(state.params, grads, name="grads", reference_name="params")
