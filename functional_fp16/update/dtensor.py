@@ -172,7 +172,8 @@ _LOCAL_SIGNATURES: dict = {}  # (state signature, local strides) -> the local st
 
 def _plan(state, signature) -> _Plan:
     found = None if signature is None else _PLANS.get(signature)
-    if found is not None:
+    # The same mesh object, not only an equal one: its process groups are the plan's.
+    if found is not None and found.mesh is tree_flatten(state.params)[0][0].device_mesh:
         return found
     mesh, sharded = _layout(state)
     sum_dims = _groups(mesh, sharded)
