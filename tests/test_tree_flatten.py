@@ -9,6 +9,7 @@ with different contents, and on the node kinds it must leave to ``optree``.
 from __future__ import annotations
 
 import collections
+import enum
 from typing import NamedTuple
 
 import optree
@@ -18,6 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_fp16._util import tree as T
+
+
+class _Key(str):
+    pass
+
+
+class _Colour(str, enum.Enum):
+    RED = "a"
 
 
 class Pair(NamedTuple):
@@ -81,6 +90,8 @@ def test_one_tensor_at_two_places_and_other_key_orders():
     "tree",
     [
         {2: torch.zeros(1), 1: torch.ones(1)},  # integer keys
+        {_Key("a"): torch.zeros(1), "b": torch.ones(1)},  # a str subclass: equal to "a"
+        {_Colour.RED: torch.zeros(1), "b": torch.ones(1)},  # a str enum member
         {1: torch.zeros(1), "a": torch.ones(1)},  # keys that do not sort
         {"a": {"b": torch.zeros(1)}},  # a dict inside a dict
         collections.OrderedDict(b=torch.zeros(1), a=torch.ones(1)),
@@ -91,6 +102,7 @@ def test_one_tensor_at_two_places_and_other_key_orders():
     ],
 )
 def test_other_node_kinds_match_optree(tree):
+    _same({"a": torch.ones(1), "b": torch.zeros(1)})  # a plain-key tree learnt first
     _same(tree)
 
 

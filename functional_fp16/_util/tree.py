@@ -92,6 +92,7 @@ class _Unknown(Exception):
 
 
 _PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter})
+_STR = frozenset({str})
 _STRUCTURES: dict[Any, tuple[optree.PyTreeSpec, tuple[int, ...]] | None] = {}
 _STRUCTURES_KEPT = 1024
 _REGISTERED: set[type] = set()  # the library's own nodes (flattened by their registration)
@@ -132,7 +133,9 @@ def _describe(tree: PyTree, leaves: list[Any]) -> Any:
         return 0
     if kind is dict:
         values = list(tree.values())
-        if not set(map(type, values)) <= _PLAIN_LEAVES:
+        # Keys of exactly ``str``: a str subclass or str enum member is equal to its
+        # string (the same lookup key) but optree keeps it in the spec.
+        if not set(map(type, values)) <= _PLAIN_LEAVES or not set(map(type, tree)) <= _STR:
             raise _Unknown
         leaves += values
         return (dict, tuple(tree))
