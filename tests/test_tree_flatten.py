@@ -104,6 +104,11 @@ def test_one_tensor_at_two_places_and_other_key_orders():
 def test_other_node_kinds_match_optree(tree):
     _same({"a": torch.ones(1), "b": torch.zeros(1)})  # a plain-key tree learnt first
     _same(tree)
+    if isinstance(tree, dict):  # the spec rebuilds the same keys, of the same types
+        leaves, spec = T.tree_flatten(tree)
+        rebuilt = optree.tree_unflatten(spec, leaves)
+        assert sorted(map(repr, rebuilt)) == sorted(map(repr, tree))
+        assert {type(k) for k in rebuilt} == {type(k) for k in tree}
 
 
 def test_the_librarys_registered_nodes_flatten_by_their_registration():
