@@ -43,8 +43,13 @@ def placements(name: str):
     return [Replicate()] if name in REPLICATED else [Shard(0)]
 
 
-def distribute(tree, mesh):
-    return {k: distribute_tensor(v, mesh, placements(k)) for k, v in tree.items()}
+def distribute(tree, mesh, sharded_only=False):
+    """``tree`` over ``mesh``: ``Shard(0)``, and ``Replicate`` for ``REPLICATED`` (unless
+    ``sharded_only``)."""
+    return {
+        k: distribute_tensor(v, mesh, [Shard(0)] if sharded_only else placements(k))
+        for k, v in tree.items()
+    }
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -103,17 +108,38 @@ def scenario_multisteps(rank: int, out_dir: str):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     recipe = optimiser_matrix()["recipe"]
-    ours = ff.fp16_init(distribute(make_params(), mesh), ff.MultiSteps(recipe, 2))
+    ours = ff.fp16_init(distribute(make_params(), mesh, True), ff.MultiSteps(recipe, 2))
     ref = ff.fp16_init(make_params(), ff.MultiSteps(optimiser_matrix()["recipe"], 2))
     decisions, worst = [], 0.0
     for step in range(STEPS):
         grads = make_grads(step, world)
-        ours = ff.fp16_update(ours, distribute(grads, mesh))
+        ours = ff.fp16_update(ours, distribute(grads, mesh, True))
         ref = ff.fp16_update(ref, grads)
         decisions.append((bool(ours.grads_finite), bool(ref.grads_finite)))
         for k in SHAPES:
             worst = max(worst, max_ulps(ours.master[k], ref.master[k]))
-    return {"decisions": decisions, "master_ulps": worst, "path": ff.update_path(ours)}
+    out = {"decisions": decisions, "master_ulps": worst, "path": ff.update_path(ours)}
+    # Clipping a mix of replicated and sharded leaves off the fused path: refused.
+    refused = {}
+    for name, tx in {
+        "multisteps": ff.MultiSteps(optimiser_matrix()["clip"], 2),
+        "masked_clip": ff.chain(
+            ff.masked(ff.clip_by_global_norm(1.0), lambda t: {k: k != "wte" for k in t}),
+            ff.sgd(0.05),
+        ),
+    }.items():
+        state = ff.fp16_init(distribute(make_params(), mesh), tx)
+        before = [x.to_local().clone() for x in state.master.values()]
+        try:
+            ff.fp16_update(state, distribute(make_grads(0, world), mesh), donate=True)
+            refused[name] = None
+        except NotImplementedError as err:
+            refused[name] = str(err)
+        refused[name + "_untouched"] = all(
+            torch.equal(a, x.to_local()) for a, x in zip(before, state.master.values())
+        )
+    out["refused"] = refused
+    return out
 
 
 def scenario_bad_grads(rank: int, out_dir: str):

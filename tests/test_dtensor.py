@@ -59,6 +59,17 @@ def test_multisteps_of_the_recipe_on_dtensors(launch):
         assert r["master_ulps"] <= 1.0 and r["path"] == "fused", r
 
 
+def test_clipping_a_mix_of_replicated_and_sharded_leaves_off_the_fused_path_is_refused(launch):
+    """There the clip may see other values than the unscaled gradients (accumulated, masked,
+    decayed first), so the replicated leaves' surplus copies are not known: it raises before
+    anything is written, even donated."""
+    for r in results(launch, "multisteps"):
+        for name in ("multisteps", "masked_clip"):
+            assert r["refused"][name] is not None, r["refused"]
+            assert "runs on the fused path only" in r["refused"][name]
+            assert r["refused"][name + "_untouched"]
+
+
 def test_gradients_that_are_not_placed_like_the_params_raise_naming_the_leaf(launch):
     for r in results(launch, "bad_grads"):
         assert r["plain"] is not None and "grads['wte']: a plain tensor" in r["plain"], r
@@ -157,3 +168,31 @@ def test_fsdp2_mixed_precision_policy_keeps_one_fp32_copy(launch):
         assert r["losses"][-2] < r["losses"][0] - 0.1, r["losses"]  # the same batch, 0.1 nats lower
     assert all(r["scales"] == per_rank[0]["scales"] for r in per_rank)
     assert all(r["decisions"] == per_rank[0]["decisions"] for r in per_rank)
+
+
+def test_loading_in_place_keeps_a_shared_master_shared(tmp_path):
+    """``load_dcp_state(like, ..., in_place=True)`` reads into ``like``'s own tensors, so a
+    ``copy_master=False`` master stays the module's storage (one process, no group)."""
+    import torch
+
+    import functional_fp16 as ff
+    from functional_fp16 import distributed as ffd
+
+    module = torch.nn.Linear(4, 3)
+    params = dict(module.named_parameters())
+    make = lambda: ff.fp16_init(  # noqa: E731
+        params, ff.sgd(0.1), param_dtype=torch.float32, copy_master=False
+    )
+    state = ff.fp16_update(make(), {k: torch.ones_like(v) for k, v in params.items()})
+    saved = {k: v.clone() for k, v in state.master.items()}
+    ffd.save_dcp_state(state, tmp_path / "ckpt")
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    like = make()
+    copied = ffd.load_dcp_state(like, tmp_path / "ckpt")
+    assert copied.master["weight"].data_ptr() != params["weight"].data_ptr()
+    assert not params["weight"].detach().any()  # the default leaves `like` untouched
+    loaded = ffd.load_dcp_state(like, tmp_path / "ckpt", in_place=True)
+    for k, p in params.items():
+        assert loaded.master[k].data_ptr() == p.data_ptr() and torch.equal(p, saved[k]), k

@@ -93,19 +93,29 @@ def save_dcp_state(state: FP16State, checkpoint_id) -> None:
         dcp.save(state_to_dcp(state), checkpoint_id=checkpoint_id, no_dist=not _distributed())
 
 
-def load_dcp_state(like: FP16State, checkpoint_id) -> FP16State:
+def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) -> FP16State:
     """The state saved at ``checkpoint_id``, laid out like ``like`` (its tree, dtypes,
-    mesh and placements; DCP reshards). ``like`` is left untouched.
+    mesh and placements; DCP reshards).
 
     ``like`` is the state the run would start from (``fp16_init`` of the
     parameters at this world size): its configuration (``tx``, the loss
-    scale's settings) is kept, every tensor is read from the checkpoint.
+    scale's settings) is kept, every tensor is read from the checkpoint. By
+    default ``like`` is left untouched (the values go into new tensors); with
+    ``in_place=True`` they are read into ``like``'s own tensors, which keeps
+    what they share: a state built with ``fp16_init(..., copy_master=False)``
+    from an FSDP2 module's FP32 shards then still has the module's shards as
+    its master (and the module holds the loaded weights).
     """
     import torch.distributed.checkpoint as dcp
 
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     leaves, spec = tree_flatten(like)
-    fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-    target = tree_unflatten(spec, fresh)
+    if in_place:
+        target = like
+    else:
+        fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        target = tree_unflatten(spec, fresh)
     with _one_process_is_intended():
         dcp.load(state_to_dcp(target), checkpoint_id=checkpoint_id, no_dist=not _distributed())
     return target

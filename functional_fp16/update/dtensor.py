@@ -23,8 +23,10 @@ rank. Leaves must be on one mesh with ``Shard`` or ``Replicate`` placements;
 the sharded parameters must be sharded over the same mesh dimensions (as FSDP2
 and HSDP lay them out), and fully replicated ones may sit beside them (their
 squares are counted once: the sum over the sharded dimensions counts them once
-per rank, and the surplus is subtracted). A ``Partial`` placement or another
-mix raises, naming the leaf.
+per rank, and the surplus is subtracted; that is exact on the fused path, where
+the clip comes first and sees the unscaled gradients, and anywhere else such a
+mix raises ``NotImplementedError`` when the optimiser clips). A ``Partial``
+placement or another mix raises, naming the leaf.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.precision.loss_scale import NoOpLossScale, unscale_factor
+from functional_fp16.update.accumulation import fp16_accumulates
+from functional_fp16.update.dispatch import route
 from functional_fp16.update.state_check import check_state, mark_checked
 
 __all__ = ["holds_dtensors", "dtensor_update", "local_state"]
@@ -243,11 +247,24 @@ def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=N
         out = flag.to(torch.bool).reshape(finite.shape)
         return out if agree is None else agree(out)
 
+    mixed = bool(plan.replicated) and plan.copies > 1
+    # The surplus copies of the replicated leaves are known exactly where the norm is
+    # that of the unscaled gradients themselves: the fused path, clip first, no MultiSteps.
+    exact = not mixed or (
+        not fp16_accumulates(state.tx) and route(local, kwargs.get("impl", "auto")).name == "fused"
+    )
+
     def mesh_sum(partial: torch.Tensor) -> torch.Tensor:
+        if not exact:
+            raise NotImplementedError(
+                "clip_by_global_norm over a mix of replicated and sharded DTensor parameters "
+                "runs on the fused path only (the clip first in the chain, no MultiSteps); "
+                "shard every parameter, or clip first"
+            )
         total = partial.clone()
         for group in plan.sum_dims:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        if plan.replicated and plan.copies > 1:  # each rank summed them: keep one copy
+        if mixed:  # each rank summed the replicated leaves: keep one copy
             g = tree_flatten(local_grads)[0]
             extra = _sum_of_squares([g[i] for i in plan.replicated], state.loss_scale)
             total = total - (plan.copies - 1) * extra
