@@ -85,6 +85,19 @@ def _transformed() -> bool:
     )
 
 
+def _direct(spec: StepSpec | None, lists: list[list]) -> bool:
+    """Whether an op's dispatch would reach the C++ op unchanged: plain eager mode (see
+    :func:`_transformed`), the CPU's C++ kernel for ``spec``, plain tensors in ``lists``
+    (the first holds the gradients)."""
+    grads = lists[0]
+    return (
+        bool(grads)
+        and not _transformed()
+        and cpp_ready(spec, kernel_for(grads[0].device))
+        and all(set(map(type, xs)) <= _PLAIN for xs in lists)
+    )
+
+
 # ---------------------------------------------------------------------------
 # grad_stats
 # ---------------------------------------------------------------------------
@@ -146,12 +159,7 @@ grad_stats = _define(
 def call_grad_stats(grads, inv, groups: int, members: int, sum_squares: bool):
     """``grad_stats`` on these arguments; in plain eager mode on the CPU (see
     ``call`` in :func:`define_step`) its C++ op directly."""
-    if (
-        grads
-        and not _transformed()
-        and cpp_ready(None, kernel_for(grads[0].device))
-        and set(map(type, grads)) <= _PLAIN
-    ):
+    if _direct(None, [grads]):
         return _grad_stats(grads, inv, groups, members, sum_squares)
     return grad_stats(grads, inv, groups, members, sum_squares)
 
@@ -225,13 +233,7 @@ def define_step(spec: StepSpec, doc: str) -> StepOps:
         the same kernel and checks, without converting every list through
         the outer op's dispatch twice.
         """
-        grads = a["grads"]
-        if (
-            grads
-            and not _transformed()
-            and cpp_ready(spec, kernel_for(grads[0].device))
-            and all(set(map(type, a[n])) <= _PLAIN for n in lists)
-        ):
+        if _direct(spec, [a[n] for n in lists]):
             out = via_cpp(a, donated)
             return out[-1] if donated else tuple(out)
         return (op_ if donated else op)(*[a[n] for n in names])

@@ -46,7 +46,7 @@ from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
-    unscale_factor,
+    unscale_inverse,
 )
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
@@ -299,11 +299,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     params, p_spec = tree_flatten(state.params)
     opt = tree_leaves(state.opt_state)
     g = _grads_like(g_leaves, masters, fp.strides)
-    inv = (
-        None
-        if isinstance(state.loss_scale, NoOpLossScale)
-        else unscale_factor(state.loss_scale.loss_scale)
-    )
+    inv = unscale_inverse(state.loss_scale)
     apply, require, norm = _decision_inputs(fp, g, inv, decision)
     clip_div = clip_mul = None
     if norm is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "LossScale",
     "all_finite",
     "unscale_factor",
+    "unscale_inverse",
     "loss_scale_for",
 ]
 
@@ -419,3 +420,12 @@ def loss_scale_for(*dtypes: torch.dtype) -> LossScale:
     :func:`~functional_fp16.default_loss_scale`.
     """
     return DynamicLossScale() if torch.float16 in dtypes else NoOpLossScale()
+
+
+def unscale_inverse(loss_scale: LossScale) -> torch.Tensor | None:
+    r"""The factor :math:`\mathrm{inv} = \operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s))`
+    of the unscaled gradients :math:`\operatorname{fl}_{32}(g)\cdot\mathrm{inv}` for one of
+    the library's loss scales; ``None`` for :class:`NoOpLossScale` (no product at all)."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return None
+    return unscale_factor(loss_scale.loss_scale)

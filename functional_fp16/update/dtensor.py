@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
-from functional_fp16.precision.loss_scale import NoOpLossScale, unscale_factor
+from functional_fp16.precision.loss_scale import unscale_inverse
 from functional_fp16.update.accumulation import fp16_accumulates
 from functional_fp16.update.dispatch import route
 from functional_fp16.update.state_check import check_state, mark_checked
@@ -146,7 +146,7 @@ def _local_grads(state, grads) -> Any:
 
 def _sum_of_squares(grads: list[torch.Tensor], loss_scale) -> torch.Tensor:
     r""":math:`\sum (\operatorname{fl}_{32}(g)\cdot\mathrm{inv})^2` in float64, as the update sums."""
-    inv = None if isinstance(loss_scale, NoOpLossScale) else unscale_factor(loss_scale.loss_scale)
+    inv = unscale_inverse(loss_scale)
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
         u = g.float() if inv is None else g.float() * inv

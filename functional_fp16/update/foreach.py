@@ -51,7 +51,7 @@ from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
-    unscale_factor,
+    unscale_inverse,
 )
 from functional_fp16.transforms.base import replace_at, state_at, update_with_extra_args
 from functional_fp16.transforms.sgd import ScaleByScheduleState, TraceState
@@ -72,10 +72,8 @@ def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
 
 def _inv_scale(loss_scale: Any) -> tuple[bool, torch.Tensor | None]:
     """(known, inv): known loss-scale types unscale as ``fl32(g) * inv`` (``inv=None``: no product)."""
-    if isinstance(loss_scale, NoOpLossScale):
-        return True, None
-    if isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
-        return True, unscale_factor(loss_scale.loss_scale)
+    if isinstance(loss_scale, (NoOpLossScale, DynamicLossScale, StaticLossScale)):
+        return True, unscale_inverse(loss_scale)
     return False, None
 
 
