@@ -7,10 +7,10 @@ Starts ``--world`` CPU processes on 127.0.0.1 (gloo). Each builds the same
 ``1/N`` of the FP32 master and momentum. Then, one after the other, on every
 rank:
 
-* ``save_checkpoint_sharded`` (each rank writes its own pieces through
-  ``torch.distributed.checkpoint``, chunks of ``--bucket-bytes``);
-* ``load_checkpoint_sharded`` into a template of the same world size (the
-  state itself: only the result is new);
+* ``save_dcp_state`` (each rank writes its own ``Shard(0)`` rows through
+  ``torch.distributed.checkpoint``, DCP's own DTensor support);
+* ``load_dcp_state`` into a template of the same world size (the state
+  itself: only the result is new);
 * ``save_checkpoint_rank0`` (``unshard_state`` on every rank, then rank 0
   writes one file);
 * ``load_checkpoint_broadcast`` (rank 0 reads the file, every rank receives
@@ -60,8 +60,8 @@ import functional_fp16 as ff  # noqa: E402
 from functional_fp16 import distributed as ffd  # noqa: E402
 
 CALLS = (
-    "save_checkpoint_sharded",
-    "load_checkpoint_sharded",
+    "save_dcp_state",
+    "load_dcp_state",
     "save_checkpoint_rank0",
     "load_checkpoint_broadcast",
 )
@@ -94,10 +94,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         sharded_dir = os.path.join(args.dir, "sharded")
         full_file = os.path.join(args.dir, "full.ckpt")
         calls = {
-            "save_checkpoint_sharded": lambda: ffd.save_checkpoint_sharded(
-                sharded_dir, tree, bucket_bytes=args.bucket_bytes
-            ),
-            "load_checkpoint_sharded": lambda: ffd.load_checkpoint_sharded(sharded_dir, tree),
+            "save_dcp_state": lambda: ffd.save_dcp_state(state, sharded_dir),
+            "load_dcp_state": lambda: ffd.load_dcp_state(state, sharded_dir),
             "save_checkpoint_rank0": lambda: ffd.save_checkpoint_rank0(full_file, tree),
             "load_checkpoint_broadcast": lambda: ffd.load_checkpoint_broadcast(full_file, tree),
         }
@@ -107,12 +105,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "calls": {name: _measure(fn) for name, fn in calls.items()},
         }
         # The sharded load is bitwise the state it was saved from.
-        again = ffd.load_checkpoint_sharded(sharded_dir, tree)["state"]
+        again = ffd.load_dcp_state(state, sharded_dir)
         same = all(
             torch.equal(a, b)
             for a, b in zip(
-                optree.tree_leaves(again, namespace=ff.NAMESPACE),
-                optree.tree_leaves(state, namespace=ff.NAMESPACE),
+                optree.tree_leaves(ffd.unshard_state(again), namespace=ff.NAMESPACE),
+                optree.tree_leaves(ffd.unshard_state(state), namespace=ff.NAMESPACE),
                 strict=True,
             )
         )

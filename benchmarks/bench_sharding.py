@@ -67,6 +67,7 @@ def make_params(total: int) -> dict[str, torch.Tensor]:
 
 def nbytes(tree) -> int:
     leaves = optree.tree_leaves(tree, namespace=ff.NAMESPACE)
+    leaves = [x.to_local() if hasattr(x, "to_local") else x for x in leaves]  # DTensor: its rows
     return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 

@@ -220,7 +220,7 @@ def make_train_step(
         grads, (loss, new_buffers) = grad_fn(
             state.loss_scale, state.params, buffers, images, labels
         )
-        if shard_master:  # reduce-scatter, step this rank's slice, all-gather the params
+        if shard_master:  # reduce-scatter, step this rank's rows, all-gather the params
             loss = ff.tree_all_reduce_mean(loss.detach().float())
             new_state = ffd.sharded_update(state, grads, loss=loss)
         elif distributed:
@@ -253,6 +253,7 @@ def make_eval_step(model: nn.Module, policy: Policy) -> Callable[..., torch.Tens
 def fp32_bytes(state: ff.FP16State) -> int:
     """Bytes of this rank's master copy and optimiser state."""
     leaves = optree.tree_leaves((state.master, state.opt_state), namespace=ff.NAMESPACE)
+    leaves = [x.to_local() if hasattr(x, "to_local") else x for x in leaves]  # DTensor: its rows
     return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 

@@ -32,11 +32,11 @@ def test_flags_and_process_groups_are_keyword_only():
         ffd.broadcast_state,
         ffd.tree_all_reduce_mean,
         ffd.agree_finite,
-        ffd.shard_state,
-        ffd.unshard_state,
-        ffd.sharded_update,
     ):
         assert _kinds(fn)["group"] == KW, fn.__name__
+    # A sharded state carries its mesh; only shard_state is told one.
+    assert _kinds(ffd.shard_state)["mesh"] == KW
+    assert "group" not in _kinds(ffd.sharded_update) and "group" not in _kinds(ffd.unshard_state)
     assert _kinds(ffd.broadcast_state)["src"] == KW
     assert list(_kinds(ff.cast_to))[:2] == ["tree", "dtype"]
     assert list(_kinds(atomic_torch_save))[:2] == ["path", "obj"]

@@ -16,10 +16,12 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from functional_fp16.distributed.shard_layout import owners
+from functional_fp16.distributed.row_shards import rows
+from functional_fp16.distributed.sharding import owners
 from tests._launch import launch_workers, results
 from tests.helpers import bits, load_module, ulp_distance
 
@@ -38,7 +40,7 @@ def runs(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("shard_checkpoints")
     env = {"FF_SHARD_CKPT_DIR": str(ckpt)}
     two = launch_workers(WORKER_FILE, tmp_path_factory.mktemp("n2"), 2, LAUNCH_TIMEOUT_S, env)
-    env_resume = {**env, "FF_SHARD_RESUME": str(ckpt / "sharded_n2.ckpt")}
+    env_resume = {**env, "FF_SHARD_RESUME": "2"}
     three = launch_workers(
         WORKER_FILE, tmp_path_factory.mktemp("n3"), 3, LAUNCH_TIMEOUT_S, env_resume
     )
@@ -152,7 +154,7 @@ def test_mixed_dtypes_channels_last_and_empty_leaves(runs, world, tx_name):
     # so the runs must agree bit for bit.
     per_rank = [r[tx_name] for r in results(runs[world], "awkward")]
     for r, res in enumerate(per_rank):
-        assert res["groups"] == 2
+        assert res["placements"] == ["(Shard(dim=0),)"] and res["master_types"] == ["DTensor"]
         assert res["channels_last"] and res["master_channels_last"]
         for step, (rep, sharded) in enumerate(res["history"]):
             assert_same_state(sharded, rep, f"rank {r} step {step}", exact=True)
@@ -171,7 +173,11 @@ def test_mixed_dtypes_channels_last_and_empty_leaves(runs, world, tx_name):
 def test_each_rank_holds_its_share_of_the_fp32_state(runs, world, tx_name, copies):
     per_rank = [r[tx_name] for r in results(runs[world], "memory")]
     n = sum(x.numel() for x in W.make_params(0).values())
-    share = -(-n // world)  # elements per rank, the last rank's padded
+    # The most elements a rank holds: ceil(rows / N) rows of every leaf (Shard(0)).
+    share = sum(
+        -(-s[0] // world) * (x.numel() // s[0])
+        for s, x in ((x.shape, x) for x in W.make_params(0).values())
+    )
     full = per_rank[0]
     # The master: exactly the full state's bytes between the ranks, no padding stored.
     assert sum(r["master"] for r in per_rank) == full["full_master"] == 4 * n
@@ -186,26 +192,31 @@ def test_each_rank_holds_its_share_of_the_fp32_state(runs, world, tx_name, copie
         assert r["params"] == full["full_params"]  # the FP16 working copy stays whole
     per_param = [r["opt"] - (full["full_opt"] - 4 * n * copies) for r in per_rank]
     assert sum(per_param) == 4 * n * copies
-    layout = per_rank[0]["layout"]
-    # optree flattens a dict in sorted key order: b1, b2, c, w1, w2.
-    assert layout["world_size"] == world and layout["sizes"] == (5, 2, 1, 35, 15)
+    # Each rank's shards are the ones DTensor itself gives it (distribute_tensor).
+    for r in per_rank:
+        assert r["local_shapes"] == r["dtensor_shapes"]
+        assert r["global_shapes"] == {k: tuple(v) for k, v in W.SHAPES.items()}
+    assert len({str(r["local_shapes"]) for r in per_rank}) > 1  # the ranks hold different rows
 
 
 # -- misuse ----------------------------------------------------------------------
 
 EXPECTED_ERRORS = {
-    "shard_twice": ("ValueError", "already sharded"),
+    "shard_twice": ("ValueError", "state already holds DTensors"),
     "fp16_update_sharded": ("ValueError", "sharded_update"),
     "update_path_sharded": ("ValueError", "sharded_update"),
     "sharded_update_full": ("ValueError", "shard_state(state) first"),
     "unshard_full": ("ValueError", "shard_state(state) first"),
-    "wrong_rank": ("ValueError", "this process is rank"),
+    "replicated_master": (
+        "ValueError",
+        "state.master['b1']: a DTensor of shape (5,), placements (Replicate(),)",
+    ),
     "bad_grads": ("ValueError", "grads['w2']"),
-    "long_piece": ("ValueError", "a piece of params['b1']"),
-    "plain_save": ("TypeError", "save_checkpoint_rank0"),
+    "mesh_2d": ("ValueError", "mesh must be 1-D"),
+    "plain_save": ("TypeError", "save_dcp_state"),
     "bad_loss": ("TypeError", "loss must be a tensor"),
     "bad_impl": ("ValueError", "impl must be"),
-    "stale_layout": ("ValueError", "laid out for parameters of"),
+    "stale_layout": ("ValueError", "state.params['b1']: shape (6,), but the sharded master"),
     "all_reduce_in_tx": ("ValueError", "all_reduce_mean()"),
 }
 
@@ -235,7 +246,7 @@ def test_a_sharded_checkpoint_holds_the_full_state(runs):
         written = results(runs[world], "checkpoint")[0]["written"]
         loaded = _load_full(runs["ckpt"] / f"sharded_n{world}.ckpt")
         assert loaded["epoch"] == W.RESUME_AFTER
-        assert loaded["state"].shard is None
+        assert not ffd.is_sharded(loaded["state"])
         assert_same_state(W.full_snapshot(loaded["state"]), written, f"n={world} file", exact=True)
 
 
@@ -253,9 +264,14 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks(runs):
     saved = _load_full(runs["ckpt"] / "sharded_n2.ckpt")
     reference = _continue_alone(saved["state"])
     for r, res in enumerate(per_rank):
-        assert res["resumed_layout"]["world_size"] == 3 and res["resumed_layout"]["rank"] == r
+        assert res["resumed_mesh"] == 3
+        assert set(res["resumed_placements"].values()) == {(Shard(0),)}
+        assert set(res["dcp_placements"].values()) == {(Shard(0),)}
         assert res["resumed_epoch"] == W.RESUME_AFTER
         assert_same_state(res["resumed"], W.full_snapshot(saved["state"]), "resumed", exact=True)
+        # The DCP checkpoint of the same state, written shard by shard at 2 ranks and
+        # resharded by DCP for 3, holds the same bits.
+        assert_same_state(res["resumed_dcp"], res["resumed"], "resumed from DCP", exact=True)
         # Every rank had the whole batch's gradients and averaged them in FP32,
         # so the mean is exact and the continuation is the one-process run's.
         for step, (got, want) in enumerate(zip(res["continued"], reference, strict=True)):
@@ -277,7 +293,14 @@ def test_a_three_rank_checkpoint_resumes_on_one_rank(runs, one_process_group):
     like = {"state": ffd.shard_state(W.make_state("adamw_masked", seed=1)), "epoch": 0}
     loaded = ffd.load_checkpoint_broadcast(path, like)
     state = loaded["state"]
-    assert state.shard.world_size == 1 and loaded["epoch"] == W.RESUME_AFTER
+    assert state.master["w1"].device_mesh.size() == 1 and loaded["epoch"] == W.RESUME_AFTER
+    from_dcp = ffd.load_dcp_state(like["state"], runs["ckpt"] / "dcp_n3")
+    assert_same_state(
+        W.full_snapshot(ffd.unshard_state(from_dcp)),
+        W.full_snapshot(ffd.unshard_state(state)),
+        "3 -> 1 through DCP",
+        exact=True,
+    )
     for step, want in zip(range(W.RESUME_AFTER, W.RESUME_AFTER + W.CONTINUE_STEPS), reference):
         state = W._same_grads_step(state, step)
         assert_same_state(W.full_snapshot(ffd.unshard_state(state)), want, f"{step}", exact=True)
@@ -305,6 +328,29 @@ def test_pieces_keep_their_parameters_number_of_dimensions(one_process_group):
 
 
 # -- one process: the optimiser-state probe, and calls without a group -----------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_old_format_checkpoint_loads_into_a_sharded_state(runs, world):
+    from tests.test_sharded_checkpoints import expected_leaves
+
+    for r, res in enumerate(results(runs[world], "legacy")):
+        assert res["epoch"] == 3 and res["sharded"], r
+        want = expected_leaves()
+        assert len(res["full"]) == len(want)
+        for j, (a, b) in enumerate(zip(res["full"], want, strict=True)):
+            assert a.dtype == b.dtype and torch.equal(bits(a), bits(b)), (r, j)
+
+
+@pytest.mark.parametrize("d", [0, 1, 2, 3, 5, 7, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rows_are_torch_chunks_in_rank_order(d, world):
+    # DTensor's Shard(0) splits as torch.chunk, the ranks past the last chunk empty.
+    chunks = list(torch.arange(d).chunk(world)) if d else []
+    chunks += [torch.arange(0)] * (world - len(chunks))
+    for r in range(world):
+        lo, hi = rows(d, world, r)
+        assert torch.equal(torch.arange(d)[lo:hi], chunks[r]), (d, world, r)
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor
 from functional_fp16.checkpoint import _read
@@ -188,11 +189,13 @@ class _Writer:
             )
         if optree.tree_is_leaf(tree, namespace=NAMESPACE):
             return self.leaf(tree, path)
-        if isinstance(tree, FP16State) and tree.shard is not None:
+        if isinstance(tree, FP16State) and any(
+            isinstance(x, DTensor) for x in optree.tree_leaves(tree, namespace=NAMESPACE)
+        ):
             raise TypeError(
-                f"tree{path} is shard {tree.shard.rank} of {tree.shard.world_size} of a sharded "
-                "state: save it with functional_fp16.distributed.save_checkpoint_rank0, called "
-                "on every rank, which gathers the full state and writes one file"
+                f"tree{path} holds DTensors (a sharded or FSDP2 state): save it with "
+                "functional_fp16.distributed.save_dcp_state on every rank (each writes its "
+                "shards), or with save_checkpoint_rank0, which gathers a sharded state first"
             )
         children, meta, entries, steps = one_level(tree)
         if isinstance(tree, dict):

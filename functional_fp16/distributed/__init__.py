@@ -44,34 +44,33 @@ A training step on ``N`` ranks, each fed ``B / N`` examples::
         state = fp16_update(state, grads, loss=loss, agree=agree_finite)
 
 To divide the FP32 master and optimiser state between the ranks instead of
-replicating it (ZeRO-1), shard the state and step it with
-:func:`sharded_update`, which reduce-scatters the gradients, steps this
-rank's slice and all-gathers the FP16 parameters::
+replicating it (ZeRO-1), shard the state: its master and per-parameter
+optimiser state become DTensors ``Shard(0)`` over a 1-D mesh of the ranks,
+beside whole FP16 ``params``. :func:`sharded_update` reduce-scatters the
+gradients, steps this rank's rows and all-gathers the FP16 parameters, and
+DCP saves and reshards the state like any DTensor state::
 
     state = shard_state(broadcast_state(fp16_init(params, adamw(1e-3))))
     for x, y in shard:
         grads, loss = grad_fn(state.loss_scale, state.params, x, y)
         state = sharded_update(state, grads, loss=loss)
+    save_dcp_state(state, "ckpt")                        # each rank writes its shards
+    state = load_dcp_state(shard_state(fp16_init(params, adamw(1e-3))), "ckpt")  # any world size
+
+FSDP2 states (DTensor ``params``, from ``fully_shard``) need none of this:
+:func:`~functional_fp16.fp16_update` steps them on the local shards
+(:mod:`functional_fp16.update.dtensor`).
 
 The package's modules, one job each: :mod:`.process_group` (set-up under
 torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
 flag), :mod:`.replicas` (identical trees on every rank),
 :mod:`.fingerprint` (the ranks' agreement on a configuration before they
-communicate), :mod:`.checkpoints` (rank-0 writes, broadcast resumes), and for
-the sharded state :mod:`.shard_layout` (who owns which elements),
-:mod:`.sharding` (:func:`shard_state`, :func:`unshard_state`),
-:mod:`.sharded_step` (:func:`sharded_update`) and :mod:`.sharded_checkpoints`
-(:func:`save_checkpoint_sharded`, :func:`load_checkpoint_sharded`: each rank
-writes and reads its own part through ``torch.distributed.checkpoint``, and a
-checkpoint loads at any world size), with :mod:`.sharded_format` (the marker
-file and its comparison with the template), :mod:`.sharded_plans` (each
-rank's checks before the ranks agree), :mod:`.dcp_metadata` (DCP's metadata
-file read with a restricted unpickler) and :mod:`.dcp_io` (chunks, the save
-planner and the reader)::
-
-    ffd.save_checkpoint_sharded("ckpt", {"state": state, "epoch": epoch})
-    like = {"state": shard_state(fp16_init(params, adamw(1e-3))), "epoch": 0}
-    resumed = ffd.load_checkpoint_sharded("ckpt", like)
+communicate), :mod:`.checkpoints` (rank-0 writes, broadcast resumes),
+:mod:`.dcp_state` (DTensor states through ``torch.distributed.checkpoint``),
+and for ZeRO-1 :mod:`.row_shards` (DTensor's ``Shard(0)`` rows and the
+bucketed collectives that move them), :mod:`.sharding` (:func:`shard_state`,
+:func:`unshard_state`), :mod:`.sharded_step` (:func:`sharded_update`) and
+:mod:`.sharded_checkpoints` (reading the retired sharded format of version 1).
 
 The top layer of the package: it may import every other subpackage, and none
 imports it (the root ``functional_fp16`` re-exports a few of its names).
@@ -100,7 +99,6 @@ from functional_fp16.distributed.process_group import (
     shutdown,
 )
 from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
-from functional_fp16.distributed.shard_layout import ShardLayout
 from functional_fp16.distributed.sharded_step import sharded_update
 from functional_fp16.distributed.sharding import is_sharded, shard_state, unshard_state
 
@@ -122,28 +120,39 @@ __all__ = [
     "broadcast_state",
     "save_checkpoint_rank0",
     "load_checkpoint_broadcast",
-    "save_checkpoint_sharded",
     "load_checkpoint_sharded",
     "state_to_dcp",
     "save_dcp_state",
     "load_dcp_state",
-    "ShardLayout",
     "shard_state",
     "unshard_state",
     "is_sharded",
     "sharded_update",
 ]
 
-_LAZY = {"save_checkpoint_sharded", "load_checkpoint_sharded"}
+_LAZY = {"load_checkpoint_sharded"}
+_RETIRED = {
+    "save_checkpoint_sharded": (
+        "save_checkpoint_sharded was retired with its format: a sharded state's FP32 tensors "
+        "are DTensors, saved by DCP itself with save_dcp_state(state, path) on every rank "
+        "(load_checkpoint_sharded still reads the old format)"
+    ),
+    "ShardLayout": (
+        "ShardLayout was retired: a sharded state's layout is its DTensors' placements "
+        "(Shard(0) over a 1-D mesh; see functional_fp16.distributed.row_shards)"
+    ),
+}
 
 
 def __getattr__(name: str):
-    # The sharded checkpoints import torch.distributed.checkpoint (most of a
-    # second); they are loaded on first use, not with the package.
+    # The old-format reader imports torch.distributed.checkpoint (most of a
+    # second); it is loaded on first use, not with the package.
     if name in _LAZY:
         from functional_fp16.distributed import sharded_checkpoints
 
         return getattr(sharded_checkpoints, name)
+    if name in _RETIRED:
+        raise AttributeError(_RETIRED[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -40,7 +40,7 @@ def save_checkpoint_rank0(
     shards it again for whatever group loads it.
     """
     require_group("save_checkpoint_rank0")
-    tree = map_sharded(lambda s: unshard_state(s, group=group), tree)
+    tree = map_sharded(unshard_state, tree)
     error = None
     if dist.get_rank() == src:
         try:
@@ -87,4 +87,4 @@ def load_checkpoint_broadcast(
             error = err
     _agree_on_error(error, src, group, f"reading checkpoint {os.fspath(path)!r}")
     tree = broadcast_state(tree, src=src, group=group, name="checkpoint")
-    return shard_like(tree, like, group)
+    return shard_like(tree, like)

@@ -60,11 +60,6 @@ def state_to_dcp(state: FP16State) -> dict[str, Any]:
     """
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
-    if state.shard is not None:
-        raise ValueError(
-            "state holds one shard of our own ZeRO-1 layout: save it with "
-            "save_checkpoint_sharded, or build the state from DTensor parameters"
-        )
     out: dict[str, Any] = {}
     for field in ("params", "master", "opt_state", "loss_scale"):
         part = getattr(state, field)
@@ -89,7 +84,7 @@ def save_dcp_state(state: FP16State, checkpoint_id) -> None:
     """
     import torch.distributed.checkpoint as dcp
 
-    with _one_process_is_intended():
+    with one_process_is_intended():
         dcp.save(state_to_dcp(state), checkpoint_id=checkpoint_id, no_dist=not _distributed())
 
 
@@ -116,13 +111,13 @@ def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) ->
     else:
         fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         target = tree_unflatten(spec, fresh)
-    with _one_process_is_intended():
+    with one_process_is_intended():
         dcp.load(state_to_dcp(target), checkpoint_id=checkpoint_id, no_dist=not _distributed())
     return target
 
 
 @contextlib.contextmanager
-def _one_process_is_intended():
+def one_process_is_intended():
     """Without a process group the library runs DCP in one process on purpose: DCP's
     warning that it assumes so is not shown."""
     with warnings.catch_warnings():

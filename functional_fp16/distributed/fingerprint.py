@@ -43,10 +43,10 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps
 from functional_fp16.distributed.process_group import ProcessGroup
-from functional_fp16.distributed.shard_layout import owners
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update import FP16State
 
@@ -166,39 +166,33 @@ def _composite(value: Any, path: str, out: Entries, depth: int, active: set[int]
         out.append((path, f"{_type_name(value)} object"))
 
 
-def describe_leaf(x: Any, *, piece: bool = False) -> str:
-    """A leaf's description: ``a float32 tensor of shape (3, 4) on cpu``, ``a float32 piece on cpu``, ``an int``."""
+def describe_leaf(x: Any) -> str:
+    """A leaf's description: ``a float32 tensor of shape (3, 4) on cpu``, ``an int``; a DTensor's
+    global shape, placements and mesh (``a float16 DTensor of shape (8, 4) on cpu,
+    (Shard(dim=0),) on a mesh of shape (2,)``), what every rank holds alike."""
+    if isinstance(x, DTensor):
+        mesh = x.device_mesh
+        names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
+        return (
+            f"a {x.dtype} DTensor of shape {tuple(x.shape)} on {x.device.type}, "
+            f"{tuple(x.placements)} on a mesh of shape {tuple(mesh.shape)}{names}"
+        )
     if isinstance(x, torch.Tensor):
-        if piece:
-            return f"a {x.dtype} piece on {x.device.type}"
         return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device.type}"
     name = type(x).__name__
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
-
-
-def describe_layout(layout: Any) -> str:
-    """A shard layout less the rank (the one field that differs from rank to rank)."""
-    if layout is None:
-        return "not sharded"
-    return (
-        f"sharded over {layout.world_size} ranks, leaf sizes {layout.sizes}, "
-        f"dtype groups {layout.groups}"
-    )
 
 
 def _is_builtin(node: Any) -> bool:
     return type(node) in _BUILTIN_NODES or optree.is_namedtuple(node) or optree.is_structseq(node)
 
 
-def describe_tree(
-    tree: PyTree, *, leaves: bool = True, layouts: bool = True, tx: bool = True
-) -> Entries:
+def describe_tree(tree: PyTree, *, leaves: bool = True, tx: bool = True) -> Entries:
     """``(path, description)`` for every node and leaf of ``tree`` (see the module docstring).
 
     Args:
       tree: any pytree of the library's namespace.
       leaves: include the leaves (else only the nodes and their static configuration).
-      layouts: include every ``FP16State``'s shard layout (less the rank).
       tx: include every ``FP16State``'s ``tx`` (its ``spec``).
 
     Returns:
@@ -206,26 +200,19 @@ def describe_tree(
       writes them (``""`` for the root).
     """
     out: Entries = []
-    stack: list[tuple[Any, str, bool]] = [(tree, "", False)]
+    stack: list[tuple[Any, str]] = [(tree, "")]
     while stack:
-        node, path, piece = stack.pop()
+        node, path = stack.pop()
         if optree.tree_is_leaf(node, namespace=NAMESPACE):
             if leaves:
-                out.append((path, describe_leaf(node, piece=piece)))
+                out.append((path, describe_leaf(node)))
             continue
         children, meta, _, _ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
         name = type(node).__qualname__
         out.append((path, f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"))
-        in_pieces = [False] * len(children)
         if isinstance(node, FP16State):
             if tx:
                 out.extend(describe_static(node.tx, f"{path}.tx"))
-            if layouts:
-                out.append((f"{path}.shard", describe_layout(node.shard)))
-            if node.shard is not None:
-                in_pieces[1] = in_pieces[2] = True  # master, opt_state
-                if leaves:
-                    out.append((f"{path} pieces' lengths", _pieces_fit(node)))
         elif not _is_builtin(node) and meta is not None:
             if optree.is_namedtuple(meta):
                 for field in meta._fields:
@@ -233,31 +220,9 @@ def describe_tree(
             else:
                 out.extend(describe_static(meta, f"{path}<static>"))
         steps = child_steps(node)
-        for child, step, p in reversed(list(zip(children, steps, in_pieces, strict=True))):
-            stack.append((child, path + step, piece or p))
+        for child, step in reversed(list(zip(children, steps, strict=True))):
+            stack.append((child, path + step))
     return out
-
-
-def _pieces_fit(state: FP16State) -> str:
-    """Whether a sharded state's pieces have the lengths its layout gives, in words that
-    do not depend on the rank (ranks that all hold misfit pieces agree, and are refused
-    by the caller's own checks)."""
-
-    layout = state.shard
-    try:
-        m_leaves = optree.tree_leaves(state.master, namespace=NAMESPACE)
-        o_leaves = optree.tree_leaves(state.opt_state, namespace=NAMESPACE)
-        if len(m_leaves) != len(layout.sizes):
-            return "not those of the layout"
-        parts = list(enumerate(m_leaves))
-        parts += [(i, x) for i, x in zip(owners(state), o_leaves) if i is not None]
-        for i, x in parts:
-            lo, hi = layout.piece(i)
-            if not isinstance(x, torch.Tensor) or x.numel() != hi - lo:
-                return "not those of the layout"
-    except Exception as err:  # a malformed state: described, refused later by the caller
-        return f"not checked ({type(err).__name__})"
-    return "those of the layout"
 
 
 def first_difference(name: str, ref: Entries, ref_rank: int, other: Entries, rank: int) -> str:

@@ -1,20 +1,24 @@
-"""Sharded FP32 state (ZeRO-1): each rank keeps only its slice of the master and optimiser state.
+r"""Sharded FP32 state (ZeRO-1) on DTensor: the master and optimiser state ``Shard(0)`` over a mesh.
 
 In FP16 training the FP32 master and the optimiser's FP32 buffers are most of
 the state (8 of every 10 bytes per parameter with SGD-momentum, 12 of 14 with
-Adam), and data parallelism replicates them on every rank. Sharding keeps
-the full FP16 working copy (``params``) on every rank, for the forward and
-backward passes, and divides the rest: rank :math:`r` of :math:`N` holds,
-for every parameter leaf, the 1-D *piece* of it that falls in its contiguous
-slice of the flattened parameters (:mod:`.shard_layout`). Since the update is
-elementwise, each rank can step its pieces alone
-(:func:`~functional_fp16.distributed.sharded_update`).
+Adam), and data parallelism replicates them on every rank. A sharded state
+keeps the FP16 working copy (``params``) whole on every rank, as plain
+tensors for the forward and backward passes, and holds every FP32 tensor
+that belongs to a parameter as a DTensor ``Shard(0)`` over a 1-D device mesh
+of the ranks (a 0-d one ``Replicate()``): rank :math:`r` of :math:`N` holds
+rows :math:`[\min(rc, d), \min((r+1)c, d))`, :math:`c = \lceil d/N \rceil`, of a
+leaf of :math:`d` rows, as DTensor splits them
+(:mod:`~functional_fp16.distributed.row_shards`). The placements are the
+state's own metadata, so DCP saves and reshards it (:func:`save_dcp_state`,
+:func:`load_dcp_state`) and :func:`sharded_update` steps it.
 
-``shard_state`` needs no communication (every rank already holds the full,
-identical state); ``unshard_state`` gathers. The optimiser-state leaves that
-belong to a parameter are found from ``tx.init`` itself, run once on
-shape-only (``meta``) tensors: a leaf that ``init`` derives from parameter
-``i`` is sharded like it, every other leaf (counters, flags) is kept whole.
+``shard_state`` needs no communication beyond a check that every rank holds
+the same structure (every rank already holds the full, identical state);
+``unshard_state`` gathers. The optimiser-state leaves that belong to a
+parameter are found from ``tx.init`` itself, run once on shape-only
+(``meta``) tensors: a leaf that ``init`` derives from parameter ``i`` is
+sharded like it, every other leaf (counters, flags) is kept as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from functional_fp16._util.tree import (
     NAMESPACE,
@@ -35,20 +41,43 @@ from functional_fp16._util.tree import (
     tree_unflatten,
 )
 from functional_fp16.distributed.all_reduce import AllReduceSpec
-from functional_fp16.distributed.buckets import all_gather_flat, fill
-from functional_fp16.distributed.process_group import ProcessGroup, require_group
+from functional_fp16.distributed.process_group import require_group
 from functional_fp16.distributed.replicas import check_same_tree
-from functional_fp16.distributed.shard_layout import ShardLayout, layout_for, owners, piece_shape
+from functional_fp16.distributed.row_shards import gather_rows, plan_buckets, rows
 from functional_fp16.transforms.accumulation import MultiStepsSpec
 from functional_fp16.transforms.base import ChainSpec
 from functional_fp16.update import FP16State
 
-__all__ = ["shard_state", "unshard_state", "is_sharded"]
+__all__ = ["shard_state", "unshard_state", "is_sharded", "default_mesh"]
+
+# Probe leaf i has i + _TAG elements. A tx.init that ignores the device and
+# materialises it allocates a few MB, not terabytes; no optimiser creates
+# state of that length from nothing.
+_TAG = 1_000_003
+_GATHER_BUCKET_BYTES = 64 * 1024 * 1024
+_MESHES: dict = {}
 
 
 def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is an :class:`~functional_fp16.FP16State` holding one rank's shard."""
-    return isinstance(state, FP16State) and state.shard is not None
+    """Whether ``state`` is a sharded (ZeRO-1) :class:`~functional_fp16.FP16State`: plain
+    ``params``, DTensor ``master``."""
+    if not isinstance(state, FP16State):
+        return False
+    masters = tree_flatten(state.master)[0]
+    params = tree_flatten(state.params)[0]
+    return any(isinstance(m, DTensor) for m in masters) and not any(
+        isinstance(p, DTensor) for p in params
+    )
+
+
+def default_mesh(device: torch.device | str) -> DeviceMesh:
+    """The 1-D mesh of every rank of the default process group, for ``device``'s type
+    (one object per device type, so that states sharded apart share it)."""
+    kind = torch.device(device).type
+    key = (kind, dist.get_world_size())
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(kind, (dist.get_world_size(),))
+    return _MESHES[key]
 
 
 def _declared(spec: Any) -> Iterator[Any]:
@@ -64,15 +93,48 @@ def _declared(spec: Any) -> Iterator[Any]:
 def refuse_replicated_steps(tx: Any) -> None:
     """Refuses an optimiser that averages across ranks itself (``all_reduce_mean``).
 
-    On pieces, whose sizes differ between ranks, it would average elements of
+    On shards, whose rows differ between ranks, it would average rows of
     different parameters; ``sharded_update`` averages the gradients already.
     """
     if any(isinstance(spec, AllReduceSpec) for spec in _declared(getattr(tx, "spec", None))):
         raise ValueError(
-            "state.tx contains all_reduce_mean(), which would average pieces of different "
+            "state.tx contains all_reduce_mean(), which would average shards of different "
             "parameters across the ranks; sharded_update averages the gradients itself "
             "(reduce-scatter), so build the optimiser without it"
         )
+
+
+def owners(state: FP16State) -> list[int | None]:
+    """For every leaf of ``state.opt_state``: the parameter leaf it belongs to, or ``None``.
+
+    ``state.tx.init`` runs on ``meta`` tensors of distinct sizes, one per
+    parameter, each with its parameter's number of dimensions (at least one,
+    so a mask function decides alike); a leaf of the result with parameter
+    ``i``'s size belongs to it. The real state's structure must match the probe's.
+    """
+    p_leaves, p_spec = tree_flatten(state.params)
+    tags = [
+        torch.empty((_TAG + i,) + (1,) * (p.ndim - 1), dtype=torch.float32, device="meta")
+        for i, p in enumerate(p_leaves)
+    ]
+    try:
+        probe = state.tx.init(tree_unflatten(p_spec, tags))
+    except Exception as err:
+        raise TypeError(
+            f"state.tx.init does not run on shape-only (meta) tensors ({type(err).__name__}: "
+            f"{err}), so the optimiser state cannot be split by parameter"
+        ) from None
+    want, got = tree_flatten(probe)[1], tree_flatten(state.opt_state)[1]
+    if want != got:
+        raise ValueError(
+            "state.opt_state does not have the structure state.tx.init gives: "
+            f"expected {want}, got {got}"
+        )
+    out: list[int | None] = []
+    for leaf in tree_flatten(probe)[0]:
+        i = leaf.numel() - _TAG if isinstance(leaf, torch.Tensor) and leaf.ndim else -1
+        out.append(i if 0 <= i < len(p_leaves) else None)
+    return out
 
 
 def _check_full(state: FP16State, owner: list[int | None]) -> None:
@@ -96,52 +158,72 @@ def _check_full(state: FP16State, owner: list[int | None]) -> None:
             )
 
 
-def _piece(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """A copy of the flat elements ``lo .. hi - 1`` of ``x``, owning its own (small) storage,
-    shaped by :func:`~functional_fp16.distributed.shard_layout.piece_shape`."""
-    return x.reshape(-1)[lo:hi].clone().view(piece_shape(x.ndim, hi - lo))
+def placements_of(ndim: int) -> tuple:
+    """The placement of a parameter's FP32 tensors: ``Shard(0)``, or ``Replicate()`` for 0-d."""
+    return (Shard(0),) if ndim else (Replicate(),)
 
 
-def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
-    r"""This rank's shard of a full (replicated) state: ``params`` whole, FP32 state sliced.
+def _shard(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's rows of ``x`` (a copy owning its storage), as a DTensor of ``x``'s shape."""
+    placements = placements_of(x.ndim)
+    if x.ndim:
+        lo, hi = rows(x.shape[0], mesh.size(), mesh.get_local_rank())
+        local = x[lo:hi].contiguous().clone()
+    else:
+        local = x.clone()
+    stride = torch.empty(x.shape, device="meta").stride()  # the global tensor's, contiguous
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=x.shape, stride=stride
+    )
 
-    With :math:`N` ranks and this rank's slice :math:`[a, b)` of the flattened
-    parameters of a dtype group (:mod:`~functional_fp16.distributed.shard_layout`):
+
+def shard_state(state: FP16State, *, mesh: DeviceMesh | None = None) -> FP16State:
+    r"""This rank's shard of a full (replicated) state: ``params`` whole, FP32 state ``Shard(0)``.
+
+    With :math:`N` ranks on ``mesh`` and :math:`c_i = \lceil d_i/N \rceil` for a
+    parameter of :math:`d_i` rows, rank :math:`r` keeps
 
     .. math::
-        \text{master}'_i = \operatorname{vec}(\text{master}_i)[a - o_i : b - o_i]
-        \quad\text{(clamped to the leaf; possibly empty)}
+        \text{master}'_i = \text{master}_i[\min(rc_i, d_i) : \min((r+1)c_i, d_i)]
 
+    as a DTensor ``Shard(0)`` of the full shape (a 0-d leaf whole, ``Replicate()``),
     and the same for every optimiser-state leaf that belongs to parameter
-    :math:`i`; ``params``, the loss scale and the counters stay whole. Each
-    piece is a fresh 1-D tensor, so once the full state is dropped only
-    :math:`1/N` of its FP32 bytes remain. No communication beyond a check
-    that every rank holds the same structure (the values must already be
-    the same on every rank, e.g. after :func:`broadcast_state`), made first so
-    that a state that differs on one rank (structure, shapes, dtypes,
-    ``tx.spec``) raises on every rank, naming the rank and the difference.
+    :math:`i`; ``params``, the loss scale and the counters stay plain and
+    whole. Each shard owns its storage, so once the full state is dropped
+    only :math:`1/N` of its FP32 bytes remain. No communication beyond a
+    check that every rank holds the same structure (the values must already
+    be the same on every rank, e.g. after :func:`broadcast_state`), made
+    first so that a state that differs on one rank (structure, shapes,
+    dtypes, ``tx.spec``) raises on every rank, naming the rank and the difference.
 
     Args:
-      state: a full :class:`~functional_fp16.FP16State` (not already sharded).
-      group: the process group to shard over (default: the default group).
+      state: a full :class:`~functional_fp16.FP16State` of plain tensors.
+      mesh: a 1-D device mesh of the ranks (default: :func:`default_mesh` of
+        the parameters' device, every rank of the default group).
 
     Returns:
-      A sharded state (``state.shard`` is its
-      :class:`~functional_fp16.distributed.ShardLayout`); update it with
-      :func:`sharded_update`, gather it with :func:`unshard_state`.
+      A sharded state; update it with :func:`sharded_update`, save it with
+      :func:`save_dcp_state`, gather it with :func:`unshard_state`.
 
     Raises:
-      ValueError: for a state that is already sharded, or an optimiser state
-        whose per-parameter tensors are not shaped like their parameters.
+      ValueError: for a state that is already sharded or holds DTensor
+        parameters, a mesh that is not 1-D, or an optimiser state whose
+        per-parameter tensors are not shaped like their parameters.
     """
     require_group("shard_state")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"mesh must be 1-D (the ranks the FP32 state is split over), got {mesh}")
     # First, so that every refusal below happens on every rank alike (no rank waits alone).
-    check_same_tree(state, group, name="state")
+    check_same_tree(state, None if mesh is None else mesh.get_group(), name="state")
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
-    if state.shard is not None:
+    leaves = tree_flatten(state)[0]
+    if any(isinstance(x, DTensor) for x in leaves):
         raise ValueError(
-            f"state is already sharded (shard {state.shard.rank} of {state.shard.world_size})"
+            "state already holds DTensors (sharded, or built from FSDP2 parameters): "
+            "shard_state takes a full state of plain tensors"
         )
     refuse_replicated_steps(state.tx)
     owner = owners(state)
@@ -153,166 +235,83 @@ def shard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
             f"params live on several devices ({sorted(map(str, devices))}); "
             "a sharded state keeps all of them on one"
         )
-    layout = layout_for(p_leaves, dist.get_world_size(group), dist.get_rank(group))
-    pieces = [layout.piece(i) for i in range(len(p_leaves))]
-    master = [_piece(m, *pieces[i]) for i, m in enumerate(tree_flatten(state.master)[0])]
+    if mesh is None:
+        mesh = default_mesh(p_leaves[0].device)
+    master = [_shard(m, mesh) for m in tree_flatten(state.master)[0]]
     o_leaves, o_spec = tree_flatten(state.opt_state)
-    opt = [leaf if i is None else _piece(leaf, *pieces[i]) for leaf, i in zip(o_leaves, owner)]
+    opt = [leaf if i is None else _shard(leaf, mesh) for leaf, i in zip(o_leaves, owner)]
     return state.replace(
-        master=tree_unflatten(p_spec, master),
-        opt_state=tree_unflatten(o_spec, opt),
-        shard=layout,
+        master=tree_unflatten(p_spec, master), opt_state=tree_unflatten(o_spec, opt)
     )
 
 
-def check_layout(state: FP16State, group: ProcessGroup, what: str) -> ShardLayout:
-    """The state's layout, after checking that it was sharded over a group like ``group``."""
+def mesh_of(state: FP16State, what: str) -> DeviceMesh:
+    """The mesh of a sharded state's DTensor leaves, after checking it is one 1-D mesh."""
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
-    layout = state.shard
-    if layout is None:
+    if not is_sharded(state):
         raise ValueError(f"{what} needs a sharded state: call shard_state(state) first")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (layout.world_size, layout.rank) != (world, rank):
+    m_spec, p_spec = tree_flatten(state.master)[1], tree_flatten(state.params)[1]
+    if m_spec != p_spec:
         raise ValueError(
-            f"state holds shard {layout.rank} of {layout.world_size}, but this process is rank "
-            f"{rank} of {world} in the group: shard it for this group (unshard_state on the old "
-            "group, or load the full checkpoint, then shard_state)"
+            f"state.master has the structure {m_spec}, but state.params {p_spec}; "
+            "a sharded state's master mirrors its params"
         )
-    sizes = tuple(p.numel() for p in tree_flatten(state.params)[0])
-    if sizes != layout.sizes:
-        raise ValueError(
-            f"state.shard was laid out for parameters of {layout.sizes} elements, but "
-            f"state.params has {sizes}: shard a state only with shard_state"
-        )
-    return layout
+    mesh = None
+    for path, m in zip(tree_paths(state.master), tree_flatten(state.master)[0]):
+        if not isinstance(m, DTensor):
+            raise TypeError(f"state.master{path}: a plain tensor in a sharded state's master")
+        if mesh is None:
+            mesh = m.device_mesh
+        if m.device_mesh != mesh or tuple(m.placements) != placements_of(m.ndim):
+            raise ValueError(
+                f"state.master{path}: a DTensor of shape {tuple(m.shape)}, placements "
+                f"{m.placements} on {m.device_mesh}; a sharded "
+                f"state holds Shard(0) (0-d: Replicate()) on one 1-D mesh, here {mesh}"
+            )
+    if mesh.ndim != 1:
+        raise ValueError(f"{what}: the state's mesh {mesh} is not 1-D")
+    return mesh
 
 
-def raise_together(error: str | None, group: ProcessGroup) -> None:
-    """Raises on every rank if ``error`` (this rank's problem, or ``None``) is set on any.
+def unshard_state(state: FP16State) -> FP16State:
+    r"""The full state of plain tensors, on every rank, gathered from the shards.
 
-    One small all-gather, so that a rank with a malformed state does not leave
-    the others waiting in the collective that follows.
-    """
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    for r, message in enumerate(errors):
-        if message is not None:
-            raise ValueError(message if r == dist.get_rank(group) else f"on rank {r}: {message}")
-
-
-def unshard_state(state: FP16State, *, group: ProcessGroup = None) -> FP16State:
-    r"""The full state, on every rank, gathered from the shards of ``group``.
-
-    The inverse of :func:`shard_state`: every piece is all-gathered and the
-    pieces of each leaf are concatenated in rank order and reshaped (in the
-    parameter's memory format). One ``all_gather`` per dtype; the result is
+    The inverse of :func:`shard_state`: the rows of every DTensor leaf are
+    all-gathered in rank order (in buckets of one dtype, one collective each)
+    into a plain tensor of the parameter's memory format. The result is
     bitwise the same on every rank, and can be saved, inspected, updated with
-    :func:`~functional_fp16.fp16_update`, or sharded again for another world
-    size.
-
-    Args:
-      state: a sharded state, sharded over ``group``.
-      group: the process group (default: the default group).
-
-    Returns:
-      An unsharded :class:`~functional_fp16.FP16State` (``shard`` is ``None``).
+    :func:`~functional_fp16.fp16_update`, or sharded again for another mesh.
     """
     require_group("unshard_state")
-    layout = check_layout(state, group, "unshard_state")
+    mesh = mesh_of(state, "unshard_state")
     owner = owners(state)
-    p_leaves, p_spec = tree_flatten(state.params)
-    m_leaves = tree_flatten(state.master)[0]
     o_leaves, o_spec = tree_flatten(state.opt_state)
-    # Every sharded tensor: (its pieces here, the parameter it belongs to).
-    sharded = list(enumerate(m_leaves)) + [
-        (i, o_leaves[j]) for j, i in enumerate(owner) if i is not None
-    ]
-    error = None
-    for i, t in sharded:
-        lo, hi = layout.piece(i)
-        want = piece_shape(p_leaves[i].ndim, hi - lo)
-        if not isinstance(t, torch.Tensor) or t.shape != want:
-            error = (
-                f"a piece of params{tree_paths(state.params)[i]} is a {describe_tensor(t)}, but "
-                f"shard {layout.rank} of {layout.world_size} holds it as shape {want}"
-            )
-            break
-    raise_together(error, group)
-    full = _gather_pieces(sharded, layout, p_leaves, group)
-    master = full[: len(m_leaves)]
+    m_leaves, m_spec = tree_flatten(state.master)
+    sharded = [j for j, x in enumerate(o_leaves) if isinstance(x, DTensor)]
+    tensors = m_leaves + [o_leaves[j] for j in sharded]
+    shapes = [tuple(x.shape) for x in tensors]
+    buckets = plan_buckets(shapes, [x.dtype for x in tensors], mesh.size(), _GATHER_BUCKET_BYTES)
+    with torch.no_grad():
+        locals_ = [x.to_local().contiguous() for x in tensors]
+    full = gather_rows(locals_, buckets, mesh.get_group(), mesh.size(), mesh.get_local_rank())
+    params = tree_flatten(state.params)[0]
+    master = [_format(f, p) for f, p in zip(full, params)]
     rest = iter(full[len(m_leaves) :])
-    opt = [leaf if i is None else next(rest) for leaf, i in zip(o_leaves, owner)]
+    opt = list(o_leaves)
+    for j in sharded:
+        i = owner[j]
+        opt[j] = next(rest) if i is None else _format(next(rest), params[i])
     return state.replace(
-        master=tree_unflatten(p_spec, master),
-        opt_state=tree_unflatten(o_spec, opt),
-        shard=None,
+        master=tree_unflatten(m_spec, master), opt_state=tree_unflatten(o_spec, opt)
     )
 
 
-def _gather_pieces(
-    sharded: list[tuple[int, torch.Tensor]],
-    layout: ShardLayout,
-    params: list[torch.Tensor],
-    group: ProcessGroup,
-    bucket_bytes: int = 64 * 1024 * 1024,
-) -> list[torch.Tensor]:
-    """The full tensors of ``sharded`` (``(parameter index, piece)``), all-gathered in buckets.
-
-    Tensors of one dtype go together until a bucket's gathered bytes would
-    pass ``bucket_bytes``, so the memory in flight beyond the result is one
-    bucket, not a second copy of the whole state.
-    """
-    world = layout.world_size
-    lengths = [
-        [hi - lo for lo, hi in (layout.piece(i, r) for i, _ in sharded)] for r in range(world)
-    ]
-    out: list[Any] = [None] * len(sharded)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for j, (_, t) in enumerate(sharded):
-        by_dtype.setdefault(t.dtype, []).append(j)
-    for dtype, js in by_dtype.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        bucket: list[int] = []
-        for j in js + [None]:
-            if j is not None:
-                grown = bucket + [j]
-                width = max(sum(lengths[r][k] for k in grown) for r in range(world))
-                if not bucket or world * width * itemsize <= bucket_bytes:
-                    bucket = grown
-                    continue
-            _gather_bucket(bucket, sharded, lengths, layout, params, group, dtype, out)
-            bucket = [j] if j is not None else []
-    return out
-
-
-def _gather_bucket(js, sharded, lengths, layout, params, group, dtype, out) -> None:
-    """All-gathers the pieces of ``sharded[j]`` for ``j`` in ``js`` and writes the full tensors to ``out``."""
-    world = layout.world_size
-    totals = [sum(lengths[r][j] for j in js) for r in range(world)]
-    width = max(totals)
-    device = sharded[js[0]][1].device
-    mine = torch.empty(width, dtype=dtype, device=device)
-    at = fill(mine, 0, [sharded[j][1].reshape(-1) for j in js], 1.0)
-    mine[at:].zero_()
-    gathered = torch.empty(world * width, dtype=dtype, device=device)
-    all_gather_flat(gathered, mine, group=group)
-    rows = gathered.view(world, width)
-    starts = [0] * world
-    for j in js:
-        like = params[sharded[j][0]]
-        full = torch.empty_like(like, dtype=dtype)  # the parameter's shape and memory format
-        dense = full.is_contiguous()
-        flat = full.view(-1) if dense else torch.empty(like.numel(), dtype=dtype, device=device)
-        at = 0
-        for r in range(world):
-            n = lengths[r][j]
-            flat[at : at + n].copy_(rows[r, starts[r] : starts[r] + n])
-            starts[r] += n
-            at += n
-        if not dense:  # channels-last: reorder into the parameter's layout
-            full.copy_(flat.view(like.shape))
-        out[j] = full
+def _format(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` in ``like``'s memory format (channels-last stays channels-last)."""
+    if like.is_contiguous() or full.shape != like.shape:
+        return full
+    return torch.empty_like(like, dtype=full.dtype).copy_(full)
 
 
 def map_sharded(fn, tree: PyTree) -> PyTree:
@@ -338,11 +337,12 @@ def full_like(state: FP16State) -> FP16State:
     master = optree.tree_map(
         lambda p: torch.empty_like(p, dtype=torch.float32), state.params, namespace=NAMESPACE
     )
-    return state.replace(master=master, opt_state=state.tx.init(master), shard=None)
+    return state.replace(master=master, opt_state=state.tx.init(master))
 
 
-def shard_like(tree: PyTree, like: PyTree, group: ProcessGroup) -> PyTree:
-    """``tree`` with :func:`shard_state` applied to the states that are sharded in ``like``."""
+def shard_like(tree: PyTree, like: PyTree) -> PyTree:
+    """``tree`` with :func:`shard_state` applied to the states that are sharded in ``like``
+    (on the mesh of ``like``'s state)."""
 
     def states(t: PyTree) -> tuple[list[Any], Any]:
         return optree.tree_flatten(
@@ -352,7 +352,7 @@ def shard_like(tree: PyTree, like: PyTree, group: ProcessGroup) -> PyTree:
     nodes, spec = states(tree)
     wanted = states(like)[0]
     out = [
-        shard_state(n, group=group) if is_sharded(w) else n
+        shard_state(n, mesh=mesh_of(w, "shard_like")) if is_sharded(w) else n
         for n, w in zip(nodes, wanted, strict=True)
     ]
     return optree.tree_unflatten(spec, out)

@@ -43,7 +43,14 @@ from functional_fp16.update.accumulation import fp16_accumulates
 from functional_fp16.update.dispatch import route
 from functional_fp16.update.state_check import check_state, mark_checked
 
-__all__ = ["holds_dtensors", "dtensor_update", "local_state"]
+__all__ = [
+    "holds_dtensors",
+    "dtensor_update",
+    "local_state",
+    "plan",
+    "mesh_hooks",
+    "checked_locally",
+]
 
 
 def holds_dtensors(state) -> bool:
@@ -51,31 +58,30 @@ def holds_dtensors(state) -> bool:
     return any(isinstance(x, DTensor) for x in tree_flatten(state.params)[0])
 
 
-def _layout(state) -> tuple[Any, tuple[int, ...]]:
-    """The params' mesh and the mesh dimensions they are sharded over (checked)."""
-    paths = tree_paths(state.params)
-    leaves = tree_flatten(state.params)[0]
+def _layout(tree, name: str) -> tuple[Any, tuple[int, ...]]:
+    """The mesh of ``tree``'s DTensors and the mesh dimensions they are sharded over (checked)."""
+    paths = tree_paths(tree)
+    leaves = tree_flatten(tree)[0]
     mesh, sharded = None, None
     for path, p in zip(paths, leaves):
         if not isinstance(p, DTensor):
             raise TypeError(
-                f"state.params{path}: a plain tensor among DTensor parameters; every leaf "
+                f"{name}{path}: a plain tensor among DTensor parameters; every leaf "
                 "must be a DTensor on one mesh"
             )
         if mesh is None:
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
-            raise ValueError(f"state.params{path}: on another device mesh than the first leaf")
+            raise ValueError(f"{name}{path}: on another device mesh than the first leaf")
         if not all(isinstance(x, (Shard, Replicate)) for x in p.placements):
             raise ValueError(
-                f"state.params{path}: placements {p.placements}; only Shard and Replicate "
-                "are supported"
+                f"{name}{path}: placements {p.placements}; only Shard and Replicate are supported"
             )
         dims = tuple(i for i, x in enumerate(p.placements) if isinstance(x, Shard))
         if dims and dims != sharded:
             if sharded is not None:
                 raise ValueError(
-                    f"state.params{path}: sharded over mesh dimensions {dims}, the other "
+                    f"{name}{path}: sharded over mesh dimensions {dims}, the other "
                     f"sharded parameters over {sharded}; the global norm needs one layout"
                 )
             sharded = dims
@@ -174,17 +180,20 @@ _PLANS_KEPT = 64
 _LOCAL_SIGNATURES: dict = {}  # (state signature, local strides) -> the local state's signature
 
 
-def _plan(state, signature) -> _Plan:
+def plan(state, signature, field: str = "params") -> _Plan:
+    """What follows from the layout of ``state.<field>`` (the leaves that carry the
+    placements: ``params``, or a sharded state's ``master``), looked up by ``signature``."""
+    tree = getattr(state, field)
     found = None if signature is None else _PLANS.get(signature)
     # The same mesh object, not only an equal one: its process groups are the plan's.
-    if found is not None and found.mesh is tree_flatten(state.params)[0][0].device_mesh:
+    if found is not None and found.mesh is tree_flatten(tree)[0][0].device_mesh:
         return found
-    mesh, sharded = _layout(state)
+    mesh, sharded = _layout(tree, f"state.{field}")
     sum_dims = _groups(mesh, sharded)
     copies = 1
     for group in sum_dims:
         copies *= dist.get_world_size(group)
-    params = tree_flatten(state.params)[0]
+    params = tree_flatten(tree)[0]
     found = _Plan(
         mesh,
         _groups(mesh, range(mesh.ndim)),
@@ -212,7 +221,7 @@ def _grad_locals(plan: _Plan, state, grads) -> Any:
     return _local_grads(state, grads)
 
 
-def _checked_locally(local, signature):
+def checked_locally(local, signature):
     """``local`` marked with the signature its metadata gives (looked up after the first call)."""
     if signature is None:
         return local
@@ -227,18 +236,11 @@ def _checked_locally(local, signature):
     return mark_checked(local, found)
 
 
-def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=None, **kwargs):
-    r"""``update`` (``fp16_update``) of a DTensor state, run on the local shards.
-
-    See the module docstring. ``agree`` and ``global_sum``, when given, apply
-    after the mesh's own reductions. ``signature`` (the state's, from
-    ``check_state``) lets what follows from the layout be looked up. Returns
-    the state with its DTensor leaves.
-    """
-    plan = _plan(state, signature)
-    local, wrap = local_state(state)
-    local = _checked_locally(local, signature)
-    local_grads = _grad_locals(plan, state, grads)
+def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, impl="auto"):
+    r"""The ``agree`` and ``global_sum`` hooks that complete a local update's reductions over
+    the mesh: the finite flag by MIN over every mesh dimension, the float64 sum of squares by
+    SUM over the sharded ones, less the surplus copies of the replicated leaves. ``agree``
+    and ``global_sum``, when given, apply after the mesh's own reductions."""
 
     def mesh_agree(finite: torch.Tensor) -> torch.Tensor:
         flag = finite.to(torch.int32)
@@ -250,9 +252,7 @@ def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=N
     mixed = bool(plan.replicated) and plan.copies > 1
     # The surplus copies of the replicated leaves are known exactly where the norm is
     # that of the unscaled gradients themselves: the fused path, clip first, no MultiSteps.
-    exact = not mixed or (
-        not fp16_accumulates(state.tx) and route(local, kwargs.get("impl", "auto")).name == "fused"
-    )
+    exact = not mixed or (not fp16_accumulates(state.tx) and route(local, impl).name == "fused")
 
     def mesh_sum(partial: torch.Tensor) -> torch.Tensor:
         if not exact:
@@ -270,6 +270,25 @@ def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=N
             total = total - (plan.copies - 1) * extra
         return total if global_sum is None else global_sum(total)
 
+    return mesh_agree, mesh_sum
+
+
+def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=None, **kwargs):
+    r"""``update`` (``fp16_update``) of a DTensor state, run on the local shards.
+
+    See the module docstring. ``agree`` and ``global_sum``, when given, apply
+    after the mesh's own reductions. ``signature`` (the state's, from
+    ``check_state``) lets what follows from the layout be looked up. Returns
+    the state with its DTensor leaves.
+    """
+    found = plan(state, signature)
+    local, wrap = local_state(state)
+    local = checked_locally(local, signature)
+    local_grads = _grad_locals(found, state, grads)
+    mesh_agree, mesh_sum = mesh_hooks(
+        found, state, local, local_grads, agree=agree, global_sum=global_sum,
+        impl=kwargs.get("impl", "auto"),
+    )  # fmt: skip
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
     new = update(local, local_grads, loss=loss, agree=mesh_agree, global_sum=mesh_sum, **kwargs)

@@ -63,15 +63,15 @@ class FP16State:
       :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
       :mod:`functional_fp16.transforms.accumulation`).
 
-    Static configuration: ``tx``, the :class:`GradientTransformation`, and
-    ``shard``: ``None``, or for a state made by
-    :func:`functional_fp16.distributed.shard_state`, the
-    :class:`~functional_fp16.distributed.ShardLayout` saying which slice of the
-    flattened FP32 tensors this rank's ``master`` and ``opt_state`` hold (as
-    1-D pieces, one per parameter leaf, in the parameters' tree structure).
+    Static configuration: ``tx``, the :class:`GradientTransformation`. Any
+    tensor may be a DTensor: FSDP2's parameters give DTensor ``params``,
+    ``master`` and per-parameter optimiser state with the same placements,
+    and :func:`functional_fp16.distributed.shard_state` makes ``master`` and
+    the per-parameter optimiser state ``Shard(0)`` DTensors beside plain
+    ``params`` (ZeRO-1).
     """
 
-    __slots__ = _FIELDS + ("tx", "shard", "_checked")
+    __slots__ = _FIELDS + ("tx", "_checked")
 
     def __init__(
         self,
@@ -82,7 +82,6 @@ class FP16State:
         step: torch.Tensor,
         grads_finite: torch.Tensor,
         tx: GradientTransformation,
-        shard: Any = None,
     ) -> None:
         init = object.__setattr__
         init(self, "params", params)
@@ -92,7 +91,6 @@ class FP16State:
         init(self, "step", step)
         init(self, "grads_finite", grads_finite)
         init(self, "tx", tx)
-        init(self, "shard", shard)
         # The signature under which fp16_update checked this state's parts when it
         # made the state (functional_fp16.update.state_check); None for a state
         # made any other way. Never copied: replace() and tree_unflatten() build
@@ -108,11 +106,11 @@ class FP16State:
         raise AttributeError("FP16State is immutable")
 
     def __reduce__(self) -> tuple:
-        return FP16State, tuple(getattr(self, n) for n in _FIELDS + ("tx", "shard"))
+        return FP16State, tuple(getattr(self, n) for n in _FIELDS + ("tx",))
 
     def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""
-        fields = {name: getattr(self, name) for name in _FIELDS + ("tx", "shard")}
+        fields = {name: getattr(self, name) for name in _FIELDS + ("tx",)}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"FP16State has no field(s) {sorted(unknown)}")
@@ -121,20 +119,16 @@ class FP16State:
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in tree_leaves(self.params))
-        shard = (
-            "" if self.shard is None else f", shard {self.shard.rank} of {self.shard.world_size}"
-        )
         return (
             f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
-            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params"
-            f"{shard})"
+            f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params)"
         )
 
 
 register_node(
     FP16State,
-    lambda s: (tuple(getattr(s, n) for n in _FIELDS), (s.tx, s.shard)),
-    lambda meta, children: FP16State(*children, tx=meta[0], shard=meta[1]),
+    lambda s: (tuple(getattr(s, n) for n in _FIELDS), s.tx),
+    lambda tx, children: FP16State(*children, tx=tx),
     lambda s: _FIELDS,
 )
 

@@ -190,7 +190,6 @@ def _template(state: FP16State) -> FP16State:
         step=_empty((), torch.int32, where),
         grads_finite=_empty((), torch.bool, where),
         tx=state.tx,
-        shard=state.shard,
     )
 
 

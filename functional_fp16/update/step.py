@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_map
 from functional_fp16.update.batching import is_batched, per_member
@@ -26,10 +27,10 @@ from functional_fp16.update.state_check import check_disjoint, check_state, mark
 __all__ = ["fp16_update", "update_path"]
 
 _SHARDED_MESSAGE = (
-    "state holds shard {} of {} of the FP32 master and optimiser state "
-    "(from functional_fp16.distributed.shard_state): update it with "
-    "functional_fp16.distributed.sharded_update on every rank, or gather it "
-    "with unshard_state first"
+    "state holds this rank's Shard(0) DTensors of the FP32 master and optimiser state "
+    "beside whole params (from functional_fp16.distributed.shard_state): update it with "
+    "functional_fp16.distributed.sharded_update on every rank, or gather it with "
+    "unshard_state first"
 )
 
 
@@ -135,14 +136,26 @@ _DTENSOR_STATES: dict = {}  # signature -> whether its params are DTensors
 
 
 def _holds_dtensors(state: FP16State, signature) -> bool:
-    if signature is None:
-        return holds_dtensors(state)
-    found = _DTENSOR_STATES.get(signature)
+    """Whether the params are DTensors (looked up by signature); refuses a sharded
+    (ZeRO-1) state, whose DTensor master sits beside plain params."""
+    found = None if signature is None else _DTENSOR_STATES.get(signature)
     if found is None:
-        found = _DTENSOR_STATES[signature] = holds_dtensors(state)
-        if len(_DTENSOR_STATES) > _LAYOUTS_KEPT:
-            del _DTENSOR_STATES[next(iter(_DTENSOR_STATES))]
-    return found
+        found = _dtensor_kind(state)
+        if signature is not None:
+            _DTENSOR_STATES[signature] = found
+            if len(_DTENSOR_STATES) > _LAYOUTS_KEPT:
+                del _DTENSOR_STATES[next(iter(_DTENSOR_STATES))]
+    if found == "sharded":
+        raise ValueError(_SHARDED_MESSAGE)
+    return found == "dtensor"
+
+
+def _dtensor_kind(state: FP16State) -> str:
+    if holds_dtensors(state):
+        return "dtensor"
+    if any(isinstance(m, DTensor) for m in tree_flatten(state.master)[0]):
+        return "sharded"
+    return "plain"
 
 
 _LAYOUTS: dict = {}  # signature -> the params' (tree spec, types, sizes, dtypes, devices)
@@ -206,8 +219,6 @@ def _check_state(state):
     """Refuses what is not a whole, unsharded state; returns its signature (see ``check_state``)."""
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
-    if state.shard is not None:
-        raise ValueError(_SHARDED_MESSAGE.format(state.shard.rank, state.shard.world_size))
     return check_state(state)
 
 
@@ -233,6 +244,6 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
     :func:`functional_fp16.update.dispatch.route`.
     """
     _check_state(state)
-    if holds_dtensors(state):  # what runs on the local shards
+    if _holds_dtensors(state, None):  # what runs on the local shards
         return route(local_state(state)[0], impl).name
     return route(state, impl).name
