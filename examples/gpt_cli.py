@@ -244,4 +244,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser("Train a character-level GPT with functional FP16 mixed precision.")
     add_precision_flags(p.add_argument_group("precision and device"))
     add_output_flags(p.add_argument_group("output"))
-    return finish(p, argv)
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the FP16 model with FSDP2 (fully_shard per block) over the processes "
+        "torchrun starts, step the DTensor state with fp16_update; --resume then takes the "
+        "DCP directory a --fsdp run wrote (its dcp_final)",
+    )
+    args = finish(p, argv)
+    if args.fsdp:
+        if args.compile:
+            p.error("--compile is not supported together with --fsdp")
+        args.distributed = True  # the process group of torchrun, as --distributed starts it
+    return args

@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # and output settings are shared with the CIFAR-10 example (run_setup.py,
 # run_outputs.py).
 import gpt_data  # noqa: E402
+import gpt_fsdp  # noqa: E402
 from gpt_cli import parse_args  # noqa: E402
 from gpt_loop import fit  # noqa: E402
 from gpt_model import (  # noqa: E402
@@ -182,6 +183,16 @@ def build_state(
     params = {k: v.to(device) for k, v in params.items()}
     tx = build_optimizer(args, decay_mask(model))
     return ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+
+
+def fsdp_parts(
+    args: argparse.Namespace, cfg, loss_scale: ff.LossScale
+) -> tuple[GPT, ff.GradientTransformation, ff.LossScale]:
+    """The model, optimiser and loss scale of a ``--fsdp`` run: the recipe without
+    ``MultiSteps`` (FSDP2 sums the micro-batches' gradients in ``p.grad``)."""
+    model = build_model(cfg, args.seed)
+    single = argparse.Namespace(**{**vars(args), "grad_accum": 1})
+    return model, build_optimizer(single, decay_mask(model)), loss_scale
 
 
 def applied_steps(opt_state: Any) -> torch.Tensor:
@@ -326,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out_dir = make_out_dir(args.out_dir)
 
     cfg = model_config(args, data.vocab_size)
+    if args.fsdp:  # FSDP2 on the module itself (examples/gpt_fsdp.py)
+        return gpt_fsdp.run_fsdp(
+            args, data, info, device, out_dir, lambda: fsdp_parts(args, cfg, loss_scale)
+        )
     model = build_model(cfg, args.seed)
     state = build_state(model, policy, loss_scale, args, device)
     if info is not None:  # every rank starts from rank 0's values

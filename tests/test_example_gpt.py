@@ -542,6 +542,39 @@ def test_two_ranks_train_like_one_process(tmp_path):
         assert (state["master"][name] - master).abs().max() <= 1e-5, name
 
 
+def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(EXAMPLES / "gpt_functional.py"), *args],
+        env=env, capture_output=True, text=True,
+        timeout=300,  # a bound for a slow shared machine, not a timing assertion
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_trains_checkpoints_on_dcp_and_resumes_bit_identically(tmp_path):
+    common = [*TINY, "--fsdp", "--eval-batches", "2", "--log-every", "1", "--eval-interval", "3"]
+    whole = _torchrun([*common, "--max-steps", "6", "--out-dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    assert "FSDP2 over 2 ranks (gloo)" in whole.stdout and "update path fused" in whole.stdout
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    rows = jsonl(tmp_path / "whole" / "metrics.jsonl")
+    assert summary["world_size"] == 2 and len(rows) == 6
+    assert rows[-1]["loss"] < rows[0]["loss"] and math.isfinite(summary["val_loss"])
+    assert (tmp_path / "whole" / "dcp_final" / ".metadata").exists()
+    # Resume from the checkpoint the run wrote after 3 of its 6 steps.
+    rest = _torchrun([*common, "--max-steps", "6", "--resume",
+                      str(tmp_path / "whole" / "dcp_step_000003"), "--out-dir", str(tmp_path / "c")])  # fmt: skip
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    resumed = jsonl(tmp_path / "c" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert resumed == rows[3:]  # losses, scales and decisions, exactly
+    end = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert end["val_loss"] == summary["val_loss"]
+
+
 def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):
     data_mod = sys.modules["gpt_data"]
     blob = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 50).encode()
