@@ -162,6 +162,41 @@ def scenario_bad_grads(rank: int, out_dir: str):
     return errors
 
 
+def scenario_disagree(rank: int, out_dir: str):
+    """The last rank differs in one thing; every rank must raise, promptly, naming it."""
+    import time
+
+    world = torch.distributed.get_world_size()
+    odd = rank == world - 1
+    mesh = init_device_mesh("cpu", (world,))
+    state = ff.fp16_init(distribute(make_params(), mesh), ff.sgd(0.1))
+    grads = distribute(make_grads(0, world), mesh)
+    odd_grads = {**grads, "wte": grads["wte"].redistribute(mesh, [Replicate()])}
+    flat = torch.distributed.device_mesh.DeviceMesh("cpu", torch.arange(world).view(1, world))
+    odd_state = ff.fp16_init(
+        {k: distribute_tensor(v, flat, [Replicate(), Shard(0)]) for k, v in make_params().items()},
+        ff.sgd(0.1),
+    )
+    odd_state_grads = {
+        k: distribute_tensor(v, flat, [Replicate(), Shard(0)])
+        for k, v in make_grads(0, world).items()
+    }
+    cases = {
+        "grad_placement": (state, odd_grads if odd else grads),
+        "mesh": (odd_state, odd_state_grads) if odd else (state, grads),
+    }
+    out = {}
+    for name, (st, gr) in cases.items():
+        start = time.monotonic()
+        try:
+            ff.fp16_update(st, gr)
+            out[name] = (None, time.monotonic() - start)
+        except (TypeError, ValueError) as err:
+            out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+    ff.fp16_update(state, grads)  # the group still works
+    return out
+
+
 # -- FSDP2 -------------------------------------------------------------------------------
 
 VOCAB, WIDTH, CONTEXT, BATCH, FSDP_STEPS, FSDP_INJECT = 17, 16, 8, 8, 20, 7
@@ -406,6 +441,7 @@ SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
     "bad_grads": scenario_bad_grads,
+    "disagree": scenario_disagree,
     "fsdp2": scenario_fsdp2,
     "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,

@@ -76,6 +76,17 @@ def test_gradients_that_are_not_placed_like_the_params_raise_naming_the_leaf(lau
         assert r["placement"] is not None and "placements" in r["placement"], r
 
 
+def test_a_rank_with_another_layout_makes_every_rank_raise_promptly(launch):
+    world = launch.world
+    for r, res in enumerate(results(launch, "disagree")):
+        for case, path in (("grad_placement", "grads['wte']"), ("mesh", "state.params")):
+            message, seconds = res[case]
+            assert message is not None, (r, case)
+            assert message.startswith("ValueError: fp16_update: the ranks disagree"), message
+            assert path in message and f"on rank {world - 1}" in message, (r, case, message)
+            assert seconds < 10.0, (r, case, seconds)  # well before the collective timeout
+
+
 FSDP_RUNS = [("recipe", False), ("recipe", True), ("clip", False)]
 
 

@@ -31,6 +31,7 @@ placement or another mix raises, naming the leaf.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 import torch
@@ -273,6 +274,76 @@ def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, imp
     return mesh_agree, mesh_sum
 
 
+_AGREED: dict = {}  # the configurations every rank was seen to hold, by key
+
+
+def _describe(x) -> str:
+    if isinstance(x, DTensor):
+        mesh = x.device_mesh
+        return (
+            f"a {x.dtype} DTensor of shape {tuple(x.shape)}, {tuple(x.placements)} on a mesh "
+            f"of shape {tuple(mesh.shape)}"
+        )
+    if isinstance(x, torch.Tensor):
+        return f"a plain {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def agree_on_layout(state, grads, signature) -> None:
+    r"""Raises on every rank if any rank's DTensor layout differs (checked once per layout).
+
+    Before the first collective of a layout, each rank describes every leaf of
+    ``state.params`` and ``grads`` (dtype, global shape, placements, mesh shape)
+    and the ranks of the default process group all-gather a digest of it; only
+    if the digests differ are the descriptions gathered, to name the first rank
+    and path that differ from rank 0. So a rank with another mesh or another
+    gradient placement makes every rank raise instead of leaving the others in
+    an all-reduce. Runs when the mesh spans the whole default group.
+    """
+    if not dist.is_initialized():
+        return
+    g_leaves, g_spec = tree_flatten(grads)
+    p0 = tree_flatten(state.params)[0][0]
+    if not isinstance(p0, DTensor) or p0.device_mesh.size() != dist.get_world_size():
+        return
+    key = (
+        signature,
+        g_spec,
+        tuple(
+            (type(g), g.dtype, g.shape, tuple(g.placements) if isinstance(g, DTensor) else None)
+            if isinstance(g, torch.Tensor)
+            else type(g)
+            for g in g_leaves
+        ),
+    )
+    if signature is not None and key in _AGREED:
+        return
+    entries = [
+        (f"state.params{p}", _describe(x))
+        for p, x in zip(tree_paths(state.params), tree_flatten(state.params)[0])
+    ]
+    entries += [(f"grads{p}", _describe(g)) for p, g in zip(tree_paths(grads), g_leaves)]
+    digest = hashlib.sha256(repr(entries).encode()).hexdigest()
+    world = dist.get_world_size()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, entries)
+        r = next(i for i, d in enumerate(digests) if d != digests[0])
+        ref, other = dict(everyone[0]), dict(everyone[r])
+        for path in list(ref) + [p for p in other if p not in ref]:
+            if ref.get(path) != other.get(path):
+                raise ValueError(
+                    f"fp16_update: the ranks disagree: {path} is {ref.get(path, 'absent')} on "
+                    f"rank 0 but {other.get(path, 'absent')} on rank {r}"
+                )
+    if signature is not None:
+        if len(_AGREED) >= _PLANS_KEPT:
+            del _AGREED[next(iter(_AGREED))]
+        _AGREED[key] = True
+
+
 def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=None, **kwargs):
     r"""``update`` (``fp16_update``) of a DTensor state, run on the local shards.
 
@@ -281,6 +352,7 @@ def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=N
     ``check_state``) lets what follows from the layout be looked up. Returns
     the state with its DTensor leaves.
     """
+    agree_on_layout(state, grads, signature)  # before anything that may raise on one rank
     found = plan(state, signature)
     local, wrap = local_state(state)
     local = checked_locally(local, signature)
