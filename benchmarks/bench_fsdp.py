@@ -203,7 +203,7 @@ def main() -> None:
           f"global batch {args.batch} x {args.context}")  # fmt: skip
     print(f"step, median of {args.rounds} rounds x {args.steps} steps (slowest rank):")
     print(f"  ours  (FP16 module + fp16_update)                    {1e3 * ours:8.2f} ms")
-    print(f"  stock (MixedPrecisionPolicy + GradScaler + AdamW fused) {1e3 * stock:8.2f} ms")
+    print(f"  stock (MixedPrecisionPolicy + GradScaler + fused AdamW){1e3 * stock:8.2f} ms")
     print(f"  ours / stock                                         {ours / stock:8.3f}x")
     print("FP32 bytes per rank (master / FP32 params and optimiser state):")
     for r, res in enumerate(ranks):
