@@ -160,8 +160,14 @@ def test_clip_by_global_norm_matches_optax():
             ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001),
             optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001),
         ),
+        (
+            ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001, exponent=2.0),
+            optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 120, end_value=0.001, exponent=2.0),
+        ),
+        (ff.linear_schedule(0.2, 0.3, 0), optax.linear_schedule(0.2, 0.3, 0)),
+        (ff.linear_schedule(0.2, 0.3, -3, 5), optax.linear_schedule(0.2, 0.3, -3, 5)),
     ],
-    ids=["cosine", "linear", "warmup_cosine"],
+    ids=["cosine", "linear", "warmup_cosine", "warmup_cosine_exponent", "linear_0", "linear_neg"],
 )
 def test_schedules_match_optax(ours, theirs):
     for t in range(0, 150, 3):

@@ -148,7 +148,7 @@ def test_schedules_return_a_0d_float32_tensor_on_the_steps_device(make):
         (lambda: ff.cosine_decay_schedule(0.1, 10, alpha=1.5), "alpha"),
         (lambda: ff.cosine_decay_schedule(0.1, 10, exponent=0.0), "exponent"),
         (lambda: ff.linear_schedule(-1.0, 0.0, 3), "init_value"),
-        (lambda: ff.linear_schedule(0.0, 1.0, 0), "transition_steps"),
+        (lambda: ff.linear_schedule(0.0, 1.0, 2.5), "transition_steps"),
         (lambda: ff.linear_schedule(0.0, 1.0, 3, transition_begin=-1), "transition_begin"),
         (lambda: ff.constant_schedule(math.nan), "value"),
         (lambda: ff.warmup_cosine_decay_schedule(0.0, 1.0, 10, 5), "decay_steps"),
@@ -168,3 +168,10 @@ def test_schedules_return_a_0d_float32_tensor_on_the_steps_device(make):
 def test_bad_hyperparameters_are_named(factory, match):
     with pytest.raises((ValueError, TypeError), match=match):
         factory()
+
+
+@pytest.mark.parametrize("steps", [0, -1, -100])
+def test_linear_without_transition_steps_is_the_constant_init_value(steps):
+    # optax's rule (a warning there): no transition, the initial value at every step.
+    sched = ff.linear_schedule(0.25, 4.0, steps, transition_begin=3)
+    assert [float(sched(torch.tensor(t))) for t in (0, 3, 10, 1000)] == [0.25] * 4

@@ -66,13 +66,16 @@ def linear_schedule(
     Args:
       init_value: :math:`v_0`, the value up to ``transition_begin``.
       end_value: :math:`v_1`, the value from ``transition_begin + transition_steps`` on.
-      transition_steps: :math:`T \ge 1`.
+      transition_steps: :math:`T`; :math:`T \le 0` gives the constant :math:`v_0`
+        (optax's rule: no transition).
       transition_begin: :math:`t_b \ge 0`.
     """
     v0 = _check_value("init_value", init_value)
     v1 = _check_value("end_value", end_value)
-    steps = _check_steps("transition_steps", transition_steps)
+    steps = validate.integer("transition_steps", transition_steps, -(2**63))
     begin = _check_steps("transition_begin", transition_begin, minimum=0)
+    if steps <= 0:
+        return constant_schedule(v0)
 
     def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
@@ -147,13 +150,17 @@ def warmup_cosine_decay_schedule(
     warmup_steps: int,
     decay_steps: int,
     end_value: float = 0.0,
+    exponent: float = 1.0,
 ) -> Schedule:
     r"""Linear warmup to ``peak_value``, then cosine decay to ``end_value``.
 
     Linear from :math:`v_0` to :math:`v_p` over ``warmup_steps``, then
     :func:`cosine_decay_schedule` from :math:`v_p` with
-    :math:`\alpha = v_{end}/v_p` over ``decay_steps - warmup_steps`` steps
-    (``decay_steps`` counts the warmup, as in optax).
+    :math:`\alpha = v_{end}/v_p` and ``exponent`` :math:`p` over
+    ``decay_steps - warmup_steps`` steps (``decay_steps`` counts the warmup,
+    as in optax):
+
+    .. math:: v(t) = v_p\left[(1-\alpha)\left(\tfrac12\big(1+\cos\tfrac{\pi (t - W)}{S - W}\big)\right)^{p} + \alpha\right], \quad W \le t \le S
     """
     peak = _check_value("peak_value", peak_value)
     warmup = _check_steps("warmup_steps", warmup_steps, 0)
@@ -164,7 +171,7 @@ def warmup_cosine_decay_schedule(
     if end > peak:
         raise ValueError(f"end_value ({end}) must not exceed peak_value ({peak})")
     alpha = end / peak if peak > 0 else 0.0
-    decay = cosine_decay_schedule(peak, total - warmup, alpha=alpha)
+    decay = cosine_decay_schedule(peak, total - warmup, alpha=alpha, exponent=exponent)
     if warmup == 0:
         return decay
     return join_schedules([linear_schedule(init_value, peak, warmup), decay], [warmup])
