@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -42,24 +40,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from _common import init_gloo_rank, machine_line, spawn_ranks  # noqa: E402
 
 
 def _local_bytes(tensors) -> int:
@@ -72,9 +57,7 @@ def _local_bytes(tensors) -> int:
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    init_gloo_rank(rank, world, port)
     import gpt_fsdp
     import optree
     from gpt_model import GPTConfig, build_model, decay_mask
@@ -188,8 +171,7 @@ def main() -> None:
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_worker, (args.world, _port(), args, out), nprocs=args.world,
-                       start_method="spawn")  # fmt: skip
+    spawn_ranks(_worker, args.world, args, out)
     ranks = out.get()
     # Per round, the slowest rank's mean step; then the median over rounds.
     per_round = {
@@ -198,7 +180,8 @@ def main() -> None:
     }
     ours, stock = (statistics.median(per_round[s]) for s in ("ours", "stock"))
     r0 = ranks[0]
-    print(f"CPU: {_cpu()}; torch {torch.__version__}; {args.world} gloo ranks; "
+    print(machine_line())
+    print(f"{args.world} gloo ranks; "
           f"{r0['params']:,} parameters (width {args.width}, {args.layers} layers), "
           f"global batch {args.batch} x {args.context}")  # fmt: skip
     print(f"step, median of {args.rounds} rounds x {args.steps} steps (slowest rank):")
