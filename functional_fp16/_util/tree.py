@@ -15,7 +15,6 @@ from typing import Any
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
-from torch.distributed.tensor import DTensor
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -256,23 +255,6 @@ def describe_tensor(x: Any) -> str:
     return (
         f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple, dict)) else type(x).__name__
     )
-
-
-def describe_leaf(x: Any) -> str:
-    """A leaf's description: ``a float32 tensor of shape (3, 4) on cpu``, ``an int``; a DTensor's
-    global shape, placements and mesh (``a float16 DTensor of shape (8, 4) on cpu,
-    (Shard(dim=0),) on a mesh of shape (2,)``), what every rank holds alike."""
-    if isinstance(x, DTensor):
-        mesh = x.device_mesh
-        names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
-        return (
-            f"a {x.dtype} DTensor of shape {tuple(x.shape)} on {x.device.type}, "
-            f"{tuple(x.placements)} on a mesh of shape {tuple(mesh.shape)}{names}"
-        )
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device.type}"
-    name = type(x).__name__
-    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 def check_same_structure(

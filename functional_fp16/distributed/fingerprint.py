@@ -43,8 +43,9 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps, describe_leaf
+from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps
 from functional_fp16.distributed.process_group import ProcessGroup
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update import FP16State
@@ -163,6 +164,23 @@ def _composite(value: Any, path: str, out: Entries, depth: int, active: set[int]
         out.append((path, f"callable {_callable_name(value)}"))
     else:
         out.append((path, f"{_type_name(value)} object"))
+
+
+def describe_leaf(x: Any) -> str:
+    """A leaf's description: ``a float32 tensor of shape (3, 4) on cpu``, ``an int``; a DTensor's
+    global shape, placements and mesh (``a float16 DTensor of shape (8, 4) on cpu,
+    (Shard(dim=0),) on a mesh of shape (2,)``), what every rank holds alike."""
+    if isinstance(x, DTensor):
+        mesh = x.device_mesh
+        names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
+        return (
+            f"a {x.dtype} DTensor of shape {tuple(x.shape)} on {x.device.type}, "
+            f"{tuple(x.placements)} on a mesh of shape {tuple(mesh.shape)}{names}"
+        )
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device.type}"
+    name = type(x).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 def _is_builtin(node: Any) -> bool:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from functional_fp16._util.tree import describe_leaf, tree_flatten, tree_paths, tree_unflatten
+from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.precision.loss_scale import unscale_inverse
 from functional_fp16.update.accumulation import fp16_accumulates
 from functional_fp16.update.dispatch import route
@@ -277,6 +277,18 @@ def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, imp
 _AGREED: dict = {}  # the configurations every rank was seen to hold, by key
 
 
+def _describe(x) -> str:
+    if isinstance(x, DTensor):
+        mesh = x.device_mesh
+        return (
+            f"a {x.dtype} DTensor of shape {tuple(x.shape)}, {tuple(x.placements)} on a mesh "
+            f"of shape {tuple(mesh.shape)}"
+        )
+    if isinstance(x, torch.Tensor):
+        return f"a plain {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
 def agree_on_layout(state, grads, signature) -> None:
     r"""Raises on every rank if any rank's DTensor layout differs (checked once per layout).
 
@@ -307,10 +319,10 @@ def agree_on_layout(state, grads, signature) -> None:
     if signature is not None and key in _AGREED:
         return
     entries = [
-        (f"state.params{p}", describe_leaf(x))
+        (f"state.params{p}", _describe(x))
         for p, x in zip(tree_paths(state.params), tree_flatten(state.params)[0])
     ]
-    entries += [(f"grads{p}", describe_leaf(g)) for p, g in zip(tree_paths(grads), g_leaves)]
+    entries += [(f"grads{p}", _describe(g)) for p, g in zip(tree_paths(grads), g_leaves)]
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
     world = dist.get_world_size()
     digests: list = [None] * world
