@@ -79,7 +79,7 @@ def test_fake_run_writes_metrics_plot_checkpoint_and_final_line(tmp_path, capsys
     assert last.startswith("Accuracy of the network on the 40 synthetic test images: ")
     assert last.endswith(" %")
     assert sum("images/s" in line for line in lines) >= 3  # two epochs and the total
-    assert summary["policy"] == "params=float16,compute=bfloat16,output=float32"
+    assert summary["policy"] == "p=f16,c=bf16,o=full"
     assert summary["synthetic"] and len(summary["test_accuracy_per_epoch"]) == 2
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -249,7 +249,7 @@ def test_imagefolder_run_end_to_end_via_auto_detection(tmp_path, capsys):
     )
     last, _ = final_line(capsys)
     assert summary["dataset"] == "imagefolder" and not summary["synthetic"]
-    assert summary["policy"] == "params=bfloat16,compute=bfloat16,output=float32"
+    assert summary["policy"] == "p=bf16,c=bf16,o=full"
     assert summary["steps"] == 4  # 18 images, batches of 4, the partial batch dropped
     assert (
         last
@@ -283,15 +283,15 @@ def test_cifar10_missing_offline_is_a_one_line_error(tmp_path):
     [
         (
             ["--device", "cpu", "--compute-dtype", "bf16"],
-            "params=float16,compute=bfloat16,output=float32",
+            "p=f16,c=bf16,o=full",
         ),
         (
             ["--device", "cpu", "--precision", "fp32"],
-            "params=float32,compute=float32,output=float32",
+            "p=full,c=full,o=full",
         ),
         (
             ["--device", "cpu", "--policy", "p=f16,c=f16,o=f16"],
-            "params=float16,compute=float16,output=float16",
+            "p=f16,c=f16,o=f16",
         ),
     ],
 )
@@ -300,23 +300,21 @@ def test_policy_flags(argv, expected):
     policy = example.resolve_policy(args, torch.device("cpu"))
     assert str(policy) == expected
     scale = example.resolve_loss_scale(args, policy)
-    assert isinstance(scale, ff.NoOpLossScale) == (expected.count("float16") == 0)
+    assert isinstance(scale, ff.NoOpLossScale) == ("=f16" not in expected)
 
 
 def test_cpu_default_computes_fp16_params_in_bf16_or_fp32(monkeypatch):
     args = example.parse_args(["--device", "cpu"])
-    for fast, compute in ((True, "bfloat16"), (False, "float32")):
+    for fast, compute in ((True, "bf16"), (False, "full")):
         monkeypatch.setattr(example, "cpu_has_fast_bf16", lambda fast=fast: fast)
         policy = example.resolve_policy(args, torch.device("cpu"))
-        assert str(policy) == f"params=float16,compute={compute},output=float32"
+        assert str(policy) == f"p=f16,c={compute},o=full"
         assert isinstance(example.resolve_loss_scale(args, policy), ff.DynamicLossScale)
 
 
 def test_cuda_defaults_compute_in_the_parameter_dtype():
     args = example.parse_args([])
-    assert str(example.resolve_policy(args, torch.device("cuda"))) == (
-        "params=float16,compute=float16,output=float32"
-    )
+    assert str(example.resolve_policy(args, torch.device("cuda"))) == "p=f16,c=f16,o=full"
 
 
 def test_bad_flags_are_rejected(capsys):
@@ -348,7 +346,7 @@ def test_cuda_fp16_run_resumes_bit_identically(tmp_path, capsys):
         )
 
     full = run(tmp_path / "full")
-    assert full["policy"] == "params=float16,compute=float16,output=float32"
+    assert full["policy"] == "p=f16,c=f16,o=full"
     assert full["device"].startswith("cuda")
     resumed = run(
         tmp_path / "resumed", "--resume", str(tmp_path / "full" / "checkpoint_epoch_001.pt")

@@ -84,9 +84,7 @@ def test_tiny_run_learns_and_writes_its_outputs(tmp_path, capsys):
         assert key in json.loads((out / "summary.json").read_text())
     assert summary["parameters"] == sum(p.numel() for p in summary["state"].params.values())
     assert summary["train_tokens_per_s"] > 0 and summary["synthetic"]
-    assert summary["policy"] == "params=float16,compute=bfloat16,output=float32" or (
-        not example.cpu_has_fast_bf16()
-    )
+    assert summary["policy"] == "p=f16,c=bf16,o=full" or not example.cpu_has_fast_bf16()
     assert len((out / "sample.txt").read_text(encoding="utf-8")) == 20
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.glob("checkpoint_step_*.pt")) == [
@@ -309,18 +307,16 @@ def test_policies_keep_norms_attention_embeddings_and_head_in_fp32():
 def test_precision_flags(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     args = example.parse_args(["--device", "cpu"])
-    for fast, compute in ((True, "bfloat16"), (False, "float32")):
+    for fast, compute in ((True, "bf16"), (False, "full")):
         monkeypatch.setattr(example, "cpu_has_fast_bf16", lambda fast=fast: fast)
         policy = example.resolve_policy(args, cpu)
-        assert str(policy) == f"params=float16,compute={compute},output=float32"
+        assert str(policy) == f"p=f16,c={compute},o=full"
         scale = example.resolve_loss_scale(args, policy)
         assert isinstance(scale, ff.DynamicLossScale) and scale.hysteresis == 2
-    assert str(example.resolve_policy(example.parse_args([]), cuda)).startswith(
-        "params=float16,compute=float16"
-    )
-    for flag, name in (("bf16", "bfloat16"), ("fp32", "float32")):
+    assert str(example.resolve_policy(example.parse_args([]), cuda)).startswith("p=f16,c=f16")
+    for flag, name in (("bf16", "bf16"), ("fp32", "full")):
         policy = example.resolve_policy(example.parse_args(["--precision", flag]), cpu)
-        assert str(policy) == f"params={name},compute={name},output=float32"
+        assert str(policy) == f"p={name},c={name},o=full"
         assert isinstance(
             example.resolve_loss_scale(example.parse_args([]), policy), ff.NoOpLossScale
         )

@@ -96,10 +96,16 @@ def test_with_output_dtype_sets_only_the_output(dtype):
     assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, F32, dtype)
 
 
+# jmp's dtype_to_names, first names (tests/test_jmp_parity.py compares with jmp itself).
+JMP_STR_NAMES = {F16: "f16", BF16: "bf16", F32: "full", F64: "f64"}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_str_names_each_dtype_in_full(dtype):
-    for piece in str(Policy(dtype, dtype, dtype)).split(","):
-        assert piece.split("=")[1] == str(dtype).removeprefix("torch.")
+def test_str_names_each_dtype_as_jmp_does(dtype):
+    pieces = str(Policy(dtype, dtype, dtype)).split(",")
+    assert [piece.split("=")[0] for piece in pieces] == ["p", "c", "o"]
+    for piece in pieces:
+        assert piece.split("=")[1] == JMP_STR_NAMES[dtype]
 
 
 # -- string form ------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def test_str_round_trips_every_policy():
     for p, c, o in itertools.product(DTYPES, repeat=3):
         policy = Policy(p, c, o)
         assert get_policy(str(policy)) == policy
-    assert str(Policy(F16, BF16, F32)) == "params=float16,compute=bfloat16,output=float32"
+    assert str(Policy(F16, BF16, F32)) == "p=f16,c=bf16,o=full"
 
 
 @pytest.mark.parametrize(

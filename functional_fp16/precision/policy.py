@@ -89,12 +89,18 @@ _KEYS: dict[str, str] = {
     "o": "output_dtype",
 }
 
+# The names ``str(policy)`` writes: jmp's (``jmp.dtype_to_names``' first
+# names), so that jmp's ``get_policy`` reads our strings and ours reads jmp's.
 _SHORT_NAMES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "full",
+    torch.float64: "f64",
 }
+
+
+def _short_name(dtype: torch.dtype) -> str:
+    return _SHORT_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -206,10 +212,14 @@ class Policy:
         return torch.float16 in (self.param_dtype, self.compute_dtype, self.output_dtype)
 
     def __str__(self) -> str:
+        """jmp's string for the policy, e.g. ``p=f16,c=f16,o=full``.
+
+        The dtype names are jmp's: ``f16``, ``bf16``, ``full`` (float32) and
+        ``f64``. :func:`get_policy`, ours or jmp's, parses it back to this policy.
+        """
         return (
-            f"params={_SHORT_NAMES.get(self.param_dtype, self.param_dtype)},"
-            f"compute={_SHORT_NAMES.get(self.compute_dtype, self.compute_dtype)},"
-            f"output={_SHORT_NAMES.get(self.output_dtype, self.output_dtype)}"
+            f"p={_short_name(self.param_dtype)},c={_short_name(self.compute_dtype)},"
+            f"o={_short_name(self.output_dtype)}"
         )
 
 
@@ -227,8 +237,11 @@ def get_policy(spec: str) -> Policy:
       compute dtype, so ``"p=f16"`` is all float16 and ``"c=f16"`` is float32
       params with float16 compute and output.
 
-    Dtype names are those of :func:`parse_dtype`. ``str(policy)`` gives back a
-    string this function parses to the same policy.
+    Dtype names are those of :func:`parse_dtype`; keys and names are read
+    regardless of case and spaces. Every string ``jmp.get_policy`` accepts
+    is accepted and means the same (``half`` is float16, jmp's half dtype
+    everywhere but on TPUs). ``str(policy)`` is jmp's string for the policy
+    (``"p=f16,c=f16,o=full"``), which this function parses back to it.
 
     Args:
       spec: the policy string.
@@ -334,8 +347,8 @@ def norm_policy(policy: Policy) -> Policy:
       policy: the model's policy.
 
     Returns:
-      The policy for its norm layers, e.g. ``params=float16,compute=float32,
-      output=bfloat16`` for ``p=f16,c=bf16,o=f32``.
+      The policy for its norm layers, e.g. ``p=f16,c=full,o=bf16`` for
+      ``p=f16,c=bf16,o=f32``.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
