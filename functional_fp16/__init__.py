@@ -47,6 +47,7 @@ from functional_fp16.precision import (
     module_policy,
     norm_policy,
     parse_dtype,
+    select_tree,
     unscale_factor,
 )
 from functional_fp16.stuck_scale import (
@@ -174,6 +175,7 @@ __all__ = [
     "NoOpLossScale",
     "LossScale",
     "all_finite",
+    "select_tree",
     "unscale_factor",
     # the FP16 state and update
     "FP16State",

@@ -12,6 +12,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     all_finite,
     loss_scale_for,
+    select_tree,
     unscale_factor,
 )
 from functional_fp16.precision.policy import (
@@ -33,6 +34,7 @@ __all__ = [
     "NoOpLossScale",
     "LossScale",
     "all_finite",
+    "select_tree",
     "unscale_factor",
     "loss_scale_for",
     "Policy",

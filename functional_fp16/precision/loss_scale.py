@@ -27,7 +27,15 @@ import optree
 import torch
 
 from functional_fp16._util import validate
-from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor, register_node, tree_map
+from functional_fp16._util.tree import (
+    NAMESPACE,
+    PyTree,
+    check_like,
+    describe_tensor,
+    register_node,
+    tree_map,
+    tree_select,
+)
 
 __all__ = [
     "DynamicLossScale",
@@ -35,6 +43,7 @@ __all__ = [
     "NoOpLossScale",
     "LossScale",
     "all_finite",
+    "select_tree",
     "unscale_factor",
     "unscale_inverse",
     "loss_scale_for",
@@ -54,6 +63,31 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     return torch.stack(flags).all()
 
 
+def select_tree(pred: torch.Tensor, a: PyTree, b: PyTree) -> PyTree:
+    r"""``a`` where ``pred`` is true, ``b`` otherwise, leaf by leaf (``jmp.select_tree``).
+
+    .. math:: x_i = \operatorname{where}(\text{pred}, a_i, b_i)
+
+    Each leaf is taken bitwise from one side, on the device, without reading
+    ``pred`` on the host. :func:`~functional_fp16.fp16_update` makes this
+    selection itself; this is for loops written with the transforms alone.
+
+    Args:
+      pred: a 0-d bool tensor, e.g. from :func:`all_finite`.
+      a, b: trees of the same structure whose leaves agree in shape, dtype
+        and device (nothing is broadcast or promoted; the error names the
+        path of the first leaf that differs).
+
+    Returns:
+      A new tree of that structure.
+    """
+    if not isinstance(pred, torch.Tensor) or pred.ndim != 0 or pred.dtype != torch.bool:
+        shown = describe_tensor(pred) if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise TypeError(f"pred must be a 0-d bool tensor, got {shown}")
+    check_like(a, b, name="b", reference_name="a")
+    return tree_select(pred, a, b)
+
+
 def unscale_factor(loss_scale: torch.Tensor) -> torch.Tensor:
     r"""The float32 reciprocal of ``loss_scale``, computed in float64.
 
@@ -66,11 +100,12 @@ def unscale_factor(loss_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_leaf(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # Low-precision losses are promoted to float32 so the product cannot
-    # overflow in FP16 (2**16 alone is already inf there).
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
-    return x * scale.to(x.dtype)
+    # The product takes the promoted dtype of the leaf and the float32 scale,
+    # as in jmp (JAX promotes against the scale's array): FP16/BF16 losses
+    # become float32, so the product cannot overflow in FP16 (2**16 alone is
+    # already inf there), and integer leaves are not truncated to integers.
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return x.to(dtype) * scale.to(dtype)
 
 
 def _check_positive_finite(name: str, value: float) -> float:
@@ -179,8 +214,10 @@ class _LossScaleBase:
     def scale(self, tree: PyTree) -> PyTree:
         r"""Multiplies every leaf by the scale: :math:`x \cdot s`.
 
-        FP16/BF16 leaves are promoted to float32 first, so the result cannot
-        overflow merely because the scale exceeds the FP16 range.
+        The product has the dtype that the leaf's and float32 promote to (as
+        in jmp): FP16, BF16, integer and bool leaves give float32, so the
+        result cannot overflow merely because the scale exceeds the FP16
+        range; float64 stays float64.
         """
         return tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
@@ -356,7 +393,14 @@ class StaticLossScale(_LossScaleBase):
 
 
 class NoOpLossScale(_LossScaleBase):
-    """A loss scale of one: :meth:`scale` is the identity, :meth:`unscale` casts to float32."""
+    """A loss scale of one: :meth:`scale` is the identity, :meth:`unscale` casts to float32.
+
+    ``unscale`` returns float32 gradients, as the other loss scales' ``unscale``
+    does: :func:`~functional_fp16.fp16_update` unscales the working-dtype
+    (e.g. BF16) gradients into the FP32 updates of the master through it. A
+    tree whose leaves are all float32 already comes back as it is, as from
+    ``jmp.NoOpLossScale``.
+    """
 
     TENSOR_FIELDS = ("loss_scale",)
     TENSOR_DTYPES = (torch.float32,)
@@ -373,7 +417,9 @@ class NoOpLossScale(_LossScaleBase):
         return tree
 
     def unscale(self, tree: PyTree) -> PyTree:
-        """Casts every leaf to float32; values are unchanged."""
+        """Casts every leaf to float32; values are unchanged (``tree`` itself if already float32)."""
+        if all(g.dtype == torch.float32 for g in optree.tree_leaves(tree, namespace=NAMESPACE)):
+            return tree
         return tree_map(lambda g: g.float(), tree)
 
     def adjust(self, grads_finite: torch.Tensor) -> NoOpLossScale:
