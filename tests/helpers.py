@@ -271,6 +271,11 @@ def optimiser_matrix() -> dict:
                 mask=matrices,
             ),
         ),
+        "lion": ff.lion(1e-3, weight_decay=0.1),
+        "clip_lion_schedule": ff.chain(
+            ff.clip_by_global_norm(1.0), ff.lion(sched, b1=0.5, weight_decay=0.0)
+        ),
+        "lion_masked": ff.lion(1e-3, b2=0.9, weight_decay=1e-2, mask=matrices),
         "masked_sgd_decay": ff.chain(
             ff.add_decayed_weights(1e-2, mask=matrices), ff.sgd(0.05, momentum=0.9)
         ),
@@ -390,7 +395,8 @@ _CPP_ENTRIES = {"sgd": "sgd_update", "adam": "adam_update", "grad_stats": "grad_
 
 
 def count_c_kernel_calls(monkeypatch, calls: list[str]) -> list[str]:
-    """Records the C kernel's entries (``sgd_update``, ``adam_update``, ``grad_stats``) as
+    """Records the C kernel's entries (``sgd_update``, ``adam_update``, ``lion_update``,
+    ``grad_stats``) as
     they run, through ctypes (``cpu.call``) or the C++ op library (``cpu.run_op``).
 
     A C++ step that decides itself runs its ``grad_stats`` inside; it counts as its
@@ -405,7 +411,8 @@ def count_c_kernel_calls(monkeypatch, calls: list[str]) -> list[str]:
         return real_call(entry, **kw)
 
     def run_op(name, *args):
-        calls.append(_CPP_ENTRIES[name])
+        # the generic ``step`` op names its kernel first: ``step("lion", ...)`` is lion_update
+        calls.append(f"{args[0]}_update" if name == "step" else _CPP_ENTRIES[name])
         return real_op(name, *args)
 
     monkeypatch.setattr(cpu, "call", call)

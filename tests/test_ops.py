@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 import functional_fp16 as ff
 from functional_fp16._fused import op_library
 from functional_fp16._fused.adam import adam_step, adam_step_
+from functional_fp16._fused.lion import lion_step, lion_step_
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
@@ -103,6 +104,21 @@ def test_opcheck_adam(param_dtype, decay, skip):
     torch.library.opcheck(adam_step, (grads, master, mu, nu, own, separate), kwargs)
     copies = [[x.clone() for x in xs] for xs in (master, mu, nu, own)]
     torch.library.opcheck(adam_step_, (grads, *copies, separate), kwargs)
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("decay", [0.0, 1e-2])
+@pytest.mark.parametrize("skip", [False, True])
+def test_opcheck_lion(param_dtype, decay, skip):
+    grads, master, params = _leaves(param_dtype)
+    separate = [param_dtype != torch.float32] * len(master)
+    own = [p for p, s in zip(params, separate) if s]
+    mu = [torch.randn_like(m) for m in master]
+    s, _ = _scalars(skip, clip=not skip)
+    kwargs = dict(**s, b1=0.9, b2=0.99, decoupled=decay, members=1)
+    torch.library.opcheck(lion_step, (grads, master, mu, own, separate), kwargs)
+    copies = [[x.clone() for x in xs] for xs in (master, mu, own)]
+    torch.library.opcheck(lion_step_, (grads, *copies, separate), kwargs)
 
 
 @pytest.mark.parametrize("sum_squares", [False, True])
@@ -196,13 +212,17 @@ def count_kernel_calls(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("tx_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("tx_name", ["sgd", "adamw", "lion"])
 def test_compiled_update_runs_the_kernel_without_breaks_or_recompiles(
     count_kernel_calls, donate, tx_name
 ):
     torch._dynamo.reset()
     counters.clear()
-    tx = ff.sgd(0.1, momentum=0.9) if tx_name == "sgd" else ff.adamw(1e-3, weight_decay=0.1)
+    tx = {
+        "sgd": ff.sgd(0.1, momentum=0.9),
+        "adamw": ff.adamw(1e-3, weight_decay=0.1),
+        "lion": ff.lion(1e-3, weight_decay=0.1),
+    }[tx_name]
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
     # growth every 3 steps, so the scale also grows between the overflows
@@ -221,7 +241,7 @@ def test_compiled_update_runs_the_kernel_without_breaks_or_recompiles(
         )
     assert len(scales) >= 3  # skipped steps and growth both moved the scale
     assert counters["stats"]["unique_graphs"] == 1
-    update_calls = [c for c in compiled_calls if c in ("sgd_update", "adam_update")]
+    update_calls = [c for c in compiled_calls if c == f"{tx_name.rstrip('w')}_update"]
     assert len(update_calls) == 20  # the kernel ran on every compiled step
     torch._dynamo.reset()
 
@@ -260,7 +280,7 @@ def _member(k):
     }
 
 
-@pytest.mark.parametrize("tx_name", ["sgd", "nesterov-clip", "adamw"])
+@pytest.mark.parametrize("tx_name", ["sgd", "nesterov-clip", "adamw", "lion"])
 @pytest.mark.parametrize("donate", [False, True])
 def test_vmapped_update_is_one_kernel_call_and_bitwise_the_members(
     count_kernel_calls, tx_name, donate
@@ -269,6 +289,7 @@ def test_vmapped_update_is_one_kernel_call_and_bitwise_the_members(
         "sgd": ff.sgd(0.1, momentum=0.9),
         "nesterov-clip": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1, 0.9, nesterov=True)),
         "adamw": ff.adamw(1e-2, weight_decay=0.1),
+        "lion": ff.lion(1e-3, weight_decay=0.1),
     }[tx_name]
     K = 4
     members = [ff.fp16_init(_member(k), tx) for k in range(K)]
@@ -657,7 +678,7 @@ def test_cuda_runs_pytorchs_multi_tensor_kernel_by_default_and_triton_only_when_
 _NO_LAUNCH = ("empty", "view", "reshape", "alias", "as_strided", "detach", "lift", "unsqueeze")
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "recipe"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "recipe", "lion"])
 def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, monkeypatch):
     """The plain kernel of one group (CUDA's default) is multi-tensor: the number of
     dispatched ops does not grow with the number of leaves."""

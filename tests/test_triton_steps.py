@@ -511,6 +511,8 @@ def _main_compile() -> None:
         print("SKIP: no NVIDIA backend in triton:", err)
         return
     _, ts = _import_kernels()
+    from functional_fp16._kernels.triton_lion import _lion_kernel
+
     types = {"leaves": "*i64", "chunks": "*i64", "bounds": "*i64", "apply_ptr": "*i1"}
     types.update(started_ptr="*i1", sq_part="*fp64", sq_out="*fp64")
 
@@ -543,9 +545,14 @@ def _main_compile() -> None:
             **dict(G_TY=bf16, P_TY=f16, ALIGNED=aligned, HAS_INV=True, CLIP=True, L2=True),
             **dict(DECOUPLED=True, SMALL_W=False, P_IS_MASTER=False, **sizes),
         )
-        for text in (stats, sgd, adam):  # vector loads exactly where the class is aligned
+        lion = ptx(
+            _lion_kernel,
+            **dict(G_TY=f16, P_TY=f16, ALIGNED=aligned, HAS_INV=True, CLIP=True),
+            **dict(DECOUPLED=True, P_IS_MASTER=False, **sizes),
+        )
+        for text in (stats, sgd, adam, lion):  # vector loads exactly where the class is aligned
             assert (count(text, r"ld\.global(\.\w+)*\.v\d") > 0) == aligned
-        for text in (sgd, adam):  # only explicit roundings; no approximate division or root
+        for text in (sgd, adam, lion):  # only explicit roundings; no approximate division
             assert count(text, r"\b(mul|add|sub)\.f32") == 0
             assert count(text, r"\.(approx|full)\.f32") == 0
         # per element, SGD: one clip division, fma for decay, Nesterov and the step, and
@@ -556,6 +563,10 @@ def _main_compile() -> None:
         # Adam: fma for L2, lerp, v', decoupled decay and step; one root, two divisions
         assert count(adam, r"fma\.rn\.f32") == 5 * count(adam, r"sqrt\.rn\.f32") > 0
         assert count(adam, r"div\.rn\.f32") == 3 * count(adam, r"sqrt\.rn\.f32")
+        # Lion: one clip division, fma for the decay and the step, and the direction and
+        # the momentum as two products and one add each
+        assert count(lion, r"fma\.rn\.f32") == 2 * count(lion, r"div\.rn\.f32") > 0
+        assert count(lion, r"add\.rn\.f32") == 2 * count(lion, r"div\.rn\.f32")
         assert count(stats, r"\.f64") > 0
     ptx(ts._group_reduce_kernel, SUM_SQ=True, BLOCK=ts.BLOCK)
     print("COMPILED OK")
@@ -593,6 +604,8 @@ def _main_end_to_end() -> None:
         "sgd": ff.sgd(0.1, momentum=0.9, weight_decay=1e-3),
         "clip-nesterov": ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(0.1, 0.9, nesterov=True)),
         "adamw": ff.adamw(1e-2, weight_decay=0.1),
+        "lion": ff.lion(1e-3, weight_decay=0.1),
+        "clip-lion": ff.chain(ff.clip_by_global_norm(1.0), ff.lion(1e-3, b1=0.5)),
     }
     real = op_library.kernel_for
 
@@ -612,7 +625,11 @@ def _main_end_to_end() -> None:
             "s": torch.randn((), generator=g),
         }
 
+    from functional_fp16._fused import triton_fallback
+    from functional_fp16._kernels.triton_launch import launch_counts
+
     for name, tx in txs.items():
+        launched = sum(launch_counts.values())
         members = [ff.fp16_init(params(k), tx) for k in range(2)]
         stacked = ff.tree_stack(members)
         for step in range(3):
@@ -631,6 +648,8 @@ def _main_end_to_end() -> None:
             for a, b in zip(tree_leaves(st_t), tree_leaves(ff.tree_stack(new_c))):
                 assert _same_bits(a, b), (name, step, "vmap")
             members, stacked = new_c, st_t
+        # the Triton kernels ran and none fell back to the plain kernel
+        assert sum(launch_counts.values()) > launched and not triton_fallback._failed, name
         print("ok", name)
     print("END TO END OK")
 

@@ -11,6 +11,7 @@ have passed the op's checks (``op_checks``).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -63,11 +64,9 @@ def kernel_for(device: torch.device) -> str:
     return "generic"
 
 
-def _triton():
-    """The Triton kernels' module (imported on first use: it imports triton)."""
-    from functional_fp16._kernels import triton_steps
-
-    return triton_steps
+def _triton(module: str = "triton_steps"):
+    """A Triton kernels' module of ``_kernels`` (imported on first use: it imports triton)."""
+    return importlib.import_module(f"functional_fp16._kernels.{module}")
 
 
 def _launches() -> int:
@@ -167,7 +166,9 @@ def run_step(
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
         finite = finite_from_peak(peak, a["inv"], a["require"])
         decided = {"apply": finite}
-    if kernel == "c":
+    if kernel == "c" and spec.c_block:  # its C entry runs only through the C++ op
+        spec.generic(members=members, apply=finite, **kw)
+    elif kernel == "c":
         c_kernel.call(
             spec.entry,
             n_groups=groups,
@@ -183,7 +184,9 @@ def run_step(
         with_triton(
             (spec.entry, *_dtypes(a["grads"]), *_dtypes(inputs["params"]), *sorted(used), *given),
             a["grads"][0].device,
-            lambda: getattr(_triton(), spec.entry)(n_groups=groups, apply=finite, **views),
+            lambda: getattr(_triton(spec.triton_module), spec.entry)(
+                n_groups=groups, apply=finite, **views
+            ),
             lambda: spec.generic(members=members, apply=finite, **kw),
             _launches,
             writes_inputs=donated,
@@ -205,6 +208,8 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
     storages that nothing refers to any more), decides the step as
     :func:`run_step` does and calls the same C kernel.
     """
+    if spec.c_block:
+        return _cpp_block_step(spec, a, donated)
     lists = [a[n] for n in ("grads", "master", *spec.states, "params")]
     scalars = [a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")]
     scalars += [a[n] for n in spec.scalars]
@@ -218,6 +223,32 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
         _threads(),
         donated,
     )
+
+
+def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
+    """The step through the generic ``functional_fp16_cpu::step``: its states go in
+    state-major as one list and come back split, so the outputs read as ``cpp_step``'s."""
+    states = [x for name in spec.states for x in a[name]]
+    master, flat, params, finite = c_kernel.run_op(
+        "step",
+        spec.cpp_op,
+        a["grads"],
+        a["master"],
+        states,
+        a["params"],
+        list(a["separate"]),
+        *[a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")],
+        [a[n] for n in spec.scalars],
+        [float(x) for x in spec.cpp_hyper(a)],
+        a["members"],
+        _threads(),
+        donated,
+    )
+    if donated:
+        return (finite,)
+    n = len(a["grads"])
+    split = [flat[j * n : (j + 1) * n] for j in range(len(spec.states))]
+    return (master, *split, params, finite)
 
 
 def cpp_stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:

@@ -30,18 +30,11 @@ from typing import Any
 import torch.utils._pytree as tp
 
 from functional_fp16._util.tree import tree_flatten, tree_rebuild
-from functional_fp16.transforms.adam import AdamSpec, ScaleByAdamState
 from functional_fp16.transforms.base import ChainSpec, EmptyState
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.combining import LabelsSpec, MultiTransformState
 from functional_fp16.transforms.masking import MaskedSpec, MaskedState, hidden_in_trace
-from functional_fp16.transforms.sgd import (
-    DecaySpec,
-    LearningRateSpec,
-    ScaleByScheduleState,
-    TraceSpec,
-    TraceState,
-)
+from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
 
 __all__ = ["Part", "leaf_parts"]
 
@@ -124,21 +117,13 @@ def _masked(inner: Any, mask: Any, index: Any, real: Any, state: Any, key: tuple
 
 
 def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
-    """Positions of the state tensors of part ``spec`` for the ``j``-th of its ``n`` leaves."""
-    if isinstance(spec, TraceSpec):
-        if not isinstance(state, TraceState):
-            raise _Unfusable
-        trace = _positions(state.trace)
-        if len(trace) != n or type(state.initialized) is not int:
-            raise _Unfusable
-        return {"trace": trace[j], "started": state.initialized}
-    if isinstance(spec, AdamSpec):
-        if not isinstance(state, ScaleByAdamState):
-            raise _Unfusable
-        mu, nu = _positions(state.mu), _positions(state.nu)
-        if len(mu) != n or len(nu) != n or type(state.count) is not int:
-            raise _Unfusable
-        return {"mu": mu[j], "nu": nu[j], "count": state.count}
+    """Positions of the state tensors of part ``spec`` for the ``j``-th of its ``n`` leaves.
+
+    A part's state is a NamedTuple: each field that holds one tensor per leaf
+    gives the ``j``-th position, each 0-d tensor (a counter, a flag) its own
+    (``{"mu": 17, "nu": 165, "count": 3}`` for Adam). The learning rate keeps
+    a count only with a schedule; clipping and weight decay keep nothing.
+    """
     if isinstance(spec, LearningRateSpec):
         if isinstance(state, ScaleByScheduleState) and type(state.count) is int:
             return {"count": state.count}
@@ -149,4 +134,16 @@ def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
         if not isinstance(state, EmptyState):
             raise _Unfusable
         return {}
-    return {}  # a declared part no fused plan runs: the plans refuse it
+    if not isinstance(state, tuple) or not hasattr(state, "_fields"):
+        raise _Unfusable
+    out: dict[str, int] = {}
+    for name in state._fields:
+        value = getattr(state, name)
+        if type(value) is int:
+            out[name] = value
+            continue
+        positions = _positions(value)
+        if len(positions) != n:
+            raise _Unfusable
+        out[name] = positions[j]
+    return out

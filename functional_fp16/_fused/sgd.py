@@ -133,7 +133,7 @@ def _positions(plan: SGDPlan, by_key: dict) -> tuple[dict[str, int], dict[str, i
     if plan.trace_path is None:
         return {}, {}
     where = by_key[plan.trace_path]
-    return {"trace": where["trace"]}, {"started": where["started"]}
+    return {"trace": where["trace"]}, {"started": where["initialized"]}
 
 
 # ---------------------------------------------------------------------------

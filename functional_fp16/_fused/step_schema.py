@@ -66,6 +66,11 @@ class StepSpec(NamedTuple):
     # _kernels/cpu.py) and its trailing hyperparameters, from the op's arguments.
     cpp_op: str = ""
     cpp_hyper: Callable[[dict], tuple] | None = None
+    # The C entry takes one argument block (fused_step.h): it runs through the generic C++
+    # op functional_fp16_cpu::step, found there by the name cpp_op, with cpp_hyper as its
+    # `hyper` array. Without the C++ op library such a step runs the plain kernel.
+    c_block: bool = False
+    triton_module: str = "triton_steps"  # the _kernels module that holds the Triton entry
 
 
 def schema(spec: StepSpec, donated: bool) -> str:

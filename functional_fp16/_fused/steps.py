@@ -121,7 +121,10 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
         else:
             return "an optimiser that is not a fusable chain", None
         by_key = {key: where for _, key, where in leaf_parts_}
-        roles, shared = fusable.positions(plan, by_key)
+        try:
+            roles, shared = fusable.positions(plan, by_key)
+        except KeyError:  # a declared part whose state has another layout
+            return "an optimiser state of another layout", None
         if callable(plan.learning_rate):
             shared = {**shared, "lr_count": by_key[plan.lr_path]["count"]}
         group_key = (fusable.name, plan, tuple(sorted(shared.items())))

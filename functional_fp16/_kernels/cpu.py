@@ -19,7 +19,8 @@ says why in :func:`unavailable_reason`.
 
 The same C source, linked with ``fused_ops.cpp`` against the installed torch,
 also makes a library of private ``torch.library`` ops
-(``functional_fp16_cpu::sgd`` / ``adam`` / ``grad_stats``, loaded with
+(``functional_fp16_cpu::sgd`` / ``adam`` / ``grad_stats``, and ``step``, which runs
+any step of ``fused_step.h``'s convention by name; loaded with
 ``torch.ops.load_library``): the fused ops' CPU kernels call them to check
 their tensors, allocate their outputs and collect the pointers in C++, one
 loop instead of a Python loop per tensor. It is built on first use too (about
@@ -46,6 +47,7 @@ from functional_fp16._kernels.signatures import SIGNATURES, pack
 __all__ = ["available", "unavailable_reason", "call", "ops_available", "ops_reason", "run_op"]
 
 _SOURCE = Path(__file__).with_name("fused_step.c")
+_HEADER = Path(__file__).with_name("fused_step.h")  # included by both sources
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 _FLAGS += ["-shared", "-fPIC"]
 
@@ -83,7 +85,7 @@ def _build() -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    source = _SOURCE.read_bytes()
+    source = _SOURCE.read_bytes() + _HEADER.read_bytes()
     key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"ff_fused_step_{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -182,7 +184,7 @@ def _build_ops() -> Path:
     flags = [*_CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}"]
     libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), _OPS_SOURCE.read_bytes()):
+    for part in (_SOURCE.read_bytes(), _HEADER.read_bytes(), _OPS_SOURCE.read_bytes()):
         key.update(part)
     key.update(" ".join([cc, cxx, *_FLAGS, *flags, *libs, torch.__version__]).encode())
     key.update(_cpu_signature().encode())
@@ -229,7 +231,7 @@ def ops_reason() -> str | None:
 
 
 def run_op(name: str, *args: Any) -> Any:
-    """Calls ``functional_fp16_cpu::<name>`` (``sgd``, ``adam`` or ``grad_stats``)."""
+    """Calls ``functional_fp16_cpu::<name>`` (``sgd``, ``adam``, ``step`` or ``grad_stats``)."""
     import torch
 
     return getattr(torch.ops.functional_fp16_cpu, name)(*args)

@@ -1,6 +1,6 @@
 // The fused steps' CPU calls in C++: the per-tensor work of an op call, done once in a loop.
 //
-// The ops functional_fp16::sgd_step / adam_step / grad_stats are defined, with
+// The ops functional_fp16::sgd_step / adam_step / <name>_step / grad_stats are defined, with
 // their schemas, fake kernels and vmap rules, in Python (_fused/op_library.py).
 // On the CPU their Python kernel calls these private ops, which do what costs
 // a Python loop per tensor: check every tensor (device, dtype, shape, strides,
@@ -12,6 +12,8 @@
 // Per group k of G (leaf l of L belongs to group l / (L / G); with `members`
 // stacked states per tensor, member b's leaves are groups b * G0 .. ), as in
 // step_schema.py.
+
+#include "fused_step.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -452,6 +455,97 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
   return {m_out, a_out, v_out, p_new, finite};
 }
 
+// Any step of fused_step.h's convention, found by name: `states` holds the
+// optimiser's per-parameter states state-major (state j of leaf l at
+// j * n_leaves + l), `scalars` its per-group float32 scalars, `hyper` its fixed
+// hyperparameters in declared order.
+std::tuple<TensorList, TensorList, TensorList, Tensor> step(
+    c10::string_view name, const TensorList &grads, const TensorList &master,
+    const TensorList &states, const TensorList &params, const c10::List<bool> &separate_list,
+    const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
+    const OptTensor &apply, const OptTensor &require, const TensorList &scalars,
+    c10::ArrayRef<double> hyper, int64_t members, int64_t threads, bool donated) {
+  const std::string key(name);
+  const ff_step_fn fn = ff_step_entry(key.c_str());
+  TORCH_CHECK(fn != nullptr, "no fused step named ", key);
+  const std::vector<bool> separate(separate_list.begin(), separate_list.end());
+  const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
+                                      lr, apply, require, members);
+  const auto g = refs(grads);
+  const size_t n = grads.size();
+  TORCH_CHECK(states.size() % n == 0, "states: not a whole number of lists");
+  const size_t n_states = states.size() / n;
+  for (size_t j = 0; j < n_states; ++j) {
+    const TensorList slice(states.begin() + j * n, states.begin() + (j + 1) * n);
+    check_like(slice, g, true, "states");
+  }
+  for (const Tensor &t : scalars) check_group(t, groups, false, "scalars");
+  const auto p_in = working(master, params, separate);
+  TensorList m_out, s_out, p_new;
+  if (donated) {
+    std::vector<const Tensor *> written = g;
+    for (const TensorList *l : {&master, &states, &params})
+      for (const Tensor &t : *l) written.push_back(&t);
+    check_disjoint(written);
+    m_out = master, s_out = states, p_new = params;
+  } else {
+    std::vector<const Tensor *> like = refs(master);
+    for (const TensorList *l : {&states, &params})
+      for (const Tensor &t : *l) like.push_back(&t);
+    TensorList all = outputs(like);
+    m_out.assign(all.begin(), all.begin() + n);
+    s_out.assign(all.begin() + n, all.begin() + n + states.size());
+    p_new.assign(all.begin() + n + states.size(), all.end());
+  }
+  std::vector<const Tensor *> p_out;
+  size_t k = 0;
+  for (size_t i = 0; i < n; ++i) p_out.push_back(separate[i] ? &p_new[k++] : &m_out[i]);
+  Tensor finite = apply.has_value()
+                      ? given(*apply, require)
+                      : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+  Leaves G, M, P, MO, PO;
+  G.add(g, members), M.add(refs(master), members), P.add(p_in, members);
+  MO.add(refs(m_out), members), PO.add(p_out, members);
+  std::vector<Leaves> S(n_states), SO(n_states);
+  std::vector<float *const *> s_ptr, so_ptr;
+  for (size_t j = 0; j < n_states; ++j) {
+    std::vector<const Tensor *> in, out;
+    for (size_t i = 0; i < n; ++i) in.push_back(&states[j * n + i]), out.push_back(&s_out[j * n + i]);
+    S[j].add(in, members), SO[j].add(out, members);
+    s_ptr.push_back(reinterpret_cast<float *const *>(S[j].ptr.data()));
+    so_ptr.push_back(reinterpret_cast<float *const *>(SO[j].ptr.data()));
+  }
+  std::vector<const float *> sc;
+  for (const Tensor &t : scalars) sc.push_back(t.data_ptr<float>());
+  ff_step_args x{};
+  x.n_leaves = static_cast<int64_t>(G.ptr.size());
+  x.n_groups = groups;
+  x.n_states = static_cast<int32_t>(n_states);
+  x.n_scalars = static_cast<int32_t>(scalars.size());
+  x.n_hyper = static_cast<int32_t>(hyper.size());
+  x.threads = static_cast<int32_t>(threads);
+  x.g = G.ptr.data();
+  x.m = reinterpret_cast<float *const *>(M.ptr.data());
+  x.s = s_ptr.data();
+  x.p = P.ptr.data();
+  x.mo = reinterpret_cast<float *const *>(MO.ptr.data());
+  x.so = so_ptr.data();
+  x.po = PO.ptr.data();
+  x.numel = G.numel.data();
+  x.gdt = G.code.data();
+  x.pdt = PO.code.data();
+  x.inv = ptr_or_null<float>(inv);
+  x.clip_div = ptr_or_null<float>(clip_div);
+  x.clip_mul = ptr_or_null<float>(clip_mul);
+  x.lr = lr.data_ptr<float>();
+  x.apply = reinterpret_cast<const uint8_t *>(finite.data_ptr<bool>());
+  x.scalars = sc.data();
+  x.hyper = hyper.data();
+  fn(&x);
+  if (donated) return {{}, {}, {}, finite};  // written in place: nothing to hand back
+  return {m_out, s_out, p_new, finite};
+}
+
 std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &inv,
                                       int64_t groups, int64_t members, bool sum_squares,
                                       int64_t threads) {
@@ -487,9 +581,15 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
       "float w, float b2, float c2, float eps, float decoupled, int members, int threads, "
       "bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor)");
   m.def(
+      "step(str name, Tensor[] grads, Tensor[] master, Tensor[] states, Tensor[] params, "
+      "bool[] separate, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "
+      "Tensor? apply, Tensor? require, Tensor[] scalars, float[] hyper, int members, "
+      "int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor)");
+  m.def(
       "grad_stats(Tensor[] grads, Tensor? inv, int groups, int members, bool sum_squares, "
       "int threads) -> (Tensor, Tensor)");
   m.impl("sgd", c10::DispatchKey::CPU, TORCH_FN(sgd));
   m.impl("adam", c10::DispatchKey::CPU, TORCH_FN(adam));
+  m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
   m.impl("grad_stats", c10::DispatchKey::CPU, TORCH_FN(grad_stats));
 }

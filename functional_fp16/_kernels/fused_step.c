@@ -15,6 +15,8 @@
  *                   step may run before its decision, which it then makes
  *                   itself and undoes where the group skips.
  *   ff_adam_update  the same single pass for Adam/AdamW.
+ *   ff_step_entry   the steps with fused_step.h's calling convention, by name
+ *                   (ff_lion_step: Lion).
  *
  * Scalars that live in tensors (the skip flags, 1/scale, the learning rates,
  * the clip factors, whether momentum has started) are read through pointers
@@ -40,6 +42,8 @@
  * file is compiled with -ffp-contract=off: every other product is rounded on
  * its own.
  */
+#include "fused_step.h"
+
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -617,4 +621,141 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
     }
     free(chunks);
     free(hs);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The Lion update (fused_step.h's convention).                              */
+/* ------------------------------------------------------------------------ */
+
+/* Per element, as the reference chain scale_by_lion -> [decay] -> learning rate
+ * computes it, with u the unscaled gradient and a the momentum:
+ *
+ *   c  = u * w1 + a * b1                  (two products and a sum, each rounded)
+ *   d  = sign(c)                          (+-1, else +0: torch.sign's +-0 and NaN)
+ *   d  = fma(m, wd, d)                    (decoupled decay only)
+ *   m' = fma(d, f, m)                     (f = -lr: the allowed contraction)
+ *   a' = u * w2 + a * b2
+ *
+ * hyper: w1 = 1 - b1, b1, w2 = 1 - b2, b2, wd (each rounded once to float32).
+ */
+typedef struct {
+    float inv, clip_div, clip_mul, w1, b1, w2, b2, wd, factor;
+    int clip, decoupled;
+} LionHyper;
+
+static inline __attribute__((always_inline)) void lion_block(
+    const LionHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict a, float *restrict m_out, float *restrict a_out,
+    float *restrict p_out, int64_t n, const int CLIP, const int DECOUPLED) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, w1 = h->w1, b1 = h->b1,
+                w2 = h->w2, b2 = h->b2, wd = h->wd, factor = h->factor;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        const float mi = m[i], ai = a[i];
+        const float c = u * w1 + ai * b1;
+        float d = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+        if (DECOUPLED) d = fmaf(mi, wd, d);
+        const float nm = fmaf(d, factor, mi);
+        a_out[i] = u * w2 + ai * b2;
+        m_out[i] = nm;
+        p_out[i] = nm;
+    }
+}
+
+static void lion_dispatch(const LionHyper *h, const float *g, const float *m, const float *a,
+                          float *mo, float *ao, float *po, int64_t n) {
+#define LION_CASE(C, D)                                      \
+    if (h->clip == C && h->decoupled == D) {                 \
+        lion_block(h, g, m, a, mo, ao, po, n, C, D);         \
+        return;                                              \
+    }
+    LION_CASE(0, 1)
+    LION_CASE(0, 0)
+    LION_CASE(1, 1)
+    LION_CASE(1, 0)
+#undef LION_CASE
+}
+
+static void ff_lion_step(const ff_step_args *x) {
+    const int64_t per_group = x->n_leaves / x->n_groups;
+    float *const *a = x->s[0];
+    float *const *ao = x->so[0];
+    LionHyper *hs = (LionHyper *)malloc((size_t)x->n_groups * sizeof(LionHyper));
+    for (int64_t k = 0; k < x->n_groups; ++k) {
+        LionHyper *h = &hs[k];
+        h->inv = x->inv ? x->inv[k] : 1.0f;
+        h->clip = x->clip_div != NULL;
+        h->clip_div = h->clip ? x->clip_div[k] : 1.0f;
+        h->clip_mul = h->clip ? x->clip_mul[k] : 1.0f;
+        h->w1 = (float)x->hyper[0];
+        h->b1 = (float)x->hyper[1];
+        h->w2 = (float)x->hyper[2];
+        h->b2 = (float)x->hyper[3];
+        h->wd = (float)x->hyper[4];
+        h->decoupled = h->wd != 0.0f;
+        h->factor = x->lr[k];
+    }
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(x->n_leaves, x->numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(x->threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf;
+        const int64_t grp = l / per_group;
+        const LionHyper *h = &hs[grp];
+        const int gd = x->gdt[l], pd = x->pdt[l], gs = dt_size(gd), ps = dt_size(pd);
+        float *const m = x->m[l], *const mo = x->mo[l];
+        const int p_is_master = x->po[l] == (void *)mo;
+        const int donated = mo == m;
+        for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
+            const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
+            char *po_s = (char *)x->po[l] + s * ps;
+            if (!x->apply[grp]) {
+                /* A skipped step: the new state is the old one, bit for bit. */
+                if (!donated) {
+                    memcpy(mo + s, m + s, (size_t)n * 4);
+                    memcpy(ao[l] + s, a[l] + s, (size_t)n * 4);
+                    if (!p_is_master)
+                        memcpy(po_s, (const char *)x->p[l] + s * ps, (size_t)(n * ps));
+                }
+                continue;
+            }
+            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
+            to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
+            if (donated) {
+                lion_dispatch(h, gbuf, m + s, a[l] + s, mo + s, ao[l] + s,
+                              p_is_master ? mo + s : pbuf, n);
+            } else {
+                float mbuf[BLOCK], abuf[BLOCK];
+                lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
+                stream_bytes(mo + s, mbuf, n * 4);
+                stream_bytes(ao[l] + s, abuf, n * 4);
+            }
+            if (!p_is_master) {
+                from_f32(pbuf, hbuf, n, pd);
+                stream_bytes(po_s, hbuf, n * ps);
+            }
+        }
+        stream_fence();
+    }
+    free(chunks);
+    free(hs);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The steps of fused_step.h's convention, by name.                          */
+/* ------------------------------------------------------------------------ */
+
+static const struct {
+    const char *name;
+    ff_step_fn fn;
+} STEPS[] = {
+    {"lion", ff_lion_step},
+};
+
+ff_step_fn ff_step_entry(const char *name) {
+    for (size_t i = 0; i < sizeof(STEPS) / sizeof(STEPS[0]); ++i)
+        if (strcmp(STEPS[i].name, name) == 0) return STEPS[i].fn;
+    return NULL;
 }

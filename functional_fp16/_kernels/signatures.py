@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Arg", "Signature", "DTYPE_CODES", "SIGNATURES", "pack", "dense", "members_outermost"]
+__all__ = ["Arg", "Signature", "DTYPE_CODES", "SIGNATURES", "step_signature", "pack", "dense"]
+__all__ += ["members_outermost"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """The dtypes the kernels read and write, with their codes in the C source."""
@@ -179,6 +180,37 @@ SIGNATURES: dict[str, Signature] = {
     ),
 }
 """Every entry point of ``fused_step.c``. The C prototypes follow this order."""
+
+
+def step_signature(
+    entry: str, states: tuple[str, ...], scalars: tuple[str, ...], floats: tuple[str, ...]
+) -> Signature:
+    """The declaration of a step entry in the argument-block convention (``fused_step.h``).
+
+    Its arguments by name, in the conventional order: the gradients, master,
+    each state, working copies and their outputs, the common per-group scalars,
+    ``apply``, the optimiser's own float32 per-group ``scalars`` and its fixed
+    ``floats``. The Triton entries of such steps are checked against it.
+    """
+    lists = ["master", *states]
+    return Signature(
+        f"ff_{entry}",
+        (
+            _leaves("grads", dtypes=STORED, like=""),
+            *[_leaves(n) for n in lists],
+            _leaves("params", dtypes=STORED),
+            *[_leaves(f"{n}_out") for n in lists],
+            _leaves("params_out", dtypes=STORED, same_dtype="params"),
+            Arg("numel", "numel", of="grads"),
+            Arg("grads_codes", "codes", of="grads"),
+            Arg("params_codes", "codes", of="params_out"),
+            *_STEP_SCALARS,
+            _group("apply", torch.bool),
+            *[_group(n, torch.float32) for n in scalars],
+            *[Arg(n, "float") for n in floats],
+        ),
+        together=(("clip_div", "clip_mul"),),
+    )
 
 
 def dense(t: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._kernels.signatures import SIGNATURES, Arg, dense
+from functional_fp16._kernels.signatures import SIGNATURES, Arg, Signature, dense
 
 __all__ = [
     "INTERPRET",
@@ -77,7 +77,9 @@ def launch(name: str, kernel: Any, grid: int, *args: Any, **constexprs: Any) -> 
 class Checker:
     """Checks one call's arguments against an entry point's declaration, naming the culprit."""
 
-    def __init__(self, entry: str, n_groups: Any, kw: dict[str, Any]) -> None:
+    def __init__(
+        self, entry: str, n_groups: Any, kw: dict[str, Any], signature: Signature | None = None
+    ) -> None:
         self.where = f"triton_steps.{entry}"
         self.kw = kw
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
@@ -91,7 +93,7 @@ class Checker:
                 f"{self.where}: {self.n_leaves} leaves do not split into {n_groups} groups"
             )
         self.device: torch.device | None = None
-        for arg in SIGNATURES[entry].args:
+        for arg in (signature or SIGNATURES[entry]).args:
             if arg.name in kw:
                 getattr(self, "_" + arg.kind)(arg, kw[arg.name])
 
