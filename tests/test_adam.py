@@ -210,7 +210,7 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(b1=1.0), "b1 and b2 must be < 1"),
+        (dict(b1=1.0), r"b1 must be in \[0, 1\), got 1.0"),
         (dict(b2=-0.1), "b2"),
         (dict(eps=float("nan")), "eps"),
         (dict(eps_root=-1.0), "eps_root"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["real", "integer"]
+__all__ = ["real", "integer", "flag"]
 
 
 def real(name: str, value: Any, *, positive: bool = False, upper: float | None = None) -> float:
@@ -24,6 +24,13 @@ def real(name: str, value: Any, *, positive: bool = False, upper: float | None =
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     if upper is not None and value > upper:
         raise ValueError(f"{name} must be <= {upper}, got {value}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value``, which must be a Python ``bool`` (``TypeError`` naming ``name`` otherwise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 

@@ -109,7 +109,7 @@ def _transform(recipe: _Recipe) -> GradientTransformation:
             return sgd(
                 h["lr"],
                 h["momentum"],
-                nesterov=h["nesterov"],
+                nesterov=bool(h["nesterov"]),
                 dampening=h["dampening"],
                 weight_decay=h["weight_decay"],
             )

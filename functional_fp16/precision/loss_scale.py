@@ -307,7 +307,9 @@ class DynamicLossScale(_LossScaleBase):
         if isinstance(max_scale, bool) or not isinstance(max_scale, (int, float)):
             raise TypeError(f"max_scale must be a real number, got {type(max_scale).__name__}")
         max_scale = float(max_scale)
-        if math.isnan(max_scale) or max_scale < min_scale:
+        if math.isnan(max_scale):
+            raise ValueError("max_scale must be a number > 0 or inf, got nan")
+        if max_scale < min_scale:
             raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
         init_scale = _check_positive_finite("init_scale", init_scale)
         if not min_scale <= init_scale <= max_scale:

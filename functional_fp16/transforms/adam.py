@@ -105,10 +105,10 @@ def scale_by_adam(
       A :class:`~functional_fp16.GradientTransformation` with state
       :class:`ScaleByAdamState` (FP32 moments whatever the updates' dtype).
     """
-    b1 = validate.real("b1", b1, upper=1.0)
-    b2 = validate.real("b2", b2, upper=1.0)
-    if b1 >= 1.0 or b2 >= 1.0:
-        raise ValueError(f"b1 and b2 must be < 1, got b1={b1}, b2={b2}")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if validate.real(name, value) >= 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    b1, b2 = float(b1), float(b2)
     eps = validate.real("eps", eps)
     eps_root = validate.real("eps_root", eps_root)
 

@@ -169,6 +169,10 @@ def multi_transform(
             raise TypeError(
                 f"transforms[{k!r}] must be a GradientTransformation, got {type(tx).__name__}"
             )
+    if param_labels is None:  # an empty tree: it would label no parameters
+        raise TypeError(
+            "param_labels must be a tree of labels or a function returning one, got None"
+        )
     if is_mask_function(param_labels):
         label_fn = param_labels
         fixed = None

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functional_fp16._util import validate
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.precision.loss_scale import all_finite
 from functional_fp16.transforms.base import (
@@ -48,10 +49,7 @@ def apply_if_finite(
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__}")
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
-        raise TypeError("max_consecutive_errors must be an int")
-    if max_consecutive_errors < 0:
-        raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    validate.integer("max_consecutive_errors", max_consecutive_errors, 0)
 
     def init(params: PyTree) -> ApplyIfFiniteState:
         leaves = tree_flatten(params)[0]

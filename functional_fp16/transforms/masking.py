@@ -155,6 +155,8 @@ def masked_transform(
     :func:`~functional_fp16.multi_transform`)."""
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__}")
+    if mask is None:  # an empty tree: it would fit no parameters but None
+        raise TypeError(f"{name} must be a tree of bools or a function returning one, got None")
     if is_mask_function(mask):
         mask_fn = mask
         fixed = None

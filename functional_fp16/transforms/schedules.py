@@ -102,9 +102,7 @@ def cosine_decay_schedule(
     alpha = _check_value("alpha", alpha)
     if alpha > 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    exponent = _check_value("exponent", exponent)
-    if exponent == 0.0:
-        raise ValueError("exponent must be > 0")
+    exponent = validate.real("exponent", exponent, positive=True)
 
     def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_step(step), min=0.0, max=float(steps))
@@ -124,7 +122,18 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
       schedules: ``n`` schedules.
       boundaries: ``n - 1`` increasing step numbers.
     """
+    if not isinstance(schedules, Sequence) or not isinstance(boundaries, Sequence):
+        raise TypeError(
+            "join_schedules takes a sequence of schedules and a sequence of boundaries, got "
+            f"{type(schedules).__name__} and {type(boundaries).__name__}"
+        )
     schedules = list(schedules)
+    for i, s in enumerate(schedules):
+        if not callable(s):
+            raise TypeError(
+                f"schedules[{i}] must be a schedule (a function of the step), got "
+                f"{type(s).__name__}; constant_schedule(v) makes one of a number"
+            )
     boundaries = [_check_steps(f"boundaries[{i}]", b, 0) for i, b in enumerate(boundaries)]
     if len(boundaries) != len(schedules) - 1:
         raise ValueError(
@@ -162,6 +171,7 @@ def warmup_cosine_decay_schedule(
 
     .. math:: v(t) = v_p\left[(1-\alpha)\left(\tfrac12\big(1+\cos\tfrac{\pi (t - W)}{S - W}\big)\right)^{p} + \alpha\right], \quad W \le t \le S
     """
+    _check_value("init_value", init_value)  # also when there is no warmup to use it
     peak = _check_value("peak_value", peak_value)
     warmup = _check_steps("warmup_steps", warmup_steps, 0)
     total = _check_steps("decay_steps", decay_steps)

@@ -121,6 +121,7 @@ def trace(
     """
     decay = _check_hyper("momentum", decay)
     dampening = _check_hyper("dampening", dampening, upper=1.0)
+    nesterov = validate.flag("nesterov", nesterov)
     if nesterov and (decay <= 0.0 or dampening != 0.0):
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
 
@@ -181,7 +182,7 @@ def scale_by_learning_rate(
       learning_rate: a finite float >= 0, or a schedule ``step -> lr``.
       flip_sign: negate, so that the updates descend.
     """
-    sign = -1.0 if flip_sign else 1.0
+    sign = -1.0 if validate.flag("flip_sign", flip_sign) else 1.0
     if callable(learning_rate):
         schedule = learning_rate
 
@@ -294,6 +295,8 @@ def sgd(
         _check_hyper("learning_rate", learning_rate)
     momentum = _check_hyper("momentum", momentum)
     weight_decay = _check_hyper("weight_decay", weight_decay)
+    dampening = _check_hyper("dampening", dampening, upper=1.0)
+    nesterov = validate.flag("nesterov", nesterov)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
     return chain(
