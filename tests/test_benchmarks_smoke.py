@@ -126,6 +126,11 @@ def test_vmap_benchmark_checks_the_members_and_prints_its_table():
     assert "| vmap(fp16_update) |" in out and "cross-talk" in out
 
 
+def test_lion_benchmark_runs_both_optimisers_on_the_fused_path():
+    out = _run("bench_lion.py", "--smoke")
+    assert "| lion pure |" in out and "| adamw donated |" in out
+
+
 def test_page_fault_benchmark_prints_every_row():
     out = _run("bench_page_faults.py", "--params", "300000", "--steps", "2")
     for row in ("eager (default)", "compiled", "eager, plain allocation"):

@@ -231,7 +231,8 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
       the optimiser is a fusable SGD chain (:func:`~functional_fp16.sgd`, alone
       or after ``clip_by_global_norm`` or ``add_decayed_weights``) or Adam chain
       (:func:`~functional_fp16.adam`, :func:`~functional_fp16.adamw`, the same
-      prefixes), the state has the plan's layout and the loss scale is one of
+      prefixes) or Lion chain (:func:`~functional_fp16.lion`, after an optional
+      ``clip_by_global_norm``), the state has the plan's layout and the loss scale is one of
       the library's. The op runs the compiled kernel of the state's device
       (the CPU with a C compiler, CUDA with Triton) or its plain PyTorch
       kernel, in eager mode, under ``torch.compile`` and under ``vmap``;
