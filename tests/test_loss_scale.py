@@ -244,6 +244,20 @@ def test_static_and_noop_scales():
     assert noop.unscale(x).dtype == torch.float32
     assert torch.equal(noop.unscale(x), x.float())
     assert noop.adjust(FALSE) is noop
+    tree32 = {"a": torch.ones(3), "b": [torch.zeros(())]}
+    assert noop.unscale(tree32) is tree32  # nothing to cast: the tree itself, as jmp's
+
+
+def test_scale_of_integer_and_bool_leaves_is_float32_and_not_truncated():
+    """As jmp's float32 array scale promotes them: a scale below one keeps its fraction."""
+    ls = ff.DynamicLossScale(init_scale=0.5, min_scale=0.25)
+    out = ls.scale(
+        {"i": torch.tensor([3, -5], dtype=torch.int32), "b": torch.tensor([True, False])}
+    )
+    assert out["i"].dtype == torch.float32 and out["i"].tolist() == [1.5, -2.5]
+    assert out["b"].dtype == torch.float32 and out["b"].tolist() == [0.5, 0.0]
+    x64 = torch.tensor([1.0 + 2.0**-40], dtype=torch.float64)
+    assert ls.scale(x64).dtype == torch.float64 and ls.scale(x64).item() == (1.0 + 2.0**-40) / 2
 
 
 @pytest.mark.parametrize(
