@@ -67,7 +67,7 @@ ANY_VALUE = st.one_of(
     st.booleans(),
     st.text(max_size=2),
     st.none(),
-    st.just(torch.tensor(1.0)),
+    st.just(torch.tensor([1.0])),  # a 0-d float tensor is a valid injected hyperparameter
 )
 
 TINY = torch.finfo(torch.float32).tiny

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functional_fp16._fused.chains import chain_parts
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
 from functional_fp16._fused.op_library import call_grad_stats
@@ -50,6 +51,8 @@ from functional_fp16.precision.loss_scale import (
 )
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
+from functional_fp16.transforms.hyperparams import InjectHyperparamsState, InjectSpec
+from functional_fp16.transforms.sgd import LearningRateSpec
 
 __all__ = ["Fusable", "register", "Group", "FusedPlan", "fused_plan", "why_not_fused"]
 __all__ += ["fused_update", "incremented", "advanced"]
@@ -101,6 +104,10 @@ class FusedPlan(NamedTuple):
     opt_spec: Any  # the optimiser state's tree structure
     strides: tuple[tuple[int, ...], ...]  # the master's strides, leaf by leaf
     decides: bool  # one group, no clipping: the op decides the step itself
+    # inject_hyperparams: the learning-rate parts that take the injected learning rate
+    # (None: no injection), and the transform built with the initial Python values.
+    injected: tuple | None = None
+    probe: Any = None
 
     @property
     def fusable(self) -> Fusable:
@@ -163,8 +170,48 @@ def _clip_key(parts: list) -> Any:
     return None
 
 
+def _injected_lr(spec: InjectSpec) -> tuple[str | None, Any, tuple]:
+    """``(why not, probe, paths)`` of an injected transform: the transform built with the
+    initial values, and the keys of its learning-rate parts that take the injected learning
+    rate (found by building it with a second value: exactly those parts change)."""
+    if spec.schedules:
+        return "injected schedules (evaluated each update)", None, ()
+    names = [n for n, _ in spec.numeric]
+    if names != ["learning_rate"]:
+        others = ", ".join(n for n in names if n != "learning_rate") or "no learning rate"
+        return f"injected hyperparameters other than the learning rate ({others})", None, ()
+    lr0 = spec.initial()["learning_rate"]
+    probe = spec.build({"learning_rate": lr0})
+    other = spec.build({"learning_rate": 2.0 * lr0 + 1.0})
+    a, b = chain_parts(probe.spec), chain_parts(other.spec)
+    if a is None or b is None or len(a) != len(b):
+        return "an optimiser that is not a fusable chain", None, ()
+    paths = []
+    for (sa, pa), (sb, _) in zip(a, b):
+        if sa == sb:
+            continue
+        if not (
+            isinstance(sa, LearningRateSpec)
+            and isinstance(sb, LearningRateSpec)
+            and sa.learning_rate == lr0
+            and sb.learning_rate == 2.0 * lr0 + 1.0
+        ):
+            return "an injected learning rate that enters more than a learning-rate part", None, ()
+        paths.append(pa)
+    return None, probe, tuple(paths)
+
+
 def _examine(state) -> tuple[str | None, FusedPlan | None]:
     """``(why not, plan)``: the reason ``state`` cannot take the fused op, or its plan."""
+    spec = getattr(state.tx, "spec", None)
+    if isinstance(spec, InjectSpec):
+        if not isinstance(state.opt_state, InjectHyperparamsState):
+            return "an injected transform's state of another type", None
+        why, probe, paths = _injected_lr(spec)
+        if why is not None:
+            return why, None
+        why, fp = _examine(state.replace(tx=probe, opt_state=state.opt_state.inner_state))
+        return why, None if fp is None else fp._replace(injected=paths, probe=probe)
     if not isinstance(state.loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
         return "a loss scale of another type", None
     parts = leaf_parts(getattr(state.tx, "spec", None), state.master, state.opt_state)
@@ -255,6 +302,12 @@ def _decision_inputs(fp: FusedPlan, g, inv, decision):
 
 
 def _lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
+    if "injected" in memo and plan.lr_path in memo["injected"][0]:
+        return (memo["injected"][1] * plan.sign).to(torch.float32).reshape(1)
+    return _planned_lr_factor(plan, shared, like, memo)
+
+
+def _planned_lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
     r"""The signed step factor :math:`\sigma\,\eta_t` as a ``(1,)`` float32 tensor.
 
     A constant :math:`\eta` is a fill on the device (capturable in CUDA
@@ -290,7 +343,21 @@ def advanced(memo: dict, position: int, finite: torch.Tensor) -> torch.Tensor:
     return memo[key]
 
 
-def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
+def _injected_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
+    """The fused step of an injected transform: the inner state stepped with the state's
+    learning rate tensor, the injection's count advanced on an applied step."""
+    outer = state.opt_state
+    lr = outer.hyperparams["learning_rate"].to(device=tree_leaves(state.master)[0].device)
+    inner = state.replace(tx=fp.probe, opt_state=outer.inner_state)
+    new = fused_update(
+        inner, g_leaves, fp._replace(injected=None), decision, donate, (fp.injected, lr)
+    )
+    count = torch.where(new.grads_finite, saturating_increment(outer.count), outer.count)
+    opt_state = InjectHyperparamsState(count, outer.hyperparams, new.opt_state)
+    return new.replace(tx=state.tx, opt_state=opt_state)
+
+
+def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injected=None):
     """One fused step of ``state`` (see the module docstring); returns the new state.
 
     ``g_leaves`` are the gradients' leaves, in the params' flattening order;
@@ -298,6 +365,8 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     :class:`~functional_fp16.update.decision.Decision` (what must also hold,
     and the cross-replica agreement).
     """
+    if fp.injected is not None:
+        return _injected_update(state, g_leaves, fp, decision, donate)
     masters, m_spec = tree_flatten(state.master)
     params, p_spec = tree_flatten(state.params)
     opt = tree_leaves(state.opt_state)
@@ -308,6 +377,8 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     if norm is not None:
         clip_div, clip_mul = (_one(x) for x in clip_factors(norm, fp.max_norm))
     memo: dict = {"opt": opt}
+    if injected is not None:
+        memo["injected"] = injected
     new_m, new_p, new_opt = list(masters), list(params), list(opt)
     finite = None
     for grp in fp.groups:

@@ -5,15 +5,35 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["real", "integer", "flag"]
+import torch
+
+__all__ = ["real", "integer", "flag", "is_zero"]
 
 
-def real(name: str, value: Any, *, positive: bool = False, upper: float | None = None) -> float:
+def real(
+    name: str,
+    value: Any,
+    *,
+    positive: bool = False,
+    upper: float | None = None,
+    tensor: bool = False,
+) -> float:
     """``value`` as a finite float, ``>= 0`` (or ``> 0`` with ``positive``) and ``<= upper``.
 
     Raises ``TypeError`` for a non-number (``bool`` included), ``ValueError``
     for a value outside the range; both messages start with ``name``.
+
+    With ``tensor``, a 0-d floating-point tensor (a hyperparameter that
+    :func:`~functional_fp16.inject_hyperparams` keeps in the state) is returned
+    as it is: its value lives on the device and is not read here.
     """
+    if tensor and isinstance(value, torch.Tensor):
+        if value.ndim != 0 or not value.is_floating_point():
+            raise TypeError(
+                f"{name} must be a real number or a 0-d floating-point tensor, got a tensor "
+                f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -25,6 +45,12 @@ def real(name: str, value: Any, *, positive: bool = False, upper: float | None =
     if upper is not None and value > upper:
         raise ValueError(f"{name} must be <= {upper}, got {value}")
     return value
+
+
+def is_zero(value: Any) -> bool:
+    """Whether a checked hyperparameter is the number 0 (a tensor never is: its value is
+    not read on the host, so a transform keeps its general form for it)."""
+    return not isinstance(value, torch.Tensor) and value == 0.0
 
 
 def flag(name: str, value: Any) -> bool:

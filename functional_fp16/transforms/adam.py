@@ -56,8 +56,13 @@ def bias_corrections(count: torch.Tensor, b1: float, b2: float):
     """
     t = count.to(torch.float64)
     one = torch.ones((), dtype=torch.float64, device=count.device)
-    c1 = one - torch.pow(torch.full_like(one, b1), t)
-    c2 = one - torch.pow(torch.full_like(one, b2), t)
+
+    def power(b) -> torch.Tensor:  # b^t; a tensor b (an injected hyperparameter) as it is
+        base = b.to(one) if isinstance(b, torch.Tensor) else torch.full_like(one, b)
+        return torch.pow(base, t)
+
+    c1 = one - power(b1)
+    c2 = one - power(b2)
     return (one / c1).to(torch.float32), c2.sqrt().to(torch.float32)
 
 
@@ -106,11 +111,12 @@ def scale_by_adam(
       :class:`ScaleByAdamState` (FP32 moments whatever the updates' dtype).
     """
     for name, value in (("b1", b1), ("b2", b2)):
-        if validate.real(name, value) >= 1.0:
+        checked = validate.real(name, value, tensor=True)
+        if not isinstance(checked, torch.Tensor) and checked >= 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {value}")
-    b1, b2 = float(b1), float(b2)
-    eps = validate.real("eps", eps)
-    eps_root = validate.real("eps_root", eps_root)
+    b1, b2 = (validate.real(n, v, tensor=True) for n, v in (("b1", b1), ("b2", b2)))
+    eps = validate.real("eps", eps, tensor=True)
+    eps_root = validate.real("eps_root", eps_root, tensor=True)
 
     def init(params: PyTree) -> ScaleByAdamState:
         leaves, spec = tree_flatten(params)
@@ -132,9 +138,12 @@ def scale_by_adam(
             return updates, ScaleByAdamState(count, state.mu, state.nu)
         g32 = [g.to(torch.float32) for g in g_leaves]
         new_mu = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(mu, g32)]
-        new_nu = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(nu, g32)]
+        if isinstance(b2, torch.Tensor):  # fma(c2 * g, g, v * b2), as addcmul's value= form
+            new_nu = [torch.addcmul(v * b2, g * (1.0 - b2), g) for v, g in zip(nu, g32)]
+        else:
+            new_nu = [torch.addcmul(v * b2, g, g, value=1.0 - b2) for v, g in zip(nu, g32)]
         inv_c1, sqrt_c2 = bias_corrections(count, b1, b2)
-        if eps_root == 0.0:
+        if validate.is_zero(eps_root):
             out = [m / (sqrt_rn(v) / sqrt_c2 + eps) * inv_c1 for m, v in zip(new_mu, new_nu)]
         else:
             c2 = sqrt_c2.double().square().float()

@@ -77,7 +77,11 @@ def clip_factors(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, tor
     """
     inside = norm < max_norm
     one = torch.ones_like(norm)
-    return torch.where(inside, one, norm), torch.where(inside, one, torch.full_like(norm, max_norm))
+    if isinstance(max_norm, torch.Tensor):  # an injected hyperparameter
+        cap = max_norm.to(norm)
+    else:
+        cap = torch.full_like(norm, max_norm)
+    return torch.where(inside, one, norm), torch.where(inside, one, cap)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -95,7 +99,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Args:
       max_norm: :math:`c`, finite and > 0.
     """
-    max_norm = validate.real("max_norm", max_norm, positive=True)
+    max_norm = validate.real("max_norm", max_norm, positive=True, tensor=True)
 
     def init(params: PyTree) -> EmptyState:
         del params

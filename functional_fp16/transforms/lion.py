@@ -80,8 +80,8 @@ def scale_by_lion(
       A :class:`~functional_fp16.GradientTransformation` with state
       :class:`ScaleByLionState` (an FP32 momentum whatever the updates' dtype).
     """
-    b1 = validate.real("b1", b1, upper=1.0)
-    b2 = validate.real("b2", b2, upper=1.0)
+    b1 = validate.real("b1", b1, upper=1.0, tensor=True)
+    b2 = validate.real("b2", b2, upper=1.0, tensor=True)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     smooth_beta = validate.real("smooth_beta", smooth_beta, positive=True)

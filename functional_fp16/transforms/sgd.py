@@ -89,10 +89,26 @@ class LearningRateSpec(NamedTuple):
 
 
 def _check_hyper(name: str, value: float, *, upper: float | None = None) -> float:
-    return validate.real(name, value, upper=upper)
+    return validate.real(name, value, upper=upper, tensor=True)
 
 
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+def _nesterov_refused(momentum, dampening) -> bool:
+    """Nesterov needs momentum > 0 and no dampening (tensor values are not read here)."""
+    bad_momentum = not isinstance(momentum, torch.Tensor) and momentum <= 0.0
+    return bad_momentum or not (isinstance(dampening, torch.Tensor) or dampening == 0.0)
+
+
+def _add_scaled(a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
+    """``a + c * b``: ``torch.add(a, b, alpha=c)``, or with a tensor ``c`` the same
+    multiply-add as ``addcmul`` (both one fused multiply-add on the CPU)."""
+    if isinstance(c, torch.Tensor):
+        return torch.addcmul(a, b, c.to(a.dtype))
+    return torch.add(a, b, alpha=c)
+
+
+def _scalar(value, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):  # an injected hyperparameter
+        return value.to(dtype=torch.float32, device=like.device)
     # A fill, not a host-to-device copy: stays capturable in CUDA graphs.
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
@@ -122,7 +138,7 @@ def trace(
     decay = _check_hyper("momentum", decay)
     dampening = _check_hyper("dampening", dampening, upper=1.0)
     nesterov = validate.flag("nesterov", nesterov)
-    if nesterov and (decay <= 0.0 or dampening != 0.0):
+    if nesterov and _nesterov_refused(decay, dampening):
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
 
     def init(params: PyTree) -> TraceState:
@@ -139,7 +155,7 @@ def trace(
         b_leaves = check_same_structure(
             updates, state.trace, name="trace", reference_name="updates"
         )
-        if not g_leaves or decay == 0.0:
+        if not g_leaves or validate.is_zero(decay):
             return updates, state
         like = g_leaves[0]
         started = state.initialized
@@ -149,7 +165,7 @@ def trace(
         # leaf's dtype (a no-op unless the leaf is itself 0-d and low-precision,
         # which type promotion would otherwise turn into float32).
         keep = torch.where(started, _scalar(decay, like), _scalar(0.0, like))
-        if dampening == 0.0:
+        if validate.is_zero(dampening):
             new_b = [torch.add((b * keep).to(b.dtype), g) for b, g in zip(b_leaves, g_leaves)]
         else:
             take = torch.where(started, _scalar(1.0 - dampening, like), _scalar(1.0, like))
@@ -157,7 +173,7 @@ def trace(
                 (b * keep).to(b.dtype) + (g * take).to(g.dtype) for b, g in zip(b_leaves, g_leaves)
             ]
         if nesterov:
-            out = [torch.add(g, b, alpha=decay) for g, b in zip(g_leaves, new_b)]
+            out = [_add_scaled(g, b, decay) for g, b in zip(g_leaves, new_b)]
         else:
             out = new_b
         new_state = TraceState(
@@ -248,13 +264,13 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
-        if wd == 0.0:
+        if validate.is_zero(wd):
             return updates, state
         if params is None:
             raise ValueError("add_decayed_weights needs params; pass params= to update")
         u_leaves, spec = tree_flatten(updates)
         p_leaves = check_same_structure(updates, params, name="params", reference_name="updates")
-        out = [torch.add(u, p.to(u.dtype), alpha=wd) for u, p in zip(u_leaves, p_leaves)]
+        out = [_add_scaled(u, p.to(u.dtype), wd) for u, p in zip(u_leaves, p_leaves)]
         return tree_unflatten(spec, out), state
 
     decay = GradientTransformation(init, update, DecaySpec(wd))
@@ -297,7 +313,7 @@ def sgd(
     weight_decay = _check_hyper("weight_decay", weight_decay)
     dampening = _check_hyper("dampening", dampening, upper=1.0)
     nesterov = validate.flag("nesterov", nesterov)
-    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+    if nesterov and _nesterov_refused(momentum, dampening):
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
     return chain(
         add_decayed_weights(weight_decay),
