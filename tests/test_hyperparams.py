@@ -200,3 +200,25 @@ def test_bad_input_is_named():
     grads = optree.tree_map(torch.zeros_like, state.params, namespace=NS)
     with pytest.raises((TypeError, ValueError), match="learning_rate"):
         ff.fp16_update(bad, grads)
+
+
+def test_vmapped_members_keep_their_own_learning_rates_and_checkpoints_keep_them(tmp_path):
+    tx = _recipe()
+    members = [ff.fp16_init(random_tree(k), tx) for k in range(3)]
+    for i, m in enumerate(members):
+        m.opt_state.hyperparams["learning_rate"].fill_(1e-3 * (i + 1))
+    g = torch.Generator().manual_seed(0)
+    grads = [
+        optree.tree_map(
+            lambda p: (torch.randn(p.shape, generator=g) * 100).half(), m.params, namespace=NS
+        )
+        for m in members
+    ]
+    stacked = torch.func.vmap(ff.fp16_update)(ff.tree_stack(members), ff.tree_stack(grads))
+    alone = [ff.fp16_update(m, gr) for m, gr in zip(members, grads)]
+    assert_states_bitwise_equal(stacked, ff.tree_stack(alone))
+    path = tmp_path / "state.ckpt"
+    ff.save_checkpoint(path, alone[1])
+    back = ff.load_checkpoint(path, like=ff.fp16_init(random_tree(9), tx))
+    assert_states_bitwise_equal(back, alone[1])
+    assert float(back.opt_state.hyperparams["learning_rate"]) == float(torch.tensor(2e-3))
