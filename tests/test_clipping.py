@@ -1,4 +1,4 @@
-"""clip_by_global_norm and global_norm.
+"""clip, clip_by_global_norm and global_norm.
 
 Fixed inputs in optax's style (initial params, per-step updates, ``STEPS``);
 the rule is optax's: ``u`` unchanged when ``||u|| < c``, else ``(u / ||u||) * c``.
@@ -10,8 +10,14 @@ import pytest
 import torch
 
 import functional_fp16 as ff
+from functional_fp16._util.tree import tree_leaves, tree_map
 from tests._bad_inputs import Hyper, fuzz_hyperparameters, is_real
-from tests.helpers import assert_transform_step_preserves, random_tree
+from tests.helpers import (
+    assert_states_bitwise_equal,
+    assert_transform_step_preserves,
+    bits,
+    random_tree,
+)
 
 STEPS = 50
 
@@ -100,7 +106,72 @@ def test_clip_preserves_structure_shape_dtype_and_inputs(dtype, max_norm):
         assert norm == float(ff.global_norm(grads))
 
 
+# -- clip (element-wise) -----------------------------------------------------------------------
+
+
+def clip_elements(max_delta, updates):
+    tx = ff.clip(max_delta)
+    return tx.update(updates, tx.init(updates))[0]
+
+
+def test_clip_values_at_and_around_the_bounds(per_step_updates):
+    out = clip_elements(4.0, per_step_updates)
+    assert torch.equal(out[0], torch.tensor([4.0, 4.0])) and torch.equal(
+        out[1], torch.tensor([4.0, 3.0])
+    )
+    x = torch.tensor([-5.0, -2.0, -2.0 - 2**-22, 2.0, 2.0 + 2**-22, 0.5, -0.0, math.inf, -math.inf])
+    got = clip_elements(2.0, {"x": x})["x"]
+    want = torch.tensor([-2.0, -2.0, -2.0, 2.0, 2.0, 0.5, -0.0, 2.0, -2.0])
+    assert torch.equal(bits(got), bits(want))  # inside the interval bitwise, -0.0 included
+
+
+def test_clip_keeps_nan_and_zero_clips_to_signed_zeros():
+    x = torch.tensor([math.nan, 3.0, -3.0, 0.0])
+    got = clip_elements(1.0, [x])[0]
+    assert math.isnan(float(got[0])) and got[1:].tolist() == [1.0, -1.0, 0.0]
+    zeros = clip_elements(0.0, [x[1:]])[0]
+    assert torch.equal(bits(zeros), bits(torch.tensor([0.0, -0.0, 0.0])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_elementwise_clip_preserves_structure_shape_dtype_and_inputs(dtype):
+    params = random_tree(0, dtype=dtype)
+    grads = random_tree(1, dtype=dtype, scale=3.0)
+    out, state = assert_transform_step_preserves(ff.clip(0.75), params, grads)
+    assert state == ff.EmptyState()
+    bound = float(torch.tensor(0.75, dtype=dtype))  # the bound as the leaf's dtype holds it
+    for u, g in zip(tree_leaves(out), tree_leaves(grads)):
+        assert float(u.abs().max()) <= bound
+        inside = g.abs() <= bound
+        assert torch.equal(u[inside], g[inside]) and bool((u[~inside].abs() == bound).all())
+    assert any(bool((g.abs() > bound).any()) for g in tree_leaves(grads))  # the fixture clips
+
+
+def test_clip_in_fp16_update_agrees_across_implementations(impl):
+    params = random_tree(2)
+    tx = ff.chain(ff.clip(0.01), ff.sgd(0.5, momentum=0.9))
+    state = ff.fp16_init(params, tx, ff.StaticLossScale(1024.0))
+    ref = state
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        grads = tree_map(lambda p: (torch.randn(p.shape, generator=g) * 100).half(), state.params)
+        state = ff.fp16_update(state, grads, impl=impl)
+        ref = ff.fp16_update(ref, grads, impl="reference")
+    assert_states_bitwise_equal(state, ref)
+    # Every clipped gradient is +-0.01 (unscaled, |g| ~ 0.1): each step moves by at most 0.5 * 0.01 / (1 - 0.9).
+    moved = [
+        float((a - b).abs().max()) for a, b in zip(tree_leaves(state.master), tree_leaves(params))
+    ]
+    assert max(moved) <= 4 * 0.5 * 0.01 * 10 and max(moved) > 0.0
+
+
 # -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_delta", [-1.0, -1e-30, math.nan, math.inf, "1", None, True])
+def test_bad_max_delta_is_named(max_delta):
+    with pytest.raises((ValueError, TypeError), match="max_delta"):
+        ff.clip(max_delta)
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, math.nan, math.inf, "1"])
@@ -113,10 +184,13 @@ HYPER = {
     "clip_by_global_norm.max_norm": Hyper(
         lambda v: ff.clip_by_global_norm(v), lambda v: is_real(v) and 0.0 < v < math.inf, "max_norm"
     ),
+    "clip.max_delta": Hyper(
+        lambda v: ff.clip(v), lambda v: is_real(v) and 0.0 <= v < math.inf, "max_delta"
+    ),
 }
 
 
 def test_fuzz_hyperparameters():
     """Random values (NaN, inf, negative, wrong type): accepted or named."""
-    seen = fuzz_hyperparameters(HYPER, "clip_by_global_norm")
+    seen = fuzz_hyperparameters(HYPER, "clipping")
     assert seen["rejected"] >= 100 and seen["accepted"] >= 40  # both branches, many times

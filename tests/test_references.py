@@ -191,3 +191,118 @@ def test_trace_matches_optax_trace():
         chex.assert_trees_all_equal_shapes_and_dtypes(to_numpy(out), jout)
         for a, b in zip(leaves(out), jout):
             assert scaled_error(a, to_torch(b)) <= 1.0
+
+
+# -- exponential, polynomial and piecewise-constant schedules ------------------------------------
+
+EPS32 = 2.0**-23
+
+
+def _exponential(*args, **kwargs):
+    """The two libraries' exponential_decay and the bound on their difference at step t.
+
+    optax rounds the exponent p = (t - t_b) / T to float32 (relative 2^-24),
+    which ``r^p`` amplifies by |p ln r|; its power and product add about an
+    ulp each. We compute in float64 and round once.
+    """
+    init, steps, rate = args[:3]
+    begin = args[3] if len(args) > 3 else kwargs.get("transition_begin", 0)
+
+    def rel(t):
+        if steps <= 0 or rate == 0.0:  # the constant init value, rounded once in both: exact
+            return 0.0
+        p = max(t - begin, 0) / steps
+        return EPS32 * (2.0 + abs(p * math.log(rate)))
+
+    return ff.exponential_decay(*args, **kwargs), optax.exponential_decay(*args, **kwargs), rel
+
+
+def _polynomial(*args):
+    """optax forms (v0 - v1) * frac**p + v1 in float32: a few ulps of max(v0, v1) absolute
+    (the sum cancels when the value nears 0), a few ulps relative elsewhere."""
+    scale = max(args[0], args[1])
+    return (
+        ff.polynomial_schedule(*args),
+        optax.polynomial_schedule(*args),
+        lambda t: 4 * EPS32,
+        4 * EPS32 * scale,
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        lambda: _exponential(0.1, 10, 0.7),
+        lambda: _exponential(0.1, 7, 0.5, 5, True, 0.001),
+        lambda: _exponential(1e-3, 13, 1.3, 3, False, 0.05),
+        lambda: _exponential(0.4, 9, 0.9, 0, False, 0.5),  # end above init: bounds every step
+        lambda: _exponential(0.2, 5, 1.0, 2, False, 0.1),  # r = 1: the upper bound
+        lambda: _exponential(0.3, 0, 0.5),  # no transition: the init value
+        lambda: _exponential(0.3, -4, 0.5, 0, False, 0.01),
+        lambda: _exponential(0.3, 10, 0.0, 0, False, 0.01),  # r = 0: the init value
+        lambda: _polynomial(0.3, 0.01, 2.5, 90, 7),
+        lambda: _polynomial(0.0, 0.2, 0.5, 40),
+        lambda: _polynomial(0.1, 0.2, 0.0, 40),  # p = 0: init everywhere (0^0 = 1)
+        lambda: _polynomial(0.1, 0.2, 3.0, 0, 5),
+        lambda: _polynomial(0.1, 0.2, 1.0, 30, 4),  # linear_schedule
+        lambda: (
+            ff.piecewise_constant_schedule(0.1, {30: 0.5, 10: 0.3, 90: 3.0}),
+            optax.piecewise_constant_schedule(0.1, {30: 0.5, 10: 0.3, 90: 3.0}),
+            lambda t: 4 * EPS32,  # optax rounds after each factor (at most 3 here), we once
+        ),
+        lambda: (
+            ff.piecewise_constant_schedule(0.25, {0: 0.5, 1: 2.0, 2: 0.0, 3: 7.0}),
+            optax.piecewise_constant_schedule(0.25, {0: 0.5, 1: 2.0, 2: 0.0, 3: 7.0}),
+            lambda t: 0.0,  # powers of two and zero: exact in both
+        ),
+        lambda: (
+            ff.piecewise_constant_schedule(0.3),
+            optax.piecewise_constant_schedule(0.3),
+            lambda t: 0.0,
+        ),
+    ],
+    ids=[
+        "exp",
+        "exp_staircase_bounded",
+        "exp_growth_capped",
+        "exp_end_above_init",
+        "exp_rate_1",
+        "exp_steps_0",
+        "exp_steps_negative",
+        "exp_rate_0",
+        "poly",
+        "poly_warmup_sqrt",
+        "poly_power_0",
+        "poly_steps_0",
+        "poly_power_1",
+        "piecewise",
+        "piecewise_from_0",
+        "piecewise_none",
+    ],
+)
+def test_more_schedules_match_optax(case):
+    ours, theirs, rel, *rest = case()
+    atol = rest[0] if rest else 0.0
+    for t in range(0, 200):
+        a = float(ours(torch.tensor(t, dtype=torch.int32)))
+        b = float(np.float32(theirs(t)))  # optax's value, float32 (a Python float where constant)
+        assert a == pytest.approx(b, rel=rel(t), abs=atol), t
+
+
+def test_clip_matches_optax():
+    tree = random_tree(5, scale=3.0)
+    tree16 = random_tree(6, dtype=torch.float16, scale=3.0)
+    leaves(tree)[3].view(-1)[0] = math.nan
+    leaves(tree)[4].view(-1)[1] = -math.inf
+    for max_delta in [0.0, 0.1, 1.0, 7.5]:
+        for t in (tree, tree16):
+            ours, _ = ff.clip(max_delta).update(t, ff.EmptyState())
+            tx = optax.clip(max_delta)
+            j = [jnp.asarray(x.numpy()) for x in leaves(t)]
+            theirs, _ = tx.update(j, tx.init(j))
+            chex.assert_trees_all_equal_shapes_and_dtypes(to_numpy(ours), theirs)
+            # A select between the element and the bound (rounded to the leaf's dtype
+            # in both): bitwise, NaN payloads and signed zeros included.
+            for a, b in zip(to_numpy(ours), theirs):
+                b = np.asarray(b)
+                assert np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import functional_fp16 as ff
+from tests.helpers import no_host_sync
 
 STEPS = 40  # every schedule below is evaluated on 0 .. STEPS - 1 where it matters
 
@@ -125,8 +126,20 @@ def test_warmup_cosine_decay_at_and_around_its_boundaries(warmup):
         lambda: ff.cosine_decay_schedule(1.0, 5),
         lambda: ff.warmup_cosine_decay_schedule(0.0, 1.0, 2, 6),
         lambda: ff.join_schedules([ff.constant_schedule(1.0), ff.constant_schedule(2.0)], [2]),
+        lambda: ff.polynomial_schedule(1.0, 0.1, 2.0, 5),
+        lambda: ff.exponential_decay(1.0, 2, 0.5, staircase=True, end_value=0.1),
+        lambda: ff.piecewise_constant_schedule(1.0, {2: 0.5}),
     ],
-    ids=["constant", "linear", "cosine", "warmup_cosine", "join"],
+    ids=[
+        "constant",
+        "linear",
+        "cosine",
+        "warmup_cosine",
+        "join",
+        "polynomial",
+        "exponential",
+        "piecewise",
+    ],
 )
 def test_schedules_return_a_0d_float32_tensor_on_the_steps_device(make):
     schedule = make()
@@ -136,6 +149,123 @@ def test_schedules_return_a_0d_float32_tensor_on_the_steps_device(make):
         assert out.shape == () and out.dtype == torch.float32 and out.device.type == "cpu"
     meta = schedule(torch.tensor(3, dtype=torch.int32, device="meta"))
     assert meta.device.type == "meta" and meta.dtype == torch.float32
+
+
+# -- polynomial, exponential, piecewise constant ----------------------------------------------
+
+
+@pytest.mark.parametrize("power", [0.5, 2.0, 3.0])
+def test_polynomial_at_and_around_its_boundaries(power):
+    v0, v1, T, begin = 0.8, 0.05, 10, 4
+    sched = ff.polynomial_schedule(v0, v1, power, T, begin)
+    for t in [0, begin - 1, begin, begin + 1, begin + T // 2, begin + T - 1, begin + T, STEPS]:
+        frac = 1.0 - min(max(t - begin, 0), T) / T
+        assert float(at(sched, t)) == f32((v0 - v1) * frac**power + v1), t
+    assert float(at(sched, begin)) == f32(v0) and float(at(sched, begin + T)) == f32(v1)
+    assert float(at(sched, begin + T // 2)) == f32((v0 - v1) * 0.5**power + v1)
+
+
+def test_polynomial_of_power_1_is_linear_schedule_and_power_0_is_constant():
+    poly = ff.polynomial_schedule(0.1, 0.7, 1.0, 3, 5)
+    lin = ff.linear_schedule(0.1, 0.7, 3, 5)
+    assert all(float(at(poly, t)) == float(at(lin, t)) for t in range(STEPS))
+    flat = ff.polynomial_schedule(0.1, 0.7, 0.0, 3, 5)
+    assert [float(at(flat, t)) for t in (0, 5, 7, 8, 100)] == [f32(0.1)] * 5
+    # A warmup: end above init, the square root rises fastest at first.
+    warm = ff.polynomial_schedule(0.0, 1.0, 0.5, 4)
+    assert [float(at(warm, t)) for t in range(6)] == [
+        f32(1.0 - math.sqrt(1.0 - t / 4)) if t < 4 else 1.0 for t in range(6)
+    ]
+
+
+@pytest.mark.parametrize("steps", [0, -1, -100])
+def test_polynomial_and_exponential_without_transition_steps_are_the_init_value(steps):
+    for sched in (
+        ff.polynomial_schedule(0.25, 4.0, 2.0, steps, transition_begin=3),
+        ff.exponential_decay(0.25, steps, 0.5, transition_begin=3, end_value=1.0),
+    ):
+        assert [float(at(sched, t)) for t in (0, 3, 10, 1000)] == [0.25] * 4
+
+
+def test_exponential_decay_continuous_and_staircase():
+    v0, T, r, begin = 2.0, 4, 0.5, 3
+    smooth = ff.exponential_decay(v0, T, r, begin)
+    stairs = ff.exponential_decay(v0, T, r, begin, staircase=True)
+    for t in range(STEPS):
+        p = (t - begin) / T
+        want = v0 if t <= begin else v0 * r**p
+        assert float(at(smooth, t)) == f32(want), t
+        want = v0 if t <= begin else v0 * r ** math.floor(p)
+        assert float(at(stairs, t)) == f32(want), t
+    assert [float(at(stairs, t)) for t in (3, 6, 7, 10, 11)] == [2.0, 2.0, 1.0, 1.0, 0.5]
+
+
+def test_exponential_end_value_bounds_every_step_as_optax():
+    """A lower bound for r < 1, an upper one for r >= 1, before transition_begin too."""
+    floor = ff.exponential_decay(1.0, 1, 0.5, transition_begin=2, end_value=0.125)
+    assert [float(at(floor, t)) for t in range(7)] == [1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.125]
+    cap = ff.exponential_decay(1.0, 1, 2.0, end_value=5.0)
+    assert [float(at(cap, t)) for t in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    above = ff.exponential_decay(0.4, 10, 0.9, end_value=0.5)  # the bound is above init
+    assert [float(at(above, t)) for t in (0, 5, 50)] == [0.5] * 3
+    flat = ff.exponential_decay(0.2, 5, 1.0, end_value=0.1)  # r = 1: min(0.2, 0.1)
+    assert [float(at(flat, t)) for t in (0, 10)] == [f32(0.1)] * 2
+    zero_rate = ff.exponential_decay(0.3, 10, 0.0, end_value=0.1)  # r = 0: no decay, no bound
+    assert [float(at(zero_rate, t)) for t in (0, 10, 100)] == [f32(0.3)] * 3
+
+
+def test_exponential_growth_overflows_to_inf_but_a_zero_init_stays_zero():
+    top = torch.iinfo(torch.int32).max
+    grow = ff.exponential_decay(1.0, 1, 2.0)
+    assert float(at(grow, 200)) == math.inf and float(at(grow, 100)) == f32(2.0**100)
+    assert float(at(ff.exponential_decay(1.0, 1, 2.0, end_value=3.0), top)) == 3.0
+    zero = ff.exponential_decay(0.0, 1, 2.0)
+    assert [float(at(zero, t)) for t in (0, 5, 2000, top)] == [0.0] * 4  # not 0 * inf = NaN
+    assert float(at(ff.exponential_decay(0.0, 1, 0.5, end_value=0.25), top)) == 0.25
+
+
+def test_piecewise_constant_multiplies_the_scales_of_the_boundaries_reached():
+    sched = ff.piecewise_constant_schedule(0.1, {5: 0.5, 15: 0.1, 25: 3.0})
+    for t in range(STEPS):
+        want = 0.1 * (0.5 if t >= 5 else 1) * (0.1 if t >= 15 else 1) * (3.0 if t >= 25 else 1)
+        assert float(at(sched, t)) == f32(want), t
+    assert float(at(sched, 4)) == f32(0.1) and float(at(sched, 5)) == f32(0.05)
+    # A dict's order does not matter (two equal dicts), a boundary at 0 applies from the start.
+    shuffled = ff.piecewise_constant_schedule(0.1, {25: 3.0, 5: 0.5, 15: 0.1})
+    assert all(float(at(shuffled, t)) == float(at(sched, t)) for t in range(STEPS))
+    start = ff.piecewise_constant_schedule(2.0, {0: 0.25, 2: 0.0})
+    assert [float(at(start, t)) for t in range(4)] == [0.5, 0.5, 0.0, 0.0]
+    for none in (None, {}):
+        assert float(at(ff.piecewise_constant_schedule(0.3, none), 7)) == f32(0.3)
+    far = ff.piecewise_constant_schedule(1.0, {2**40: 0.5})  # beyond any int32 step
+    assert float(at(far, torch.iinfo(torch.int32).max)) == 1.0
+
+
+NEW_SCHEDULES = {
+    "polynomial": lambda: ff.polynomial_schedule(0.5, 0.01, 1.5, 20, 3),
+    "exponential": lambda: ff.exponential_decay(0.5, 4, 0.8, 2, False, 0.05),
+    "staircase": lambda: ff.exponential_decay(0.5, 4, 0.8, 2, True),
+    "piecewise": lambda: ff.piecewise_constant_schedule(0.5, {3: 0.5, 9: 0.2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_SCHEDULES))
+def test_new_schedules_compile_with_fullgraph_and_never_read_the_step(name):
+    sched = NEW_SCHEDULES[name]()
+    torch._dynamo.reset()
+    compiled = torch.compile(sched, fullgraph=True, dynamic=True)
+    steps = [torch.tensor(t, dtype=torch.int32) for t in range(0, 30, 2)]
+    eager = [sched(t) for t in steps]
+    with no_host_sync():
+        for t in steps:
+            sched(t)  # eager: tensor operations only
+    for t, e in zip(steps, eager):
+        c = compiled(t)
+        assert c.dtype == torch.float32 and c.shape == ()
+        # Inductor may evaluate pow in float64 with other roundings than eager's last
+        # float64 bit: after the one rounding to float32, within one float32 ulp.
+        assert float(c) == pytest.approx(float(e), rel=2**-23, abs=0.0), int(t)
+    assert len({float(e) for e in eager}) > 2  # the fixture moves
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -155,6 +285,31 @@ def test_schedules_return_a_0d_float32_tensor_on_the_steps_device(make):
         (lambda: ff.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10), "decay_steps"),
         (lambda: ff.warmup_cosine_decay_schedule(0.0, 0.1, 10, 50, end_value=0.5), "end_value"),
         (lambda: ff.warmup_cosine_decay_schedule(0.0, 0.0, 10, 50, end_value=0.1), "end_value"),
+        (lambda: ff.polynomial_schedule(0.1, -0.1, 2.0, 10), "end_value"),
+        (lambda: ff.polynomial_schedule(0.1, 0.0, -1.0, 10), "power"),
+        (lambda: ff.polynomial_schedule(0.1, 0.0, "2", 10), "power"),
+        (lambda: ff.polynomial_schedule(0.1, 0.0, 2.0, 10.0), "transition_steps"),
+        (lambda: ff.polynomial_schedule(0.1, 0.0, 2.0, 10, -1), "transition_begin"),
+        (lambda: ff.exponential_decay(math.inf, 10, 0.5), "init_value"),
+        (lambda: ff.exponential_decay(0.1, 10, -0.5), "decay_rate"),
+        (lambda: ff.exponential_decay(0.1, 10, math.nan), "decay_rate"),
+        (lambda: ff.exponential_decay(0.1, 10, 0.5, -2), "transition_begin"),
+        (lambda: ff.exponential_decay(0.1, 10, 0.5, staircase=1), "staircase"),
+        (lambda: ff.exponential_decay(0.1, 10, 0.5, end_value=-1.0), "end_value"),
+        (lambda: ff.exponential_decay(0.1, None, 0.5), "transition_steps"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {10: -0.5}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {10: math.inf}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {10: math.nan}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {2.5: 0.5}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {True: 0.5}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {-1: 0.5}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, {1: "x"}), "boundaries_and_scales"),
+        (lambda: ff.piecewise_constant_schedule(0.1, [(10, 0.5)]), "boundaries_and_scales"),
+        (
+            lambda: ff.piecewise_constant_schedule(1.0, {1: 1e20, 2: 1e20}),
+            "boundaries_and_scales: the value from step 2 on",
+        ),
+        (lambda: ff.piecewise_constant_schedule(-0.1), "init_value"),
         (
             lambda: ff.join_schedules([ff.constant_schedule(1.0)] * 2, [1, 2]),
             "len\\(boundaries\\) == len\\(schedules\\) - 1",

@@ -1,4 +1,4 @@
-"""Gradient clipping by global norm, computed in float32."""
+"""Gradient clipping: element-wise (:func:`clip`) and by global norm, computed in float32."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.transforms.base import EmptyState, GradientTransformation
 
 __all__ = [
+    "clip",
     "global_norm",
     "clip_by_global_norm",
     "clip_factors",
@@ -122,3 +123,35 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return tree_unflatten(spec, out), state
 
     return GradientTransformation(init, update, ClipSpec(max_norm))
+
+
+def clip(max_delta: float) -> GradientTransformation:
+    r"""Clips every element of the updates to :math:`[-\delta, \delta]` (optax's ``clip``).
+
+    .. math:: u_{ij} \leftarrow \min(\max(u_{ij}, -\delta), \delta)
+
+    in each leaf's own dtype (a bound that the dtype cannot hold exactly
+    clips to its nearest value there); NaN stays NaN. Inside
+    :func:`~functional_fp16.fp16_update` it sees the unscaled FP32 gradients.
+
+    Args:
+      max_delta: :math:`\delta`, finite and >= 0 (with 0, every element
+        becomes a zero of its own sign).
+
+    Returns:
+      A stateless :class:`~functional_fp16.GradientTransformation`
+      (state :class:`~functional_fp16.EmptyState`).
+    """
+    max_delta = validate.real("max_delta", max_delta)
+
+    def init(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+        del params
+        leaves, spec = tree_flatten(updates)
+        out = [torch.clamp(u, -max_delta, max_delta) for u in leaves]
+        return tree_unflatten(spec, out), state
+
+    return GradientTransformation(init, update)

@@ -9,7 +9,7 @@ synchronises with the host and traces under ``torch.compile``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ __all__ = [
     "Schedule",
     "constant_schedule",
     "linear_schedule",
+    "polynomial_schedule",
+    "exponential_decay",
+    "piecewise_constant_schedule",
     "cosine_decay_schedule",
     "join_schedules",
     "warmup_cosine_decay_schedule",
@@ -63,6 +66,9 @@ def linear_schedule(
 
     .. math:: v(t) = v_0 + (v_1 - v_0)\,\frac{\min(\max(t - t_b, 0), T)}{T}
 
+    This is :func:`polynomial_schedule` with ``power=1`` (which returns this
+    schedule), as in optax.
+
     Args:
       init_value: :math:`v_0`, the value up to ``transition_begin``.
       end_value: :math:`v_1`, the value from ``transition_begin + transition_steps`` on.
@@ -80,6 +86,171 @@ def linear_schedule(
     def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
         return (v0 + (v1 - v0) * (t / steps)).float()
+
+    return schedule
+
+
+def polynomial_schedule(
+    init_value: float,
+    end_value: float,
+    power: float,
+    transition_steps: int,
+    transition_begin: int = 0,
+) -> Schedule:
+    r"""Polynomial transition from ``init_value`` to ``end_value`` (optax's rule).
+
+    .. math::
+        v(t) = (v_0 - v_1)\left(1 - \frac{\min(\max(t - t_b, 0), T)}{T}\right)^{p} + v_1
+
+    that is :math:`v_0` up to :math:`t_b`, :math:`v_1` from :math:`t_b + T` on.
+    With ``power=1`` this returns :func:`linear_schedule` (the same function
+    of :math:`t`, written as linear interpolation).
+
+    Args:
+      init_value: :math:`v_0 \ge 0`.
+      end_value: :math:`v_1 \ge 0` (above :math:`v_0` for a warmup).
+      power: :math:`p \ge 0` (:math:`p = 0` gives :math:`v_0` at every step,
+        as :math:`0^0 = 1`).
+      transition_steps: :math:`T`; :math:`T \le 0` gives the constant
+        :math:`v_0` (optax's rule: no transition).
+      transition_begin: :math:`t_b \ge 0`.
+
+    Returns:
+      A schedule ``step -> value`` (a 0-d float32 tensor on the step's device).
+    """
+    v0 = _check_value("init_value", init_value)
+    v1 = _check_value("end_value", end_value)
+    power = _check_value("power", power)
+    steps = validate.integer("transition_steps", transition_steps, -(2**63))
+    begin = _check_steps("transition_begin", transition_begin, minimum=0)
+    if power == 1.0:
+        return linear_schedule(v0, v1, steps, begin)
+    if steps <= 0:
+        return constant_schedule(v0)
+
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
+        return ((v0 - v1) * torch.pow(1.0 - t / steps, power) + v1).float()
+
+    return schedule
+
+
+def exponential_decay(
+    init_value: float,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: float | None = None,
+) -> Schedule:
+    r"""Exponential decay (or growth) of ``init_value`` at ``decay_rate`` per ``transition_steps``.
+
+    .. math::
+        v(t) = \operatorname{bound}\Big(\begin{cases} v_0 & t \le t_b \\
+               v_0\, r^{(t - t_b)/T} & t > t_b \end{cases}\Big)
+
+    with the exponent rounded down to an integer when ``staircase``, and
+    :math:`\operatorname{bound}(x) = \max(x, v_{end})` for :math:`r < 1`,
+    :math:`\min(x, v_{end})` for :math:`r \ge 1` (every step, the ones
+    before :math:`t_b` included, as optax bounds them), or :math:`x` without
+    ``end_value``. As in optax, :math:`T \le 0` or :math:`r = 0` gives the
+    constant :math:`v_0`, ``end_value`` ignored. With :math:`v_0 = 0` the
+    value is 0 (bounded) at every step, also where :math:`r^{(t - t_b)/T}`
+    overflows.
+
+    Args:
+      init_value: :math:`v_0 \ge 0`.
+      transition_steps: :math:`T`, the steps over which the value is
+        multiplied by :math:`r` once.
+      decay_rate: :math:`r \ge 0` (above 1 the value grows).
+      transition_begin: :math:`t_b \ge 0`.
+      staircase: decay in steps of :math:`T` (an integer exponent) instead of continuously.
+      end_value: :math:`v_{end} \ge 0`, a lower bound for :math:`r < 1`, an
+        upper bound otherwise; ``None`` for no bound.
+
+    Returns:
+      A schedule ``step -> value`` (a 0-d float32 tensor on the step's device).
+    """
+    v0 = _check_value("init_value", init_value)
+    steps = validate.integer("transition_steps", transition_steps, -(2**63))
+    rate = _check_value("decay_rate", decay_rate)
+    begin = _check_steps("transition_begin", transition_begin, minimum=0)
+    if not isinstance(staircase, bool):
+        raise TypeError(f"staircase must be a bool, got {type(staircase).__name__}")
+    end = None if end_value is None else _check_value("end_value", end_value)
+    if steps <= 0 or rate == 0.0:
+        return constant_schedule(v0)
+
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
+        t = _as_step(step) - begin
+        p = t / steps
+        if staircase:
+            p = torch.floor(p)
+        if v0 == 0.0:
+            value = torch.zeros_like(t)
+        else:
+            value = torch.where(t <= 0, v0, v0 * torch.pow(rate, p))
+        if end is not None:
+            value = torch.clamp(value, min=end) if rate < 1.0 else torch.clamp(value, max=end)
+        return value.float()
+
+    return schedule
+
+
+def piecewise_constant_schedule(
+    init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
+) -> Schedule:
+    r"""``init_value`` times the product of the scales of every boundary reached (optax's rule).
+
+    .. math:: v(t) = v_0 \prod_{b_i \le t} s_i
+
+    The products are formed once, in float64, when the schedule is built
+    (the boundaries in increasing order, whatever the mapping's order), and
+    each value is rounded once to float32.
+
+    Args:
+      init_value: :math:`v_0 \ge 0`.
+      boundaries_and_scales: ``{b_i: s_i}``, int steps :math:`b_i \ge 0` and
+        finite scales :math:`s_i \ge 0`; ``None`` or empty for the constant
+        :math:`v_0`.
+
+    Returns:
+      A schedule ``step -> value`` (a 0-d float32 tensor on the step's device).
+    """
+    v0 = _check_value("init_value", init_value)
+    if boundaries_and_scales is None:
+        boundaries_and_scales = {}
+    if not isinstance(boundaries_and_scales, Mapping):
+        raise TypeError(
+            "boundaries_and_scales must be a mapping {step: scale} or None, "
+            f"got {type(boundaries_and_scales).__name__}"
+        )
+    pairs = sorted(
+        (
+            validate.integer(f"boundaries_and_scales key {b!r}", b, 0),
+            validate.real(f"boundaries_and_scales[{b!r}]", s),
+        )
+        for b, s in boundaries_and_scales.items()
+    )
+    if not pairs:
+        return constant_schedule(v0)
+    values, value = [], v0
+    for b, s in pairs:
+        value *= s
+        if not math.isfinite(float(torch.tensor(value, dtype=torch.float32))):
+            raise ValueError(
+                f"boundaries_and_scales: the value from step {b} on, {value}, overflows float32"
+            )
+        values.append(value)
+    # A boundary beyond any int32 step is never reached; clamped so that it converts to float.
+    bounds = [float(min(b, 2**53)) for b, _ in pairs]
+
+    def schedule(step: int | torch.Tensor) -> torch.Tensor:
+        t = _as_step(step)
+        out = torch.full_like(t, v0)
+        for b, v in zip(bounds, values):
+            out = torch.where(t >= b, v, out)
+        return out.float()
 
     return schedule
 
