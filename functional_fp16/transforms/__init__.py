@@ -22,11 +22,7 @@ from functional_fp16.transforms.base import (
 from functional_fp16.transforms.clipping import clip, clip_by_global_norm, global_norm
 from functional_fp16.transforms.combining import MultiTransformState, multi_transform, set_to_zero
 from functional_fp16.transforms.conditionality import ApplyIfFiniteState, apply_if_finite
-from functional_fp16.transforms.hyperparams import (
-    InjectHyperparamsState,
-    InjectSpec,
-    inject_hyperparams,
-)
+from functional_fp16.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_fp16.transforms.lion import ScaleByLionState, lion, scale_by_lion
 from functional_fp16.transforms.masking import MaskedNode, MaskedState, masked
 from functional_fp16.transforms.rmsprop import (
