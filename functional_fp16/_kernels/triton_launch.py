@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from functional_fp16._kernels.signatures import SIGNATURES, Arg, Signature, dense
+from functional_fp16._kernels.triton_blocks import TRITON_DTYPES
 
 __all__ = [
     "INTERPRET",
@@ -50,6 +51,7 @@ __all__ = [
     "classes",
     "f32",
     "device_context",
+    "launch_step",
 ]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -274,3 +276,49 @@ def f32(x: float) -> float:
 def device_context(device: torch.device) -> Any:
     """A context that makes ``device`` current for the launches (nothing on the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def launch_step(
+    entry: str,
+    kernel: Any,
+    check: Checker,
+    roles: Sequence[Sequence[torch.Tensor] | None],
+    scalars: Sequence[torch.Tensor],
+    numbers: Sequence[float],
+    flags: dict[str, Any],
+    sizes: dict[str, int],
+) -> None:
+    """A step's launches, one per class of leaves (see :func:`classes`).
+
+    ``roles`` are the per-leaf tensors in the kernel's table order, the
+    gradients first and the working copies' outputs last (``None``: a role
+    the kernel does not use); ``scalars`` the per-group tensors the kernel
+    takes after its two tables, ``numbers`` its fixed hyperparameters (as
+    Python floats), ``flags`` its constexprs beside the classes' own
+    (``G_TY``, ``P_TY``, ``ALIGNED``, ``P_IS_MASTER``) and ``sizes``
+    (``CHUNK``, ``BLOCK``). ``check`` has checked every argument.
+    """
+    grads, params_out = roles[0], roles[-1]
+    is_master = check.working_copies()
+    keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
+    tables = Tables()
+    leaf_classes = classes(tables, roles, keys, check.n_leaves // check.n_groups, sizes["CHUNK"])
+    if not leaf_classes:
+        return
+    table = tables.to(check.device)
+    with device_context(check.device):
+        for (g_dtype, p_dtype, p_is_master, aligned), c in leaf_classes.items():
+            launch(
+                entry,
+                kernel,
+                c.grid,
+                *c.views(table),
+                *scalars,
+                *[float(x) for x in numbers],
+                G_TY=TRITON_DTYPES[g_dtype],
+                P_TY=TRITON_DTYPES[p_dtype],
+                ALIGNED=aligned,
+                P_IS_MASTER=p_is_master,
+                **flags,
+                **sizes,
+            )

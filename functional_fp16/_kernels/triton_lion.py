@@ -24,15 +24,8 @@ import torch
 
 from functional_fp16._kernels import triton_steps
 from functional_fp16._kernels.signatures import step_signature
-from functional_fp16._kernels.triton_blocks import TRITON_DTYPES, tl, triton
-from functional_fp16._kernels.triton_launch import (
-    Checker,
-    Tables,
-    classes,
-    device_context,
-    f32,
-    launch,
-)
+from functional_fp16._kernels.triton_blocks import tl, triton
+from functional_fp16._kernels.triton_launch import Checker, f32, launch_step
 
 __all__ = ["SIGNATURE", "lion_update"]
 
@@ -179,42 +172,14 @@ def lion_update(
     )
     check = Checker("lion_update", n_groups, kw, SIGNATURE)
     check.both_or_neither("clip_div", "clip_mul")
-    is_master = check.working_copies()
-    keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
-    roles = [grads, master, mu, params, master_out, mu_out, params_out]
-    tables = Tables()
-    chunk, block = triton_steps.CHUNK, triton_steps.BLOCK  # the programs' sizes, shared
-    leaf_classes = classes(tables, roles, keys, len(grads) // n_groups, chunk)
-    if not leaf_classes:
-        return
-    table = tables.to(check.device)
-    flags = dict(
-        HAS_INV=inv is not None,
-        CLIP=clip_div is not None,
-        DECOUPLED=f32(decoupled) != 0.0,
-        CHUNK=chunk,
-        BLOCK=block,
+    launch_step(
+        "lion_update",
+        _lion_kernel,
+        check,
+        [grads, master, mu, params, master_out, mu_out, params_out],
+        [inv if inv is not None else lr, clip_div if clip_div is not None else lr]
+        + [clip_mul if clip_mul is not None else lr, lr, apply],
+        [w1, b1, w2, b2, decoupled],
+        dict(HAS_INV=inv is not None, CLIP=clip_div is not None, DECOUPLED=f32(decoupled) != 0.0),
+        dict(CHUNK=triton_steps.CHUNK, BLOCK=triton_steps.BLOCK),  # the programs' sizes, shared
     )
-    with device_context(check.device):
-        for (g_dtype, p_dtype, p_is_master, aligned), c in leaf_classes.items():
-            launch(
-                "lion_update",
-                _lion_kernel,
-                c.grid,
-                *c.views(table),
-                inv if inv is not None else lr,
-                clip_div if clip_div is not None else lr,
-                clip_mul if clip_mul is not None else lr,
-                lr,
-                apply,
-                float(w1),
-                float(b1),
-                float(w2),
-                float(b2),
-                float(decoupled),
-                G_TY=TRITON_DTYPES[g_dtype],
-                P_TY=TRITON_DTYPES[p_dtype],
-                ALIGNED=aligned,
-                P_IS_MASTER=p_is_master,
-                **flags,
-            )

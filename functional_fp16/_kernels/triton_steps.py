@@ -31,6 +31,7 @@ from functional_fp16._kernels.triton_launch import (
     f32,
     launch,
     launch_counts,
+    launch_step,
 )
 
 if triton is not None:
@@ -206,17 +207,9 @@ def sgd_update(
     check.both_or_neither("clip_div", "clip_mul")
     check.both_or_neither("trace", "trace_out")
     has_momentum = trace is not None
-    is_master = check.working_copies()
-    sizes = _sizes()
-    keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
     roles = [grads, master, trace, params, master_out, trace_out, params_out]
     if not has_momentum:
         roles[2] = roles[5] = None
-    tables = Tables()
-    leaf_classes = classes(tables, roles, keys, len(grads) // n_groups, CHUNK)
-    if not leaf_classes:
-        return
-    table = tables.to(check.device)
     flags = dict(
         HAS_INV=inv is not None,
         CLIP=clip_div is not None,
@@ -224,30 +217,12 @@ def sgd_update(
         MOMENTUM=has_momentum,
         STARTED=has_momentum and started is not None,
         NESTEROV=has_momentum and bool(nesterov),
-        **sizes,
     )
-    with device_context(check.device):
-        for (g_dtype, p_dtype, p_is_master, aligned), c in leaf_classes.items():
-            launch(
-                "sgd_update",
-                _sgd_kernel,
-                c.grid,
-                *c.views(table),
-                inv if inv is not None else lr,
-                clip_div if clip_div is not None else lr,
-                clip_mul if clip_mul is not None else lr,
-                lr,
-                apply,
-                started if started is not None else apply,
-                float(weight_decay),
-                float(momentum),
-                float(take_started),
-                G_TY=TRITON_DTYPES[g_dtype],
-                P_TY=TRITON_DTYPES[p_dtype],
-                ALIGNED=aligned,
-                P_IS_MASTER=p_is_master,
-                **flags,
-            )
+    scalars = [inv if inv is not None else lr, clip_div if clip_div is not None else lr]
+    scalars += [clip_mul if clip_mul is not None else lr, lr, apply]
+    scalars.append(started if started is not None else apply)
+    numbers = [weight_decay, momentum, take_started]
+    launch_step("sgd_update", _sgd_kernel, check, roles, scalars, numbers, flags, _sizes())
 
 
 def adam_update(
@@ -312,46 +287,15 @@ def adam_update(
     )
     check = Checker("adam_update", n_groups, kw)
     check.both_or_neither("clip_div", "clip_mul")
-    is_master = check.working_copies()
-    sizes = _sizes()
-    keys = [(g.dtype, p.dtype, m) for g, p, m in zip(grads, params_out, is_master)]
     roles = [grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out]
-    tables = Tables()
-    leaf_classes = classes(tables, roles, keys, len(grads) // n_groups, CHUNK)
-    if not leaf_classes:
-        return
-    table = tables.to(check.device)
     flags = dict(
         HAS_INV=inv is not None,
         CLIP=clip_div is not None,
         L2=f32(l2) != 0.0,
         DECOUPLED=f32(decoupled) != 0.0,
         SMALL_W=abs(f32(w)) < 0.5,
-        **sizes,
     )
-    with device_context(check.device):
-        for (g_dtype, p_dtype, p_is_master, aligned), c in leaf_classes.items():
-            launch(
-                "adam_update",
-                _adam_kernel,
-                c.grid,
-                *c.views(table),
-                inv if inv is not None else lr,
-                clip_div if clip_div is not None else lr,
-                clip_mul if clip_mul is not None else lr,
-                lr,
-                apply,
-                inv_c1,
-                sqrt_c2,
-                float(l2),
-                float(w),
-                float(b2),
-                float(c2),
-                float(eps),
-                float(decoupled),
-                G_TY=TRITON_DTYPES[g_dtype],
-                P_TY=TRITON_DTYPES[p_dtype],
-                ALIGNED=aligned,
-                P_IS_MASTER=p_is_master,
-                **flags,
-            )
+    scalars = [inv if inv is not None else lr, clip_div if clip_div is not None else lr]
+    scalars += [clip_mul if clip_mul is not None else lr, lr, apply, inv_c1, sqrt_c2]
+    numbers = [l2, w, b2, c2, eps, decoupled]
+    launch_step("adam_update", _adam_kernel, check, roles, scalars, numbers, flags, _sizes())
