@@ -242,6 +242,7 @@ def make_train_step(
     *,
     distributed: bool = False,
     compiled: bool = False,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> Callable[..., tuple[ff.FP16State, StepMetrics]]:
     """``train_step(state, inputs, targets) -> (state, StepMetrics)``, pure.
 
@@ -253,9 +254,10 @@ def make_train_step(
     ``compiled`` the whole step (the schedule, every micro-batch's forward
     and backward pass and ``fp16_update``) is one
     ``torch.compile(fullgraph=True)`` graph; the fused update is one opaque
-    op in it.
+    op in it. ``loss_fn(params, inputs, targets)`` replaces this model's
+    (:func:`make_loss_fn`), so another model's loss trains the same way.
     """
-    grad_fn = scaled_grad_and_value(make_loss_fn(model, policy, train=True))
+    grad_fn = scaled_grad_and_value(loss_fn or make_loss_fn(model, policy, train=True))
 
     def train_step(state: ff.FP16State, inputs: torch.Tensor, targets: torch.Tensor):
         scale = state.loss_scale.loss_scale
