@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="start from this Hub checkpoint and its tokenizer (downloads unless cached)",
     )
+    m.add_argument("--layers", type=int, default=None, help="blocks (default: --config's)")
+    m.add_argument("--heads", type=int, default=None, help="attention heads (--config's)")
+    m.add_argument("--width", type=int, default=None, help="n_embd (--config's)")
     m.add_argument("--context", type=int, default=None, help="sequence length in tokens")
     m.add_argument("--dropout", type=float, default=0.0)
     gpt_cli.add_training_flags(p.add_argument_group("training"))
@@ -153,17 +156,22 @@ def _transformers():
     return transformers
 
 
+def from_hub(load: Callable[[str], Any], name: str) -> Any:
+    """``load(name)`` (a ``from_pretrained``), with a one-line error when it cannot be had."""
+    try:
+        return load(name)
+    except OSError as err:
+        raise SystemExit(
+            f"cannot load {name!r} from the Hugging Face Hub or its cache "
+            f"(offline?): {str(err).splitlines()[0]}"
+        ) from err
+
+
 def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[nn.Module, ModelConfig]:
     """A ``GPT2LMHeadModel``: from ``--pretrained`` (the Hub), else from ``--config`` offline."""
     tf = _transformers()
     if args.pretrained:
-        try:
-            model = tf.GPT2LMHeadModel.from_pretrained(args.pretrained)
-        except OSError as err:
-            raise SystemExit(
-                f"cannot load {args.pretrained!r} from the Hugging Face Hub or its cache "
-                f"(offline?): {str(err).splitlines()[0]}"
-            ) from err
+        model = from_hub(tf.GPT2LMHeadModel.from_pretrained, args.pretrained)
         c = model.config
         return model, ModelConfig(
             args.pretrained, c.n_layer, c.n_head, c.n_embd, args.context, c.vocab_size
@@ -254,7 +262,7 @@ def load_data(args: argparse.Namespace) -> gpt_data.TextData:
     )
     if not args.pretrained:
         return data
-    tokenizer = _transformers().AutoTokenizer.from_pretrained(args.pretrained)
+    tokenizer = from_hub(_transformers().AutoTokenizer.from_pretrained, args.pretrained)
     text = data.decode(torch.cat([data.train, data.val]).tolist())
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
     n_val = max(int(len(ids) * args.val_fraction), args.context + 1)
