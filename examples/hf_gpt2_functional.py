@@ -131,6 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         keep_help="keep only the newest N checkpoints (0: keep all)",
         job_flags=_job_flags,
     )
+    p.set_defaults(eval_interval=100)
     args = p.parse_args(argv)
     shape = CONFIGS[args.config]
     for key, value in {**shape, **DEFAULTS}.items():
