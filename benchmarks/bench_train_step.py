@@ -86,7 +86,9 @@ def _donating_train_step(model, policy):
         )
         scale = state.loss_scale.loss_scale
         new_state = ff.fp16_update(state, grads, loss=loss, donate=True)
-        return new_state, new_buffers, ex.StepMetrics(loss, scale, ~new_state.grads_finite)
+        counters = torch.stack(list(new_state.scale_stats)).float()
+        skipped = ~new_state.grads_finite
+        return new_state, new_buffers, ex.StepMetrics(loss, scale, skipped, counters)
 
     return train_step
 

@@ -57,7 +57,7 @@ import cifar10_data  # noqa: E402
 from cifar10_cli import parse_args  # noqa: E402
 from cifar10_loop import fit  # noqa: E402
 from cifar10_outputs import load_resume, plot_metrics, run_config  # noqa: E402
-from run_outputs import summary_head, write_summary  # noqa: E402
+from run_outputs import counters_of, summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - ensemble_vmap.py and the benchmarks use it
@@ -165,6 +165,7 @@ class StepMetrics(NamedTuple):
     loss: torch.Tensor  # float32: the unscaled loss
     loss_scale: torch.Tensor  # float32: the scale this step's gradients were computed with
     skipped: torch.Tensor  # bool: the step overflowed and was not applied
+    counters: torch.Tensor  # float32 (4,): the loss-scale counters after it (run_outputs.COUNTERS)
 
 
 def build_model(num_classes: int, seed: int) -> Net:
@@ -230,7 +231,10 @@ def make_train_step(
         else:
             new_state = ff.fp16_update(state, grads, loss=loss)
         metrics = StepMetrics(
-            loss=loss, loss_scale=state.loss_scale.loss_scale, skipped=~new_state.grads_finite
+            loss=loss,
+            loss_scale=state.loss_scale.loss_scale,
+            skipped=~new_state.grads_finite,
+            counters=counters_of(new_state),
         )
         return new_state, new_buffers, metrics
 

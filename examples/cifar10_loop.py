@@ -28,6 +28,7 @@ from cifar10_outputs import (
     run_config,
 )
 from run_outputs import (
+    COUNTERS,
     open_metrics,
     progress_bar,
     save_checkpoint,
@@ -104,7 +105,12 @@ def metrics_rows(pending: list[StepMetrics], last_step: int, epoch: int, lr: flo
     if not pending:
         return []
     stacked = torch.stack(
-        [torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()]) for m in pending]
+        [
+            torch.cat(
+                [torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()]), m.counters]
+            )
+            for m in pending
+        ]
     ).cpu()
     first = last_step - len(pending) + 1
     return [
@@ -115,8 +121,9 @@ def metrics_rows(pending: list[StepMetrics], last_step: int, epoch: int, lr: flo
             "loss_scale": scale,
             "skipped": bool(skipped),
             "lr": lr,
+            **{name: int(v) for name, v in zip(COUNTERS, counters)},
         }
-        for i, (loss, scale, skipped) in enumerate(stacked.tolist())
+        for i, (loss, scale, skipped, *counters) in enumerate(stacked.tolist())
     ]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import cifar10_data
 import torch
 from run_outputs import (
+    COUNTERS,
     history_rows,
     history_tensor,
     plot_loss_scale,
@@ -49,7 +50,7 @@ def run_config(args: argparse.Namespace, policy: Policy, data: cifar10_data.Data
     }
 
 
-HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "skipped", "lr")
+HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "skipped", "lr", *COUNTERS)
 """The columns of a checkpoint's ``history`` tensor; ``step`` and ``epoch`` are counts."""
 
 
@@ -109,7 +110,7 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
         "config": config,
     }
     ckpt = read_like(path, like)
-    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", "epoch"))
+    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", "epoch", *COUNTERS))
     return ckpt
 
 

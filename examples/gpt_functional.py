@@ -73,7 +73,7 @@ from gpt_model import (  # noqa: E402
     model_config,
 )
 from gpt_outputs import load_resume, peak_memory, plot_metrics, run_config  # noqa: E402
-from run_outputs import summary_head, write_summary  # noqa: E402
+from run_outputs import counters_of, summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - the benchmarks call it through this module
@@ -216,6 +216,7 @@ class StepMetrics(NamedTuple):
     loss_scale: torch.Tensor  # float32: the scale this step's gradients were computed with
     skipped: torch.Tensor  # bool: the step overflowed and was not applied
     lr: torch.Tensor  # float32: the learning rate of this step
+    counters: torch.Tensor  # float32 (4,): the loss-scale counters after it (run_outputs.COUNTERS)
 
 
 def make_loss_fn(model: GPT, policy: Policy, *, train: bool) -> Callable[..., torch.Tensor]:
@@ -273,7 +274,9 @@ def make_train_step(
                 state = ff.fp16_update(state, grads, loss=loss)
             losses.append(loss.float())
         # After the last micro-batch grads_finite says whether the window was applied.
-        metrics = StepMetrics(torch.stack(losses).mean(), scale, ~state.grads_finite, lr)
+        metrics = StepMetrics(
+            torch.stack(losses).mean(), scale, ~state.grads_finite, lr, counters_of(state)
+        )
         return state, metrics
 
     return torch.compile(train_step, fullgraph=True) if compiled else train_step
@@ -407,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "final_loss_scale": float(state.loss_scale.loss_scale),
         "skipped_steps": len(skipped_at),
         "skipped_at": skipped_at,
+        "loss_scale_stats": ff.loss_scale_stats(state),
         "peak_memory_mib": memory[0] / 2**20,
         "peak_memory_kind": memory[1],
         "sample_seed": args.sample_seed,

@@ -24,6 +24,7 @@ import gpt_data
 import torch
 from gpt_outputs import CHECKPOINT_PATTERN, checkpoint_tree, metrics_lines, prune_checkpoints
 from run_outputs import (
+    COUNTERS,
     open_metrics,
     progress_bar,
     save_checkpoint,
@@ -105,12 +106,22 @@ def log_pending(fx: Fixed, pending: list, last_step: int) -> list[dict]:
     if not fx.main_rank or not pending:
         return []
     stacked = torch.stack(
-        [torch.stack([m.loss, m.loss_scale, m.skipped.float(), m.lr]).float() for m in pending]
+        [
+            torch.cat([torch.stack([m.loss, m.loss_scale, m.skipped.float(), m.lr]), m.counters])
+            for m in pending
+        ]
     ).cpu()
     first = last_step - len(pending) + 1
     rows = [
-        {"step": first + i, "loss": loss, "loss_scale": scale, "skipped": bool(skip), "lr": lr}
-        for i, (loss, scale, skip, lr) in enumerate(stacked.tolist())
+        {
+            "step": first + i,
+            "loss": loss,
+            "loss_scale": scale,
+            "skipped": bool(skip),
+            "lr": lr,
+            **{name: int(v) for name, v in zip(COUNTERS, counters)},
+        }
+        for i, (loss, scale, skip, lr, *counters) in enumerate(stacked.tolist())
     ]
     write_metrics(fx.metrics_file, metrics_lines(rows, []), fx.monitor)
     return rows

@@ -23,6 +23,7 @@ from pathlib import Path
 import gpt_data
 import torch
 from run_outputs import (
+    COUNTERS,
     history_rows,
     history_tensor,
     plot_loss_scale,
@@ -75,7 +76,7 @@ def run_config(args: argparse.Namespace, policy: Policy, data: gpt_data.TextData
     }
 
 
-HISTORY_COLUMNS = ("step", "loss", "loss_scale", "skipped", "lr")
+HISTORY_COLUMNS = ("step", "loss", "loss_scale", "skipped", "lr", *COUNTERS)
 """The columns of a checkpoint's ``history`` tensor; ``step`` is a count."""
 
 
@@ -138,7 +139,7 @@ def load_resume(path: str, state: ff.FP16State, config: dict) -> dict:
         "config": config,
     }
     ckpt = read_like(path, like)
-    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step",))
+    ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", *COUNTERS))
     ckpt["evals"] = [(int(s), v) for s, v in ckpt["evals"].tolist()]
     return ckpt
 

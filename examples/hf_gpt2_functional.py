@@ -406,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "final_loss_scale": float(state.loss_scale.loss_scale),
         "skipped_steps": len(skipped_at),
         "skipped_at": skipped_at,
+        "loss_scale_stats": ff.loss_scale_stats(state),
         "hf_model": str(out_dir / "hf_model"),
     }
     print(

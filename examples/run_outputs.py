@@ -96,6 +96,16 @@ def history_tensor(rows: list[dict], columns: tuple[str, ...]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).reshape(len(rows), len(columns))
 
 
+COUNTERS = ("skips", "growths", "backoffs", "since_skip")
+"""The loss-scale counters (``ff.loss_scale_stats``) each ``metrics.jsonl`` row carries."""
+
+
+def counters_of(state: ff.FP16State) -> torch.Tensor:
+    """``state.scale_stats`` as one float32 vector (:data:`COUNTERS`' order), on the device:
+    read back with the other metrics, no extra host transfer."""
+    return torch.stack([getattr(state.scale_stats, c) for c in COUNTERS]).float()
+
+
 def history_rows(
     history: torch.Tensor, columns: tuple[str, ...], counts: tuple[str, ...]
 ) -> list[dict]:

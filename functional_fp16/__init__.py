@@ -108,7 +108,13 @@ from functional_fp16.transforms import (
     warmup_cosine_decay_schedule,
     zero_nans,
 )
-from functional_fp16.update import FP16State, fp16_init, fp16_update, update_path
+from functional_fp16.update import (
+    FP16State,
+    fp16_init,
+    fp16_update,
+    loss_scale_stats,
+    update_path,
+)
 from functional_fp16.update.batching import tree_stack, tree_unstack
 
 # Module paths of release 0.1 that moved into subpackages: importable for one
@@ -212,6 +218,7 @@ __all__ = [
     # the FP16 state and update
     "FP16State",
     "fp16_init",
+    "loss_scale_stats",
     "fp16_update",
     "update_path",
     "tune_malloc",

@@ -383,7 +383,7 @@ def scenario_checkpoint(rank: int, out: str) -> dict[str, Any]:
 
 def scenario_legacy(rank: int, out: str) -> dict[str, Any]:
     """A checkpoint of the retired sharded format (written at 2 ranks) loaded into a sharded like."""
-    from tests.test_sharded_checkpoints import LEGACY, legacy_like
+    from tests.test_sharded_checkpoints import LEGACY, legacy_like, old_leaves
 
     loaded = ffd.load_checkpoint_sharded(
         LEGACY, {**legacy_like(), "state": ffd.shard_state(legacy_like()["state"])}
@@ -391,10 +391,7 @@ def scenario_legacy(rank: int, out: str) -> dict[str, Any]:
     return {
         "epoch": loaded["epoch"],
         "sharded": ffd.is_sharded(loaded["state"]),
-        "full": [
-            x.clone()
-            for x in optree.tree_leaves(ffd.unshard_state(loaded["state"]), namespace=ff.NAMESPACE)
-        ],
+        "full": [x.clone() for x in old_leaves(ffd.unshard_state(loaded["state"]))],
     }
 
 

@@ -165,6 +165,7 @@ def test_file_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
         "loss_scale",
         "step",
         "grads_finite",
+        "scale_stats",
     ]
     scale_node = state_node["children"][3]
     assert scale_node["type"] == "DynamicLossScale" and scale_node["kind"] == "CUSTOM"
@@ -185,7 +186,8 @@ def test_load_without_template_returns_the_plain_structure(tmp_path):
     out = ff.load_checkpoint(tmp_path / "s.ckpt")
     assert out["epoch"] == 5 and out["t"] == (1, "a")
     plain = out["state"]
-    assert set(plain) == {"params", "master", "opt_state", "loss_scale", "step", "grads_finite"}
+    assert set(plain) == set(ff.FP16State.FIELDS)
+    assert "scale_stats" in plain
     assert plain["params"]["head"] == {
         "weight": plain["params"]["head"]["weight"],
         "bias": plain["params"]["head"]["bias"],
@@ -325,13 +327,19 @@ def test_files_of_format_version_1_still_load(tmp_path):
     assert raw["version"] == 1
     stored = {info["path"]: t for info, t in zip(raw["tensor_info"], raw["tensors"], strict=True)}
     like = v1_like()
-    out = ff.load_checkpoint(V1_FILE, like)
+    with pytest.warns(UserWarning, match="before FP16State.scale_stats"):
+        out = ff.load_checkpoint(V1_FILE, like)
     state = out["state"]
+    assert all(int(x) == 0 for x in state.scale_stats)  # a field added since: zeros
     assert isinstance(state, ff.FP16State) and state.tx is like["state"].tx
     assert isinstance(state.params["head"], Head)
     assert isinstance(state.opt_state[1][1], ff.TraceState)
     assert state.loss_scale.config() == make_scale().config()
-    tensors = [(p, x) for p, x in zip(tree_paths(out), tree_leaves(out)) if torch.is_tensor(x)]
+    tensors = [
+        (p, x)
+        for p, x in zip(tree_paths(out), tree_leaves(out))
+        if torch.is_tensor(x) and ".scale_stats." not in p
+    ]
     assert sorted(p for p, _ in tensors) == sorted(stored)
     for path, x in tensors:
         assert x.dtype == stored[path].dtype and torch.equal(bits(x), bits(stored[path])), path
@@ -341,7 +349,7 @@ def test_files_of_format_version_1_still_load(tmp_path):
     # Without a template, the plain structure; rewritten, it is a version-2 file of the same tree.
     plain = ff.load_checkpoint(V1_FILE)
     assert torch.equal(plain["history"][0], torch.arange(4))
-    assert set(plain["state"]) == {
+    assert set(plain["state"]) == {  # written before FP16State.scale_stats
         "params",
         "master",
         "opt_state",

@@ -84,7 +84,11 @@ def test_fake_run_writes_metrics_plot_checkpoint_and_final_line(tmp_path, capsys
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert set(rows[0]) == {"step", "epoch", "loss", "loss_scale", "skipped", "lr"}
+    counters = {"skips", "growths", "backoffs", "since_skip"}
+    assert set(rows[0]) == {"step", "epoch", "loss", "loss_scale", "skipped", "lr", *counters}
+    assert [r["skips"] for r in rows] == [
+        sum(x["skipped"] for x in rows[: i + 1]) for i in range(6)
+    ]
     assert all(r["lr"] == 0.001 and r["loss_scale"] > 0 for r in rows)
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["steps"] == 6

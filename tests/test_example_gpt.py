@@ -72,7 +72,19 @@ def test_tiny_run_learns_and_writes_its_outputs(tmp_path, capsys):
     assert summary["val_loss"] == evals[-1]["val_loss"]
     # The metrics: every step, the schedule's learning rate, the scale in force.
     assert [r["step"] for r in rows] == list(range(1, 41))
-    assert set(rows[0]) == {"step", "loss", "loss_scale", "skipped", "lr"}
+    counters = {"skips", "growths", "backoffs", "since_skip"}
+    assert set(rows[0]) == {"step", "loss", "loss_scale", "skipped", "lr", *counters}
+    # The loss-scale counters after each step: a row's scale is the one its step used, so
+    # step k's growth or backoff shows in row k + 1.
+    skips = since = grew = shrank = 0
+    for r, after in zip(rows, [*rows[1:], None]):
+        skips += r["skipped"]
+        since = 0 if r["skipped"] else since + 1
+        assert (r["skips"], r["since_skip"]) == (skips, since), r["step"]
+        if after is not None:
+            grew += after["loss_scale"] > r["loss_scale"]
+            shrank += after["loss_scale"] < r["loss_scale"]
+            assert (r["growths"], r["backoffs"]) == (grew, shrank), r["step"]
     args = example.parse_args([*TINY, "--max-steps", "40", "--lr", "1e-2"])
     applied = 0
     for r in rows:

@@ -30,7 +30,12 @@ CASES = [
     ("sgd lr nan", lambda: ff.sgd(NAN), ValueError, "learning_rate must be finite"),
     ("sgd lr inf", lambda: ff.sgd(INF), ValueError, "learning_rate must be finite"),
     ("sgd lr str", lambda: ff.sgd("0.1"), TypeError, "learning_rate must be a real number"),
-    ("sgd lr tensor", lambda: ff.sgd(torch.tensor([0.1])), TypeError, "learning_rate must be a real"),
+    (
+        "sgd lr tensor",
+        lambda: ff.sgd(torch.tensor([0.1])),
+        TypeError,
+        "learning_rate must be a real",
+    ),
     ("sgd lr bool", lambda: ff.sgd(True), TypeError, "learning_rate must be a real number"),
     ("sgd momentum < 0", lambda: ff.sgd(0.1, -0.9), ValueError, "momentum must be finite and >= 0"),
     ("sgd momentum nan", lambda: ff.sgd(0.1, NAN), ValueError, "momentum must be finite"),

@@ -49,6 +49,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_inverse,
 )
+from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
 from functional_fp16.transforms.hyperparams import InjectHyperparamsState, InjectSpec
@@ -412,11 +413,13 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
                 new_opt[i] = t
         for name, pos in grp.shared:
             new_opt[pos] = shared_out[name] if name in shared_out else advanced(memo, pos, finite)
+    loss_scale = state.loss_scale.adjust(finite)
     return state.replace(
         params=tree_rebuild(p_spec, state.params, new_p),
         master=tree_rebuild(m_spec, state.master, new_m),
         opt_state=tree_rebuild(fp.opt_spec, state.opt_state, new_opt),
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=loss_scale,
         step=state.step + 1,
         grads_finite=finite,
+        scale_stats=stepped_stats(state, loss_scale, finite),
     )

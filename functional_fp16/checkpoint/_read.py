@@ -10,6 +10,7 @@ public entry point; this module is package-private.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import optree
@@ -202,6 +203,18 @@ class Reader:
             )
         children, meta, entries, steps = one_level(like)
         stored_children = node["children"]
+        filled: list[Any] = []
+        if _before_scale_stats(like, node["entries"], entries):
+            # Written before FP16State.scale_stats: the counters start at zero.
+            warnings.warn(
+                f"{self.file}: a checkpoint from before FP16State.scale_stats; the loss-scale "
+                "counters (loss_scale_stats) start at zero",
+                stacklevel=5,
+            )
+            filled = [
+                torch.zeros_like(x) for x in optree.tree_leaves(children[-1], namespace=NAMESPACE)
+            ]
+            children, entries, steps = children[:-1], entries[:-1], steps[:-1]
         if isinstance(like, dict):  # keys in any order
             by_key = dict(zip(node["entries"], stored_children, strict=True))
             missing = [k for k in entries if k not in by_key]
@@ -229,6 +242,7 @@ class Reader:
                     )
         for stored, child, step in zip(stored_children, children, steps, strict=True):
             self.leaves_like(stored, child, path + step, out)
+        out.extend(filled)
 
     def leaf_like(self, node: dict, like: Any, path: str, out: list[Any]) -> None:
         if isinstance(like, torch.Tensor):
@@ -252,6 +266,16 @@ class Reader:
                 path, f"expected a {type(like).__name__}, the checkpoint holds {got}"
             )
         out.append(leaf["value"])
+
+
+def _before_scale_stats(like: Any, stored: list, entries) -> bool:
+    """Whether ``like`` is an ``FP16State`` and the checkpoint's node the same one without its
+    last field, ``scale_stats`` (a checkpoint written before the field existed)."""
+    return (
+        type(like).__name__ == "FP16State"
+        and list(entries)[-1:] == ["scale_stats"]
+        and list(stored) == list(entries)[:-1]
+    )
 
 
 def load(path: Any, like: PyTree | None, map_location: Any) -> PyTree:

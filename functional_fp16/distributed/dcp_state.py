@@ -30,17 +30,17 @@ mesh and placements (another world size, or one process), bit for bit.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any
 
 import torch
 
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
+from functional_fp16.precision.scale_stats import zero_stats
 from functional_fp16.update.state import FP16State
 
 __all__ = ["state_to_dcp", "save_dcp_state", "load_dcp_state"]
-
-_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
 
 
 def _names(tree) -> list[str]:
@@ -73,6 +73,7 @@ def state_to_dcp(state: FP16State) -> dict[str, Any]:
         out[field] = dict(zip(names, leaves))
     out["step"] = state.step
     out["grads_finite"] = state.grads_finite
+    out["scale_stats"] = state.scale_stats._asdict()
     return out
 
 
@@ -111,9 +112,30 @@ def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) ->
     else:
         fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         target = tree_unflatten(spec, fresh)
+    wanted = state_to_dcp(target)
+    if not _has_scale_stats(checkpoint_id):
+        # Written before FP16State.scale_stats: the counters start at zero.
+        warnings.warn(
+            f"{checkpoint_id}: a checkpoint from before FP16State.scale_stats; the loss-scale "
+            "counters (loss_scale_stats) start at zero",
+            stacklevel=2,
+        )
+        del wanted["scale_stats"]
+        target = target.replace(scale_stats=zero_stats(target.step.device))
     with one_process_is_intended():
-        dcp.load(state_to_dcp(target), checkpoint_id=checkpoint_id, no_dist=not _distributed())
+        dcp.load(wanted, checkpoint_id=checkpoint_id, no_dist=not _distributed())
     return target
+
+
+def _has_scale_stats(checkpoint_id) -> bool:
+    """Whether the DCP checkpoint holds ``scale_stats`` (a directory's metadata says so;
+    another kind of storage is assumed current)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return True
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    return any(k.startswith("scale_stats.") for k in metadata.state_dict_metadata)
 
 
 @contextlib.contextmanager

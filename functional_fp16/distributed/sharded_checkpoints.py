@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -113,6 +114,15 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
     full = map_sharded(full_like, like)
     leaves, spec = tree_flatten(full)
     paths = tree_paths(full)
+    counters = {p for p in paths if ".scale_stats." in p} - set(records)
+    if counters:  # written before FP16State.scale_stats: the counters start at zero
+        warnings.warn(
+            f"{show(directory)}: a checkpoint from before FP16State.scale_stats; the "
+            "loss-scale counters (loss_scale_stats) start at zero",
+            stacklevel=2,
+        )
+        for p in counters:
+            records[p] = {"path": p, "zeros": True}
     if set(paths) != set(records):
         missing = sorted(set(paths) - set(records))[:3]
         extra = sorted(set(records) - set(paths))[:3]
@@ -122,6 +132,8 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
         )
     wanted: dict[str, torch.Tensor] = {}
     for p, leaf in zip(paths, leaves):
+        if p in counters:
+            continue
         shape = _expect(records[p], leaf, p)
         if shape is not None:
             wanted[p] = torch.empty(shape, dtype=leaf.dtype, device=leaf.device)
@@ -135,6 +147,9 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
         ) from err
     out = []
     for p, leaf in zip(paths, leaves):
+        if p in counters:
+            out.append(torch.zeros_like(leaf))
+            continue
         if p not in wanted:
             out.append(records[p].get("value"))
             continue

@@ -13,6 +13,7 @@ import torch
 from functional_fp16._util.finite import grads_finite
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.precision.loss_scale import NoOpLossScale
+from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.accumulation import (
     MultiStepsSpec,
     MultiStepsState,
@@ -126,9 +127,13 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         acc_grads=tree_unflatten(acc_spec, empty_unless(emit, acc)),
         acc_finite=emit | window_ok,
     )
+    adjusted = state.loss_scale.adjust(applied)
+    # One optimiser step per window: the counters move when it closes.
+    stats = stepped_stats(state, adjusted, applied)
     return stepped.replace(
         tx=state.tx,
         opt_state=opt_state,
-        loss_scale=tree_select(emit, state.loss_scale.adjust(applied), state.loss_scale),
+        loss_scale=tree_select(emit, adjusted, state.loss_scale),
         grads_finite=torch.where(emit, applied, window_ok),
+        scale_stats=tree_select(emit, stats, state.scale_stats),
     )

@@ -53,6 +53,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_inverse,
 )
+from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import replace_at, state_at, update_with_extra_args
 from functional_fp16.transforms.sgd import ScaleByScheduleState, TraceState
 
@@ -173,13 +174,15 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
         master, opt_state = _generic(state, g32, m_leaves, m_spec, finite, donate, extra)
 
     params = _cast_params(master, p_leaves, donate)
+    loss_scale = state.loss_scale.adjust(finite)
     return state.replace(
         params=tree_unflatten(tree_flatten(state.params)[1], params),
         master=tree_unflatten(m_spec, master),
         opt_state=opt_state,
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=loss_scale,
         step=state.step + 1,
         grads_finite=finite,
+        scale_stats=stepped_stats(state, loss_scale, finite),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from functional_fp16._util.tree import PyTree, tree_leaves, tree_map, tree_select
+from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import apply_updates, update_with_extra_args
 from functional_fp16.update.decision import Decision
 from functional_fp16.update.state import FP16State
@@ -30,11 +31,13 @@ def reference_update(state: FP16State, grads: PyTree, decision: Decision, donate
     master = tree_select(finite, apply_updates(state.master, updates), state.master)
     opt_state = tree_select(finite, opt_state, state.opt_state)
     params = tree_map(lambda m, p: m.to(p.dtype), master, state.params)
+    loss_scale = state.loss_scale.adjust(finite)
     return state.replace(
         params=params,
         master=master,
         opt_state=opt_state,
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=loss_scale,
         step=state.step + 1,
         grads_finite=finite,
+        scale_stats=stepped_stats(state, loss_scale, finite),
     )

@@ -39,12 +39,13 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     loss_scale_for,
 )
+from functional_fp16.precision.scale_stats import ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 
-__all__ = ["FP16State", "fp16_init"]
+__all__ = ["FP16State", "fp16_init", "loss_scale_stats"]
 
 _LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
-_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
+_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite", "scale_stats")
 
 
 class FP16State:
@@ -62,6 +63,10 @@ class FP16State:
     * ``grads_finite`` — 0-d bool, whether the last update was applied (with
       :func:`~functional_fp16.MultiSteps`, the open window's flag so far; see
       :mod:`functional_fp16.transforms.accumulation`).
+    * ``scale_stats`` — :class:`~functional_fp16.precision.scale_stats.ScaleStats`:
+      0-d int32 counters of the optimiser steps skipped, of the loss scale's
+      growths and backoffs, and of the applied steps since the last skip
+      (:func:`~functional_fp16.loss_scale_stats` reads them).
 
     Static configuration: ``tx``, the :class:`GradientTransformation`. Any
     tensor may be a DTensor: FSDP2's parameters give DTensor ``params``,
@@ -72,6 +77,7 @@ class FP16State:
     """
 
     __slots__ = _FIELDS + ("tx", "_checked")
+    FIELDS = _FIELDS  # the pytree children, in flattening order
 
     def __init__(
         self,
@@ -81,6 +87,8 @@ class FP16State:
         loss_scale: LossScale,
         step: torch.Tensor,
         grads_finite: torch.Tensor,
+        scale_stats: ScaleStats | None = None,
+        *,
         tx: GradientTransformation,
     ) -> None:
         init = object.__setattr__
@@ -90,6 +98,9 @@ class FP16State:
         init(self, "loss_scale", loss_scale)
         init(self, "step", step)
         init(self, "grads_finite", grads_finite)
+        if scale_stats is None:  # a state built by hand: the counters start at zero
+            scale_stats = zero_stats(getattr(step, "device", None))
+        init(self, "scale_stats", scale_stats)
         init(self, "tx", tx)
         # The signature under which fp16_update checked this state's parts when it
         # made the state (functional_fp16.update.state_check); None for a state
@@ -106,7 +117,7 @@ class FP16State:
         raise AttributeError("FP16State is immutable")
 
     def __reduce__(self) -> tuple:
-        return FP16State, tuple(getattr(self, n) for n in _FIELDS + ("tx",))
+        return _rebuild, tuple(getattr(self, n) for n in _FIELDS + ("tx",))
 
     def replace(self, **changes: Any) -> FP16State:
         """A copy with the given fields replaced."""
@@ -123,6 +134,11 @@ class FP16State:
             f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
             f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params)"
         )
+
+
+def _rebuild(*fields: Any) -> FP16State:
+    """An :class:`FP16State` from its fields in ``_FIELDS`` order and ``tx`` (unpickling)."""
+    return FP16State(*fields[:-1], tx=fields[-1])
 
 
 register_node(
@@ -250,5 +266,34 @@ def fp16_init(
         loss_scale=loss_scale.to(device),
         step=torch.zeros((), dtype=torch.int32, device=device),
         grads_finite=torch.ones((), dtype=torch.bool, device=device),
+        scale_stats=zero_stats(device),
         tx=tx,
     )
+
+
+def loss_scale_stats(state: FP16State) -> dict[str, int]:
+    r"""The loss-scale counters of a run so far, read from the device in one copy.
+
+    ``{"skips": ..., "growths": ..., "backoffs": ..., "since_skip": ...}``: the
+    optimiser steps skipped (a non-finite gradient or loss), the steps after
+    which the loss scale grew, and backed off, and the applied steps since the
+    last skip (see :mod:`functional_fp16.precision.scale_stats` for the rules).
+    They are kept in ``state.scale_stats`` and advanced by every
+    :func:`~functional_fp16.fp16_update` without a host read, bitwise alike in
+    every implementation, under ``vmap`` (per member: the values come back as
+    lists) and ``torch.compile``; checkpoints carry them, and a checkpoint
+    written before they existed loads with them at zero.
+
+    Args:
+      state: an :class:`FP16State`.
+
+    Returns:
+      The four counters as Python ints (lists of ints for a stacked state).
+    """
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    stats = state.scale_stats
+    if not isinstance(stats, ScaleStats):
+        raise TypeError(f"state.scale_stats must be a ScaleStats, got {type(stats).__name__}")
+    values = torch.stack([t.to(torch.int64) for t in stats]).cpu().tolist()
+    return dict(zip(ScaleStats._fields, values))

@@ -43,12 +43,13 @@ from functional_fp16._util.tree import (
     tree_rebuild,
 )
 from functional_fp16.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.precision.scale_stats import ScaleStats
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.state import FP16State, check_params
 
 __all__ = ["check_state"]
 
-_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite")
+_FIELDS = FP16State.FIELDS
 _KNOWN_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
 _META = torch.device("meta")
 _CACHE_SIZE = 256
@@ -189,6 +190,7 @@ def _template(state: FP16State) -> FP16State:
         loss_scale=scale,
         step=_empty((), torch.int32, where),
         grads_finite=_empty((), torch.bool, where),
+        scale_stats=ScaleStats(*(_empty((), torch.int32, where) for _ in ScaleStats._fields)),
         tx=state.tx,
     )
 
@@ -199,6 +201,7 @@ _WHAT = {
     "loss_scale": "the loss scale's declared tensors",
     "step": "a 0-d int32 tensor",
     "grads_finite": "a 0-d bool tensor",
+    "scale_stats": "a ScaleStats of 0-d int32 tensors",
 }
 
 
