@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ScaleStats", "zero_stats", "advance_stats", "stepped_stats"]
+__all__ = ["ScaleStats", "COUNTER_NAMES", "zero_stats", "advance_stats", "stepped_stats"]
+
 
 class ScaleStats(NamedTuple):
     """Counters of the optimiser steps so far (each a 0-d int32 tensor)."""
@@ -32,6 +33,10 @@ class ScaleStats(NamedTuple):
     growths: torch.Tensor  # steps after which the loss scale grew
     backoffs: torch.Tensor  # steps after which the loss scale backed off
     since_skip: torch.Tensor  # applied steps since the last skipped one
+
+
+COUNTER_NAMES: tuple[str, ...] = ScaleStats._fields
+"""The counters' names, in field order."""
 
 
 def zero_stats(device: torch.device | None = None) -> ScaleStats:

@@ -39,7 +39,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     loss_scale_for,
 )
-from functional_fp16.precision.scale_stats import ScaleStats, zero_stats
+from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 
 __all__ = ["FP16State", "fp16_init", "loss_scale_stats"]
@@ -296,4 +296,4 @@ def loss_scale_stats(state: FP16State) -> dict[str, int]:
     if not isinstance(stats, ScaleStats):
         raise TypeError(f"state.scale_stats must be a ScaleStats, got {type(stats).__name__}")
     values = torch.stack([t.to(torch.int64) for t in stats]).cpu().tolist()
-    return dict(zip(ScaleStats._fields, values))
+    return dict(zip(COUNTER_NAMES, values))

@@ -43,7 +43,7 @@ from functional_fp16._util.tree import (
     tree_rebuild,
 )
 from functional_fp16.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from functional_fp16.precision.scale_stats import ScaleStats
+from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.state import FP16State, check_params
 
@@ -190,7 +190,7 @@ def _template(state: FP16State) -> FP16State:
         loss_scale=scale,
         step=_empty((), torch.int32, where),
         grads_finite=_empty((), torch.bool, where),
-        scale_stats=ScaleStats(*(_empty((), torch.int32, where) for _ in ScaleStats._fields)),
+        scale_stats=ScaleStats(*(_empty((), torch.int32, where) for _ in COUNTER_NAMES)),
         tx=state.tx,
     )
 
