@@ -113,6 +113,7 @@ from functional_fp16.update import (
     fp16_init,
     fp16_update,
     loss_scale_stats,
+    nonfinite_leaves,
     update_path,
 )
 from functional_fp16.update.batching import tree_stack, tree_unstack
@@ -219,6 +220,7 @@ __all__ = [
     "FP16State",
     "fp16_init",
     "loss_scale_stats",
+    "nonfinite_leaves",
     "fp16_update",
     "update_path",
     "tune_malloc",

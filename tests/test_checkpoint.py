@@ -166,6 +166,7 @@ def test_file_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
         "step",
         "grads_finite",
         "scale_stats",
+        "leaf_finite",
     ]
     scale_node = state_node["children"][3]
     assert scale_node["type"] == "DynamicLossScale" and scale_node["kind"] == "CUSTOM"
@@ -331,6 +332,7 @@ def test_files_of_format_version_1_still_load(tmp_path):
         out = ff.load_checkpoint(V1_FILE, like)
     state = out["state"]
     assert all(int(x) == 0 for x in state.scale_stats)  # a field added since: zeros
+    assert bool(state.leaf_finite.all())  # another: all finite
     assert isinstance(state, ff.FP16State) and state.tx is like["state"].tx
     assert isinstance(state.params["head"], Head)
     assert isinstance(state.opt_state[1][1], ff.TraceState)
@@ -338,7 +340,7 @@ def test_files_of_format_version_1_still_load(tmp_path):
     tensors = [
         (p, x)
         for p, x in zip(tree_paths(out), tree_leaves(out))
-        if torch.is_tensor(x) and ".scale_stats." not in p
+        if torch.is_tensor(x) and ".scale_stats." not in p and not p.endswith(".leaf_finite")
     ]
     assert sorted(p for p, _ in tensors) == sorted(stored)
     for path, x in tensors:
@@ -349,7 +351,7 @@ def test_files_of_format_version_1_still_load(tmp_path):
     # Without a template, the plain structure; rewritten, it is a version-2 file of the same tree.
     plain = ff.load_checkpoint(V1_FILE)
     assert torch.equal(plain["history"][0], torch.arange(4))
-    assert set(plain["state"]) == {  # written before FP16State.scale_stats
+    assert set(plain["state"]) == {  # written before FP16State.scale_stats and leaf_finite
         "params",
         "master",
         "opt_state",

@@ -522,6 +522,7 @@ def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, chang
             threads=1,
             require=None,
             decided_out=None,
+            leaf_finite_out=None,
         ),
     }[entry]
     args.update(change)

@@ -41,10 +41,12 @@ def expected_leaves() -> list[torch.Tensor]:
 
 
 def old_leaves(state: ff.FP16State) -> list[torch.Tensor]:
-    """The state's leaves a version-1 file holds: all but the later ``scale_stats``, which
-    load as zeros."""
+    """The state's leaves a version-1 file holds: all but the later ``scale_stats`` and
+    ``leaf_finite``, which load as zeros and as all finite."""
     assert all(int(x) == 0 for x in state.scale_stats)
-    fields = [getattr(state, f) for f in ff.FP16State.FIELDS if f != "scale_stats"]
+    assert bool(state.leaf_finite.all())
+    later = ("scale_stats", "leaf_finite")
+    fields = [getattr(state, f) for f in ff.FP16State.FIELDS if f not in later]
     return optree.tree_leaves(fields, namespace=ff.NAMESPACE)
 
 

@@ -288,7 +288,11 @@ def _compare_step(cpu, ts, entry: str, state: _State, scalars: dict, hyper: dict
             if entry == "sgd_update" and hyper["momentum"] == 0.0:
                 kw["trace"] = kw["trace_out"] = None
             if kernel == "c":
-                extra = {"require": None, "decided_out": None} if entry == "sgd_update" else {}
+                extra = (
+                    {"require": None, "decided_out": None, "leaf_finite_out": None}
+                    if entry == "sgd_update"
+                    else {}
+                )
                 cpu.call(entry, n_groups=n_groups, threads=1, **extra, **kw)
             else:
                 before = ts.launch_counts[entry]
@@ -381,7 +385,7 @@ def _check_grad_stats(cpu, ts) -> None:
         for sum_squares in (0, 1):
             results = []
             for kernel in ("c", "triton"):
-                peak = torch.full((n_groups,), -1.0)
+                peak = torch.full((len(grads),), -1.0)  # one per leaf
                 sq = torch.full((n_groups,), -1.0, dtype=torch.float64) if sum_squares else None
                 args = dict(kw, sum_squares=sum_squares, peak_out=peak, sum_sq_out=sq)
                 if kernel == "c":
@@ -390,10 +394,14 @@ def _check_grad_stats(cpu, ts) -> None:
                     before = ts.launch_counts.copy()
                     ts.grad_stats(n_groups=n_groups, **args)
                     assert ts.launch_counts["grad_stats"] - before["grad_stats"] == n_classes
-                    assert ts.launch_counts["group_reduce"] - before["group_reduce"] == 1
+                    assert ts.launch_counts["leaf_reduce"] - before["leaf_reduce"] == 1
+                    reduced = ts.launch_counts["group_reduce"] - before["group_reduce"]
+                    assert reduced == sum_squares
                 results.append((peak, sq))
             (c_peak, c_sq), (t_peak, t_sq) = results
             assert _same_bits(t_peak, c_peak), (t_peak, c_peak)
+            if special:  # exactly the two leaves that hold it
+                assert [i for i, v in enumerate(c_peak.tolist()) if v == math.inf] == [0, 6]
             for want, got in zip(
                 c_sq.tolist() if sum_squares else [], t_sq.tolist() if sum_squares else []
             ):
@@ -408,13 +416,13 @@ def _check_no_leaves(cpu, ts) -> None:
     """No leaves: the statistics are zeros, and an update launches nothing."""
     import torch
 
-    peaks = [torch.full((2,), -1.0) for _ in range(2)]
+    peaks = [torch.full((0,), -1.0) for _ in range(2)]  # one per leaf: none
     sums = [torch.full((2,), -1.0, dtype=torch.float64) for _ in range(2)]
     kw = dict(grads=[], inv=None, sum_squares=1)
     cpu.call("grad_stats", n_groups=2, threads=1, peak_out=peaks[0], sum_sq_out=sums[0], **kw)
     ts.grad_stats(n_groups=2, peak_out=peaks[1], sum_sq_out=sums[1], **kw)
     assert _same_bits(peaks[0], peaks[1]) and torch.equal(sums[0], sums[1])
-    assert peaks[1].tolist() == [0.0, 0.0] and sums[1].tolist() == [0.0, 0.0]
+    assert peaks[1].tolist() == [] and sums[1].tolist() == [0.0, 0.0]
     before = ts.launch_counts["sgd_update"]
     none = dict(grads=[], master=[], params=[], master_out=[], params_out=[])
     none.update(trace=None, trace_out=None, started=None, **_group_scalars(1, False, False))
@@ -466,10 +474,11 @@ def _check_bad_inputs(ts) -> None:
     for needle, change, error in bad_sgd:
         _expect_error(ts, lambda: ts.sgd_update(**dict(good, **change)), needle, error)
     stats = dict(n_groups=3, grads=good["grads"], inv=None, sum_squares=0)
-    stats.update(peak_out=torch.zeros(3), sum_sq_out=None)
+    stats.update(peak_out=torch.zeros(len(good["grads"])), sum_sq_out=None)
     bad_stats = [
         ("sum_sq_out", dict(sum_squares=1), TypeError),
-        ("peak_out", dict(peak_out=torch.zeros(3, dtype=torch.float64)), TypeError),
+        ("peak_out", dict(peak_out=torch.zeros(9, dtype=torch.float64)), TypeError),
+        ("peak_out", dict(peak_out=torch.zeros(3)), ValueError),  # one per group, not per leaf
         ("inv", dict(inv=torch.ones(1)), ValueError),
     ]
     for needle, change, error in bad_stats:
@@ -516,14 +525,14 @@ def _main_compile() -> None:
     types = {"leaves": "*i64", "chunks": "*i64", "bounds": "*i64", "apply_ptr": "*i1"}
     types.update(started_ptr="*i1", sq_part="*fp64", sq_out="*fp64")
 
-    def ptx(kernel, **constexprs) -> str:
+    def ptx(kernel, pointers=None, **constexprs) -> str:
         sig = {}
         for name in kernel.arg_names:
             if name in constexprs:
                 sig[name] = "constexpr"
             else:
                 fp32 = "*fp32" if name.endswith(("_ptr", "_part", "_out")) else "fp32"
-                sig[name] = types.get(name, fp32)
+                sig[name] = {**types, **(pointers or {})}.get(name, fp32)
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
         options = {"enable_fp_fusion": False}
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -568,7 +577,11 @@ def _main_compile() -> None:
         assert count(lion, r"fma\.rn\.f32") == 2 * count(lion, r"div\.rn\.f32") > 0
         assert count(lion, r"add\.rn\.f32") == 2 * count(lion, r"div\.rn\.f32")
         assert count(stats, r"\.f64") > 0
-    ptx(ts._group_reduce_kernel, SUM_SQ=True, BLOCK=ts.BLOCK)
+    # a group's sum of squares (float64), a leaf's peak (float32)
+    wide = {"part": "*fp64", "out": "*fp64"}
+    assert count(ptx(ts._segment_reduce_kernel, wide, SUM=True, BLOCK=ts.BLOCK), r"\.f64") > 0
+    narrow = {"part": "*fp32", "out": "*fp32"}
+    ptx(ts._segment_reduce_kernel, narrow, SUM=False, BLOCK=ts.BLOCK)
     print("COMPILED OK")
 
 

@@ -264,7 +264,8 @@ def _require_corrections(op: str, a: dict) -> list[str]:
 
 ADAM_OPS = define_step(
     SPEC,
-    r"""One fused Adam/AdamW step into fresh tensors: ``(master', mu', nu', params', finite)``.
+    r"""One fused Adam/AdamW step into fresh tensors:
+    ``(master', mu', nu', params', finite, leaf_finite)``.
 
     See the module docstring for the arithmetic and :mod:`functional_fp16._fused.step_schema`
     for the conventions; ``inv_c1`` and ``sqrt_c2`` are the bias corrections per group.
@@ -279,7 +280,8 @@ adam_step, adam_step_ = ADAM_OPS.functional, ADAM_OPS.donated
 
 
 def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
-    """One op call for a group: ``(masters', roles', params', finite, shared')``."""
+    """One op call for a group: ``(masters', roles', params', decided, shared')``, where
+    ``decided`` is the op's ``(finite, leaf_finite)``."""
     mu, nu = roles["mu"], roles["nu"]
     position = shared["count"]
     key = ("adam", position, plan.b1, plan.b2)
@@ -291,12 +293,12 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
     a = dict(grads=grads, master=masters, mu=mu, nu=nu, params=own, **common, **hyper)
     if donate:
-        finite = ADAM_OPS.call(True, a)
+        decided = ADAM_OPS.call(True, a)
         m_out, mu_out, nu_out, p_new = masters, mu, nu, own
     else:
-        m_out, mu_out, nu_out, p_new, finite = ADAM_OPS.call(False, a)
+        m_out, mu_out, nu_out, p_new, *decided = ADAM_OPS.call(False, a)
     roles_out = {"mu": list(mu_out), "nu": list(nu_out)}
-    return list(m_out), roles_out, list(p_new), finite, {}
+    return list(m_out), roles_out, list(p_new), tuple(decided), {}
 
 
 register(Fusable("adam", _read, _positions, _step))

@@ -28,6 +28,7 @@ __all__ = [
     "kernel_for",
     "member_views",
     "finite_from_peak",
+    "decide_from_leaf_peaks",
     "stats",
     "run_step",
 ]
@@ -95,10 +96,29 @@ def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = 
     return finite if require is None else finite & require
 
 
+def decide_from_leaf_peaks(
+    peak: Tensor, inv: Tensor | None, require: Tensor | None, groups: int
+) -> tuple[Tensor, Tensor]:
+    r"""``(finite, leaf_finite)`` from the leaves' peaks (member-major, ``(L,)``).
+
+    .. math:: \ell_l = \operatorname{isfinite}(\operatorname{fl}_{32}(M_l)\, s_{k(l)}^{-1}),
+              \qquad f_k = r_k \wedge 	extstyleigwedge_{l \in k} \ell_l
+
+    the per-leaf flags and, per group, their AND with ``require`` (:math:`r`).
+    Rounding is monotonic, so :math:`f_k` is ``finite_from_peak`` of the group's
+    largest peak: the decision does not change.
+    """
+    by_group = peak.reshape(groups, -1)
+    leaves = torch.isfinite(by_group if inv is None else by_group * inv.reshape(groups, 1))
+    finite = leaves.all(dim=1)
+    return (finite if require is None else finite & require), leaves.reshape(-1)
+
+
 def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor, Tensor]:
-    """``grad_stats`` on ``kernel``: per group the peak (float32) and sum of squares (float64)."""
+    """``grad_stats`` on ``kernel``: per leaf the peak (float32; ``members * L`` of them,
+    member-major) and per group the sum of squares (float64)."""
     device = grads[0].device
-    peak = torch.empty(groups, dtype=torch.float32, device=device)
+    peak = torch.empty(len(grads) * members, dtype=torch.float32, device=device)
     sq = torch.zeros(groups, dtype=torch.float64, device=device)
     if kernel == "c":
         c_kernel.call(
@@ -144,7 +164,9 @@ def run_step(
     donated: bool = False,
 ) -> Tensor:
     """Runs the step on ``kernel`` into ``out`` (``master``, the states, ``params``: one per
-    leaf); returns ``finite``.
+    leaf); returns ``(finite, leaf_finite)``: the decision per group and, where the step
+    decided it (``apply=None``), per leaf whether its unscaled gradient is finite (else an
+    empty tensor).
 
     ``a`` has passed the op's checks (``op_checks``), which check every tensor
     the kernels are given by the rules of the C interface (``signatures.py``);
@@ -158,13 +180,16 @@ def run_step(
     if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
         # The C kernel steps before it decides, then decides and undoes the groups that skip.
         finite = torch.empty(groups, dtype=torch.bool)
+        leaves = torch.empty(len(a["grads"]) * members, dtype=torch.bool)
         decided = {"apply": None, "require": a["require"], "decided_out": finite}
+        decided["leaf_finite_out"] = leaves
     elif a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
+        leaves = torch.empty(0, dtype=torch.bool, device=finite.device)
         decided = {"apply": finite}
     else:
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
-        finite = finite_from_peak(peak, a["inv"], a["require"])
+        finite, leaves = decide_from_leaf_peaks(peak, a["inv"], a["require"], groups)
         decided = {"apply": finite}
     if kernel == "c" and spec.c_block:  # its C entry runs only through the C++ op
         spec.generic(members=members, apply=finite, **kw)
@@ -193,7 +218,7 @@ def run_step(
         )
     else:
         spec.generic(members=members, apply=finite, **kw)
-    return finite
+    return finite, leaves
 
 
 def cpp_ready(spec: StepSpec | None, kernel: str) -> bool:
@@ -229,7 +254,7 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     """The step through the generic ``functional_fp16_cpu::step``: its states go in
     state-major as one list and come back split, so the outputs read as ``cpp_step``'s."""
     states = [x for name in spec.states for x in a[name]]
-    master, flat, params, finite = c_kernel.run_op(
+    master, flat, params, finite, leaves = c_kernel.run_op(
         "step",
         spec.cpp_op,
         a["grads"],
@@ -245,10 +270,10 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
         donated,
     )
     if donated:
-        return (finite,)
+        return (finite, leaves)
     n = len(a["grads"])
     split = [flat[j * n : (j + 1) * n] for j in range(len(spec.states))]
-    return (master, *split, params, finite)
+    return (master, *split, params, finite, leaves)
 
 
 def cpp_stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:

@@ -194,7 +194,8 @@ SPEC = StepSpec(
 
 LION_OPS = define_step(
     SPEC,
-    r"""One fused Lion step into fresh tensors: ``(master', mu', params', finite)``.
+    r"""One fused Lion step into fresh tensors:
+    ``(master', mu', params', finite, leaf_finite)``.
 
     See the module docstring for the arithmetic and :mod:`functional_fp16._fused.step_schema`
     for the conventions.
@@ -209,17 +210,18 @@ lion_step, lion_step_ = LION_OPS.functional, LION_OPS.donated
 
 
 def _step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, memo):
-    """One op call for a group: ``(masters', roles', params', finite, shared')``."""
+    """One op call for a group: ``(masters', roles', params', decided, shared')``, where
+    ``decided`` is the op's ``(finite, leaf_finite)``."""
     del shared, memo  # the count advances on an applied step (``steps.advanced``)
     mu = roles["mu"]
     hyper = dict(b1=plan.b1, b2=plan.b2, decoupled=plan.decoupled_decay)
     a = dict(grads=grads, master=masters, mu=mu, params=own, **common, **hyper)
     if donate:
-        finite = LION_OPS.call(True, a)
+        decided = LION_OPS.call(True, a)
         m_out, mu_out, p_new = masters, mu, own
     else:
-        m_out, mu_out, p_new, finite = LION_OPS.call(False, a)
-    return list(m_out), {"mu": list(mu_out)}, list(p_new), finite, {}
+        m_out, mu_out, p_new, *decided = LION_OPS.call(False, a)
+    return list(m_out), {"mu": list(mu_out)}, list(p_new), tuple(decided), {}
 
 
 register(Fusable("lion", _read, _positions, _step))

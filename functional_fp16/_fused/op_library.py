@@ -106,13 +106,16 @@ def _direct(spec: StepSpec | None, lists: list[list]) -> bool:
 def _grad_stats(
     grads: list[Tensor], inv: Tensor | None, groups: int, members: int, sum_squares: bool
 ) -> tuple[Tensor, Tensor]:
-    r"""Per group: the gradients' peak magnitude and the sum of squares of the unscaled ones.
+    r"""Per leaf the gradient's peak magnitude; per group the sum of squares of the
+    unscaled gradients.
 
-    .. math:: M_k = \max_{i \in k} |g_i|, \qquad
+    .. math:: M_l = \max_{i \in l} |g_i|, \qquad
               S_k = \textstyle\sum_{i \in k} \big(\operatorname{fl}_{32}(g_i)\, s_k^{-1}\big)^2
 
-    ``M_k`` is ``+inf`` if any element is inf or NaN; ``S_k`` is accumulated in
-    float64 (zeros unless ``sum_squares``). Returns two ``(groups,)`` tensors.
+    ``M_l`` is ``+inf`` if any element is inf or NaN (0 for an empty leaf);
+    ``S_k`` is accumulated in float64 (zeros unless ``sum_squares``). Returns
+    ``(M, S)``: ``M`` of shape ``(members * len(grads),)`` (member-major), ``S``
+    of shape ``(groups,)``.
     """
     if grads and isinstance(grads[0], Tensor) and cpp_ready(None, kernel_for(grads[0].device)):
         try:
@@ -134,7 +137,7 @@ def _checked_stats(grads, inv, groups, members) -> None:
 def _grad_stats_fake(grads, inv, groups, members, sum_squares):
     device = grads[0].device
     return (
-        torch.empty(groups, dtype=torch.float32, device=device),
+        torch.empty(len(grads) * members, dtype=torch.float32, device=device),
         torch.empty(groups, dtype=torch.float64, device=device),
     )
 
@@ -208,14 +211,14 @@ def define_step(spec: StepSpec, doc: str) -> StepOps:
         fresh_params = out["params"]
         out["params"] = working_copies(out["master"], fresh_params, a["separate"])
         kernel = kernel_for(a["grads"][0].device)
-        finite = run_step(spec, a, used, out, kernel, speculate=True)
-        return (out["master"], *[out[s] for s in spec.states], fresh_params, finite)
+        finite, leaves = run_step(spec, a, used, out, kernel, speculate=True)
+        return (out["master"], *[out[s] for s in spec.states], fresh_params, finite, leaves)
 
     def donated(*args):
         a = dict(zip(names, args))
         if a["grads"] and isinstance(a["grads"][0], Tensor):
             if cpp_ready(spec, kernel_for(a["grads"][0].device)):
-                return via_cpp(a, donated=True)[-1]
+                return tuple(via_cpp(a, donated=True)[-2:])
         used = _check_step(spec.name + "_", spec, a)
         _check_disjoint(spec.name + "_", a, ["master", *used, "params"])
         out = {"master": a["master"], **{s: a[s] for s in spec.states}}
@@ -235,23 +238,31 @@ def define_step(spec: StepSpec, doc: str) -> StepOps:
         """
         if _direct(spec, [a[n] for n in lists]):
             out = via_cpp(a, donated)
-            return out[-1] if donated else tuple(out)
+            return tuple(out[-2:]) if donated else tuple(out)
         return (op_ if donated else op)(*[a[n] for n in names])
 
     functional.__doc__ = doc
     donated.__doc__ = (
-        f"``{spec.name}`` written into its state arguments (donation); returns ``finite``."
+        f"``{spec.name}`` written into its state arguments (donation); returns "
+        "``(finite, leaf_finite)``."
     )
     mutated = ("master", *spec.states, "params")
+
+    def decisions(a: dict) -> tuple[Tensor, Tensor]:
+        lr = a["lr"]
+        n = 0 if a["apply"] is not None else len(a["grads"]) * a["members"]
+        return (
+            torch.empty(lr.shape, dtype=torch.bool, device=lr.device),
+            torch.empty(n, dtype=torch.bool, device=lr.device),
+        )
 
     def fake(*args):
         a = dict(zip(names, args))
         lists = [[torch.empty_like(x) for x in a[n]] for n in ("master", *spec.states, "params")]
-        return (*lists, torch.empty(a["lr"].shape, dtype=torch.bool, device=a["lr"].device))
+        return (*lists, *decisions(a))
 
     def fake_(*args):
-        lr = dict(zip(names, args))["lr"]
-        return torch.empty(lr.shape, dtype=torch.bool, device=lr.device)
+        return decisions(dict(zip(names, args)))
 
     lists = ("grads", "master", *spec.states, "params")
     scalars = (*COMMON_SCALARS, *spec.scalars)

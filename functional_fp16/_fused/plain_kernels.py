@@ -76,28 +76,28 @@ def write_member(b: int, leaf: int, members: int, apply: Tensor, new: dict, **li
 
 
 def stats_generic(grads, inv, groups, members, sum_squares, peak, sq) -> None:
-    """``grad_stats`` into ``peak`` and ``sq``: per group the largest ``|g|`` (+inf if any
-    element is inf or NaN) and, if ``sum_squares``, the float64 sum of ``fl32(g * inv)^2``."""
+    """``grad_stats`` into ``peak`` and ``sq``: per leaf of each member (member-major) the
+    largest ``|g|`` (+inf if any element is inf or NaN, 0 if it is empty) and, if
+    ``sum_squares``, per group the float64 sum of ``fl32(g * inv)^2``."""
     if groups == 1 and members == 1:
         return stats_lists(grads, inv, sum_squares, peak, sq)
     per_member = groups // members
     per_group = len(grads) // per_member
-    peaks: list[list[Tensor]] = [[] for _ in range(groups)]
     sums: list[list[Tensor]] = [[] for _ in range(groups)]
     for b in range(members):
         for leaf, x in enumerate(grads):
             k = b * per_member + leaf // per_group
             g = x if members == 1 else x[b]
             if g.numel() == 0:
+                peak[b * len(grads) + leaf] = 0.0
                 continue
             top = g.abs().amax().float()
-            peaks[k].append(torch.where(torch.isfinite(g).all(), top, float("inf")))
+            peak[b * len(grads) + leaf] = torch.where(torch.isfinite(g).all(), top, float("inf"))
             if sum_squares:
                 w = g.float() if inv is None else g.float() * inv[k]
                 sums[k].append(w.double().square().sum())
-    for k in range(groups):
-        peak[k] = torch.stack(peaks[k]).amax() if peaks[k] else 0.0
-        if sum_squares:
+    if sum_squares:
+        for k in range(groups):
             sq[k] = torch.stack(sums[k]).sum() if sums[k] else 0.0
 
 
@@ -204,9 +204,8 @@ def write_lists(apply: Tensor, new: dict, **lists) -> None:
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     """:func:`stats_generic` of one group of one member, with multi-tensor ops."""
-    tops = torch._foreach_norm(grads, float("inf"), dtype=torch.float32)
-    top = torch.stack(tops).amax()
-    peak[0] = torch.where(torch.isnan(top), float("inf"), top)
+    tops = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
+    peak.copy_(torch.where(torch.isnan(tops), float("inf"), tops))
     if sum_squares:
         u = unscaled_lists(grads, grads, inv, None, None)
         wide = [torch.empty_like(x, dtype=torch.float64) for x in u]

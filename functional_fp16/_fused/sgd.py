@@ -277,7 +277,7 @@ SPEC = StepSpec(
     check=_check,
     kernel_args=_kernel_args,
     generic=_generic,
-    c_extra={"require": None, "decided_out": None},
+    c_extra={"require": None, "decided_out": None, "leaf_finite_out": None},
     speculative=True,
     cpp_op="sgd",
     cpp_hyper=lambda a: (
@@ -290,7 +290,8 @@ SPEC = StepSpec(
 
 SGD_OPS = define_step(
     SPEC,
-    r"""One fused SGD step into fresh tensors: ``(master', trace', params', finite)``.
+    r"""One fused SGD step into fresh tensors:
+    ``(master', trace', params', finite, leaf_finite)``.
 
     See the module docstring for the arithmetic and :mod:`functional_fp16._fused.step_schema`
     for the conventions. ``trace`` is empty without momentum (and so is ``trace'``).
@@ -305,7 +306,8 @@ sgd_step, sgd_step_ = SGD_OPS.functional, SGD_OPS.donated
 
 
 def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, memo):
-    """One op call for a group: ``(masters', roles', params', finite, shared')``."""
+    """One op call for a group: ``(masters', roles', params', decided, shared')``, where
+    ``decided`` is the op's ``(finite, leaf_finite)``."""
     trace = roles.get("trace", [])
     started = None
     hyper = dict(weight_decay=plan.weight_decay, momentum=plan.momentum)
@@ -316,15 +318,15 @@ def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, mem
         started = old.reshape(1)
     a = dict(grads=grads, master=masters, trace=trace, params=own, started=started)
     if donate:
-        finite = SGD_OPS.call(True, {**a, **common, **hyper})
+        decided = SGD_OPS.call(True, {**a, **common, **hyper})
         m_out, t_out, p_new = masters, trace, own
     else:
-        m_out, t_out, p_new, finite = SGD_OPS.call(False, {**a, **common, **hyper})
+        m_out, t_out, p_new, *decided = SGD_OPS.call(False, {**a, **common, **hyper})
     shared_out = {}
     if old is not None:
-        flag = finite.reshape(())
+        flag = decided[0].reshape(())
         shared_out["started"] = torch.where(flag, torch.ones_like(old), old)
-    return list(m_out), {"trace": list(t_out)}, list(p_new), finite, shared_out
+    return list(m_out), {"trace": list(t_out)}, list(p_new), tuple(decided), shared_out
 
 
 register(Fusable("sgd", _read, _positions, _step))

@@ -15,10 +15,15 @@ Conventions of every step op (the schema's argument order)::
   the same call, each with its own scale, decision and counters;
 * ``apply=None``: the op decides itself, a group applies when all its unscaled
   gradients are finite and ``require`` (if given) holds; a given ``apply`` is
-  the decision (still ANDed with ``require``). The decision is returned.
+  the decision (still ANDed with ``require``). The decision is returned, and
+  with it ``leaf_finite``: where the op decided, per leaf of each member
+  (``members * L`` flags, member-major) whether that leaf's unscaled gradient
+  is finite, found in the same pass over the gradients; where it was given
+  ``apply`` it does not look at them, and ``leaf_finite`` is empty.
 
 The functional op ``<name>`` returns fresh tensors; the donated ``<name>_``
-writes its state arguments in place, declared in its schema (``Tensor(a!)[]``).
+writes its state arguments in place, declared in its schema (``Tensor(a!)[]``),
+and returns ``(finite, leaf_finite)``.
 """
 
 from __future__ import annotations
@@ -91,7 +96,11 @@ def schema(spec: StepSpec, donated: bool) -> str:
     parts += ["Tensor? apply", "Tensor? require"] + [f"Tensor? {s}" for s in spec.scalars]
     parts += [f"{kind} {name}" for name, kind in spec.hyper] + ["int members"]
     n_lists = 2 + len(spec.states)
-    out = "Tensor" if donated else "(" + ", ".join(["Tensor[]"] * n_lists + ["Tensor"]) + ")"
+    out = (
+        "(Tensor, Tensor)"
+        if donated
+        else "(" + ", ".join(["Tensor[]"] * n_lists + ["Tensor"] * 2) + ")"
+    )
     return f"({', '.join(parts)}) -> {out}"
 
 

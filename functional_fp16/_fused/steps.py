@@ -10,8 +10,10 @@ positions of every tensor the step reads, in the flattened state. A call then
 does no more than the arithmetic needs:
 
 1. with clipping, several groups or a cross-replica ``agree``, one
-   ``functional_fp16::grad_stats`` call over all leaves: the peak magnitude
-   for the all-finite decision and the sum of squares for the global norm;
+   ``functional_fp16::grad_stats`` call over all leaves: each leaf's peak
+   magnitude for its finite flag (``state.leaf_finite``) and the decision, and
+   the sum of squares for the global norm; otherwise the op decides and
+   returns the leaves' flags, found in its own pass over the gradients;
 2. one ``functional_fp16::sgd_step`` / ``adam_step`` call per group
    (``sgd_step_`` / ``adam_step_`` when donating), which reads gradient,
    master and optimiser state once and writes them and the working copy once:
@@ -283,23 +285,25 @@ def _one(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _decision_inputs(fp: FusedPlan, g, inv, decision):
-    """``(apply, require, clip)``: what the ops are told before they run.
+    """``(apply, require, clip, leaf_finite)``: what the ops are told before they run, and
+    the leaves' flags where they are known before.
 
     With one group, no clipping and no cross-replica hook the op decides
-    itself (``apply=None``), with the rule's ``require`` (the loss is finite);
-    otherwise one ``grad_stats`` call gives the local flag, the rule
-    (``decision``) the decision, and the sum of squares the clipping norm.
+    itself (``apply=None``), with the rule's ``require`` (the loss is finite),
+    and returns the leaves' flags; otherwise one ``grad_stats`` call gives each
+    leaf's peak, hence its flag, the rule (``decision``) the decision from
+    them, and the sum of squares the clipping norm.
     """
     if fp.decides and decision.agree is None:
         require = decision.require
-        return None, None if require is None else _one(require.to(g[0].device)), None
+        return None, None if require is None else _one(require.to(g[0].device)), None, None
     clipping = fp.max_norm is not None
     peak, sum_sq = call_grad_stats(g, _one(inv), 1, 1, clipping)
-    finite = decision(finite_from_peak(peak, _one(inv)).reshape(()))
+    leaves, finite = decision.leaves(finite_from_peak(peak, _one(inv)))
     clip = None
     if clipping:
         clip = norm_of_sum_of_squares(sum_sq.reshape(()), decision.global_sum)
-    return _one(finite), None, clip
+    return _one(finite), None, clip, leaves
 
 
 def _lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
@@ -373,7 +377,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     opt = tree_leaves(state.opt_state)
     g = _grads_like(g_leaves, masters, fp.strides)
     inv = unscale_inverse(state.loss_scale)
-    apply, require, norm = _decision_inputs(fp, g, inv, decision)
+    apply, require, norm, leaf_finite = _decision_inputs(fp, g, inv, decision)
     clip_div = clip_mul = None
     if norm is not None:
         clip_div, clip_mul = (_one(x) for x in clip_factors(norm, fp.max_norm))
@@ -395,12 +399,13 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
         lr = _lr_factor(grp.plan, shared, masters[0], memo)
         common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=lr, apply=apply)
         common.update(require=require, separate=list(grp.separate), members=1)
-        m_out, roles_out, p_out, flag, shared_out = grp.fusable.step(
+        m_out, roles_out, p_out, (flag, leaves), shared_out = grp.fusable.step(
             grp.plan, gg, mm, roles, shared, own, common, donate, memo
         )
         finite = flag.reshape(())
         if apply is None:
             apply = flag  # one group decides; no other group follows it
+            leaf_finite = leaves
         if grp.whole and len(p_out) == len(m_out):  # every leaf, each with its working copy
             new_m, new_p = list(m_out), list(p_out)
         else:
@@ -422,4 +427,5 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
         step=state.step + 1,
         grads_finite=finite,
         scale_stats=stepped_stats(state, loss_scale, finite),
+        leaf_finite=leaf_finite,
     )

@@ -58,16 +58,18 @@ def _batched_first(
 
 
 def by_member(out, size: int, members: int):
-    """The donated op's output (the decision) with the vmapped dimension split off again."""
-    return out.reshape(size, -1), 0
+    """The donated op's outputs (the decision and the leaf flags) with the vmapped
+    dimension split off again."""
+    finite, leaves = out
+    return (finite.reshape(size, -1), leaves.reshape(size, -1)), (0, 0)
 
 
 def by_member_all(out, size: int, members: int):
     """The functional op's outputs with the vmapped dimension split off again."""
-    *lists, finite = out
+    *lists, finite, leaves = out
     if members > 1:
         lists = [[x.reshape(size, members, *x.shape[1:]) for x in xs] for xs in lists]
-    return (*lists, finite.reshape(size, -1)), (*([0] * len(lists)), 0)
+    return (*lists, finite.reshape(size, -1), leaves.reshape(size, -1)), (*([0] * len(lists)), 0, 0)
 
 
 def vmap_rule(op, names, lists, scalars, mutated, outputs):

@@ -11,7 +11,9 @@
 //
 // Per group k of G (leaf l of L belongs to group l / (L / G); with `members`
 // stacked states per tensor, member b's leaves are groups b * G0 .. ), as in
-// step_schema.py.
+// step_schema.py. Every step returns its decision per group and, where it decided
+// itself (apply not given), per leaf whether the unscaled gradient is finite (empty
+// where it was given apply).
 
 #include "fused_step.h"
 
@@ -44,7 +46,8 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
                    const float *inv, const float *clip_div, const float *clip_mul,
                    const float *lr, const uint8_t *apply, const uint8_t *require,
                    const uint8_t *started, float weight_decay, float momentum,
-                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out);
+                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out,
+                   uint8_t *leaf_finite_out);
 void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                     float *const *a, float *const *v, void *const *p, float *const *mo,
                     float *const *ao, float *const *vo, void *const *po, const int64_t *numel,
@@ -259,36 +262,52 @@ TensorList outputs(const std::vector<const Tensor *> &like) {
   return out;
 }
 
-// Per group: isfinite(fl32(peak * inv)) and require, as grads_finite decides.
-Tensor decide(const TensorList &grads, const OptTensor &inv, const OptTensor &require,
-              int64_t groups, int64_t members, int32_t threads) {
+// A step's decision: per group whether it applies, and per leaf (members * L of them,
+// member-major) whether its unscaled gradient is finite; empty where the step was given
+// its decision and did not look.
+struct Decided {
+  Tensor finite;
+  Tensor leaves;
+};
+
+// Per leaf l of group k: isfinite(fl32(peak_l * inv[k])); per group: the AND of its
+// leaves' flags and require, as grads_finite decides (rounding is monotonic, so the AND
+// is isfinite(fl32(max peak * inv))).
+Decided decide(const TensorList &grads, const OptTensor &inv, const OptTensor &require,
+               int64_t groups, int64_t members, int32_t threads) {
   Leaves g;
   g.add(refs(grads), members);
-  Tensor peak = at::empty({groups}, grads[0].options().dtype(at::kFloat));
-  ff_grad_stats(static_cast<int64_t>(g.ptr.size()), groups, g.ptr.data(), g.numel.data(),
-                g.code.data(), ptr_or_null<float>(inv), 0, threads, peak.data_ptr<float>(),
-                nullptr);
+  const int64_t n = static_cast<int64_t>(g.ptr.size());
+  Tensor peak = at::empty({n}, grads[0].options().dtype(at::kFloat));
+  ff_grad_stats(n, groups, g.ptr.data(), g.numel.data(), g.code.data(), ptr_or_null<float>(inv),
+                0, threads, peak.data_ptr<float>(), nullptr);
   Tensor finite = at::empty({groups}, grads[0].options().dtype(at::kBool));
+  Tensor leaves = at::empty({n}, grads[0].options().dtype(at::kBool));
   const float *pk = peak.data_ptr<float>();
   const float *iv = ptr_or_null<float>(inv);
   const bool *rq = ptr_or_null<bool>(require);
   bool *out = finite.data_ptr<bool>();
-  for (int64_t k = 0; k < groups; ++k) {
-    const float scaled = iv ? pk[k] * iv[k] : pk[k];
-    out[k] = std::isfinite(scaled) && (rq == nullptr || rq[k]);
+  bool *lf = leaves.data_ptr<bool>();
+  const int64_t per_group = n / groups;
+  for (int64_t k = 0; k < groups; ++k) out[k] = rq == nullptr || rq[k];
+  for (int64_t l = 0; l < n; ++l) {
+    const int64_t k = l / per_group;
+    const float scaled = iv ? pk[l] * iv[k] : pk[l];
+    lf[l] = std::isfinite(scaled);
+    out[k] = out[k] && lf[l];
   }
-  return finite;
+  return {finite, leaves};
 }
 
-// The decision a step is given: apply (and require), copied.
-Tensor given(const Tensor &apply, const OptTensor &require) {
+// The decision a step is given: apply (and require), copied; no leaf flags.
+Decided given(const Tensor &apply, const OptTensor &require) {
   Tensor out = apply.clone();
   if (require.has_value()) {
     bool *o = out.data_ptr<bool>();
     const bool *r = require->data_ptr<bool>();
     for (int64_t k = 0; k < out.numel(); ++k) o[k] = o[k] && r[k];
   }
-  return out;
+  return {out, at::empty({0}, apply.options())};
 }
 
 // Checks shared by both steps; returns the number of groups.
@@ -314,7 +333,7 @@ int64_t check_common(const TensorList &grads, const TensorList &master, const Te
   return groups;
 }
 
-std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
+std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> sgd(
     const TensorList &grads, const TensorList &master, const TensorList &trace,
     const TensorList &params, const c10::List<bool> &separate_list,
     const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
@@ -355,20 +374,22 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
   }
   size_t j = 0;
   for (size_t i = 0; i < master.size(); ++i) p_out.push_back(separate[i] ? &p_new[j++] : &m_out[i]);
-  Tensor finite;
-  OptTensor decided_out;
+  Decided d;
+  bool speculative = false;
   const uint8_t *apply_ptr = nullptr;
   const uint8_t *require_ptr = nullptr;
   if (apply.has_value()) {
-    finite = given(*apply, require);
-    apply_ptr = reinterpret_cast<const uint8_t *>(finite.data_ptr<bool>());
+    d = given(*apply, require);
+    apply_ptr = reinterpret_cast<const uint8_t *>(d.finite.data_ptr<bool>());
   } else if (!donated) {  // a speculative pure step: the kernel decides and undoes
-    finite = at::empty({groups}, grads[0].options().dtype(at::kBool));
-    decided_out = finite;
+    speculative = true;
+    d.finite = at::empty({groups}, grads[0].options().dtype(at::kBool));
+    d.leaves = at::empty({static_cast<int64_t>(grads.size()) * members},
+                         grads[0].options().dtype(at::kBool));
     require_ptr = reinterpret_cast<const uint8_t *>(ptr_or_null<bool>(require));
   } else {
-    finite = decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
-    apply_ptr = reinterpret_cast<const uint8_t *>(finite.data_ptr<bool>());
+    d = decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+    apply_ptr = reinterpret_cast<const uint8_t *>(d.finite.data_ptr<bool>());
   }
   Leaves G, M, T, P, MO, TO, PO;
   G.add(g, members), M.add(refs(master), members), P.add(p_in, members);
@@ -386,14 +407,13 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> sgd(
                 static_cast<float>(weight_decay), static_cast<float>(momentum),
                 static_cast<float>(take_started), nesterov && on ? 1 : 0,
                 static_cast<int32_t>(threads),
-                decided_out.has_value()
-                    ? reinterpret_cast<uint8_t *>(decided_out->data_ptr<bool>())
-                    : nullptr);
-  if (donated) return {{}, {}, {}, finite};  // written in place: nothing to hand back
-  return {m_out, t_out, p_new, finite};
+                speculative ? reinterpret_cast<uint8_t *>(d.finite.data_ptr<bool>()) : nullptr,
+                speculative ? reinterpret_cast<uint8_t *>(d.leaves.data_ptr<bool>()) : nullptr);
+  if (donated) return {{}, {}, {}, d.finite, d.leaves};  // written in place
+  return {m_out, t_out, p_new, d.finite, d.leaves};
 }
 
-std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
+std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
     const TensorList &grads, const TensorList &master, const TensorList &mu, const TensorList &nu,
     const TensorList &params, const c10::List<bool> &separate_list,
     const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
@@ -430,9 +450,11 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
   std::vector<const Tensor *> p_out;
   size_t j = 0;
   for (size_t i = 0; i < master.size(); ++i) p_out.push_back(separate[i] ? &p_new[j++] : &m_out[i]);
-  Tensor finite = apply.has_value()
-                      ? given(*apply, require)
-                      : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+  const Decided d =
+      apply.has_value()
+          ? given(*apply, require)
+          : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+  const Tensor &finite = d.finite;
   Leaves G, M, A, V, P, MO, AO, VO, PO;
   G.add(g, members), M.add(refs(master), members), A.add(refs(mu), members);
   V.add(refs(nu), members), P.add(p_in, members), MO.add(refs(m_out), members);
@@ -451,15 +473,15 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor> adam(
                  static_cast<float>(w), static_cast<float>(b2), static_cast<float>(c2),
                  static_cast<float>(eps), static_cast<float>(decoupled),
                  static_cast<int32_t>(threads));
-  if (donated) return {{}, {}, {}, {}, finite};  // written in place: nothing to hand back
-  return {m_out, a_out, v_out, p_new, finite};
+  if (donated) return {{}, {}, {}, {}, finite, d.leaves};  // written in place
+  return {m_out, a_out, v_out, p_new, finite, d.leaves};
 }
 
 // Any step of fused_step.h's convention, found by name: `states` holds the
 // optimiser's per-parameter states state-major (state j of leaf l at
 // j * n_leaves + l), `scalars` its per-group float32 scalars, `hyper` its fixed
 // hyperparameters in declared order.
-std::tuple<TensorList, TensorList, TensorList, Tensor> step(
+std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
     c10::string_view name, const TensorList &grads, const TensorList &master,
     const TensorList &states, const TensorList &params, const c10::List<bool> &separate_list,
     const OptTensor &inv, const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
@@ -500,9 +522,11 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> step(
   std::vector<const Tensor *> p_out;
   size_t k = 0;
   for (size_t i = 0; i < n; ++i) p_out.push_back(separate[i] ? &p_new[k++] : &m_out[i]);
-  Tensor finite = apply.has_value()
-                      ? given(*apply, require)
-                      : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+  const Decided d =
+      apply.has_value()
+          ? given(*apply, require)
+          : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
+  const Tensor &finite = d.finite;
   Leaves G, M, P, MO, PO;
   G.add(g, members), M.add(refs(master), members), P.add(p_in, members);
   MO.add(refs(m_out), members), PO.add(p_out, members);
@@ -542,8 +566,8 @@ std::tuple<TensorList, TensorList, TensorList, Tensor> step(
   x.scalars = sc.data();
   x.hyper = hyper.data();
   fn(&x);
-  if (donated) return {{}, {}, {}, finite};  // written in place: nothing to hand back
-  return {m_out, s_out, p_new, finite};
+  if (donated) return {{}, {}, {}, finite, d.leaves};  // written in place
+  return {m_out, s_out, p_new, finite, d.leaves};
 }
 
 std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &inv,
@@ -556,7 +580,7 @@ std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &
   check_group(inv, groups, false, "inv");
   Leaves g;
   g.add(refs(grads), members);
-  Tensor peak = at::empty({groups}, grads[0].options().dtype(at::kFloat));
+  Tensor peak = at::empty({static_cast<int64_t>(g.ptr.size())}, grads[0].options().dtype(at::kFloat));
   Tensor sq = at::zeros({groups}, grads[0].options().dtype(at::kDouble));
   ff_grad_stats(static_cast<int64_t>(g.ptr.size()), groups, g.ptr.data(), g.numel.data(),
                 g.code.data(), ptr_or_null<float>(inv), sum_squares ? 1 : 0,
@@ -573,18 +597,18 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
       "Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "
       "Tensor? apply, Tensor? require, Tensor? started, float weight_decay, float momentum, "
       "float take_started, bool nesterov, int members, int threads, bool donated) "
-      "-> (Tensor[], Tensor[], Tensor[], Tensor)");
+      "-> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
       "adam(Tensor[] grads, Tensor[] master, Tensor[] mu, Tensor[] nu, Tensor[] params, "
       "bool[] separate, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, "
       "Tensor lr, Tensor? apply, Tensor? require, Tensor inv_c1, Tensor sqrt_c2, float l2, "
       "float w, float b2, float c2, float eps, float decoupled, int members, int threads, "
-      "bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor)");
+      "bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
       "step(str name, Tensor[] grads, Tensor[] master, Tensor[] states, Tensor[] params, "
       "bool[] separate, Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "
       "Tensor? apply, Tensor? require, Tensor[] scalars, float[] hyper, int members, "
-      "int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor)");
+      "int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
       "grad_stats(Tensor[] grads, Tensor? inv, int groups, int members, bool sum_squares, "
       "int threads) -> (Tensor, Tensor)");

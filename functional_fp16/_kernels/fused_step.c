@@ -231,9 +231,10 @@ static double sum_squares(const void *x, int64_t n, int dt, float inv) {
     return total;
 }
 
-/* Per group k: peak_out[k] = largest |g| as float32 (+inf if any element is
- * inf or NaN); sq_out[k] = sum of fl32(g * inv[k])^2 (only if want_sq). One
- * read of the gradients. inv NULL: a unit scale. */
+/* Per leaf l: peak_out[l] = largest |g_l| as float32 (+inf if any element is
+ * inf or NaN, 0 for an empty leaf); per group k: sq_out[k] = sum of
+ * fl32(g * inv[k])^2 (only if want_sq). One read of the gradients. inv NULL:
+ * a unit scale. */
 void ff_grad_stats(int64_t n_leaves, int64_t n_groups, void *const *grads, const int64_t *numel,
                    const int32_t *gdt, const float *inv, int32_t want_sq, int32_t threads,
                    float *peak_out, double *sq_out) {
@@ -242,31 +243,33 @@ void ff_grad_stats(int64_t n_leaves, int64_t n_groups, void *const *grads, const
     const int64_t per_group = n_leaves / n_groups;
     const int nt = threads > 0 ? threads : 1;
     /* One row of partial results per thread, on the heap (an OpenMP array
-     * reduction would put n_groups values per thread on the stack). */
-    float *peak = (float *)calloc((size_t)(nt * n_groups), sizeof(float));
+     * reduction would put n_leaves values per thread on the stack). */
+    float *peak = (float *)calloc((size_t)(nt * n_leaves), sizeof(float));
     double *sq = (double *)calloc((size_t)(nt * n_groups), sizeof(double));
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t k = 0; k < n_chunks; ++k) {
         const Chunk *c = &chunks[k];
         const int64_t grp = c->leaf / per_group;
-        const int64_t row = (int64_t)omp_get_thread_num() * n_groups + grp;
+        const int64_t t = (int64_t)omp_get_thread_num();
         const int dt = gdt[c->leaf];
         const char *x = (const char *)grads[c->leaf] + c->start * dt_size(dt);
         float v = peak_value(peak_bits(x, c->len, dt), dt);
-        peak[row] = v > peak[row] ? v : peak[row];
-        if (want_sq) sq[row] += sum_squares(x, c->len, dt, inv ? inv[grp] : 1.0f);
+        float *row = &peak[t * n_leaves + c->leaf];
+        *row = v > *row ? v : *row;
+        if (want_sq) sq[t * n_groups + grp] += sum_squares(x, c->len, dt, inv ? inv[grp] : 1.0f);
     }
     free(chunks);
-    for (int64_t k = 0; k < n_groups; ++k) {
+    for (int64_t l = 0; l < n_leaves; ++l) {
         float top = 0.0f;
-        double total = 0.0;
-        for (int t = 0; t < nt; ++t) { /* in thread order: the same sum every call */
-            const float v = peak[t * n_groups + k];
-            top = v > top ? v : top;
-            total += sq[t * n_groups + k];
+        for (int t = 0; t < nt; ++t) top = peak[t * n_leaves + l] > top ? peak[t * n_leaves + l] : top;
+        peak_out[l] = top;
+    }
+    if (want_sq) {
+        for (int64_t k = 0; k < n_groups; ++k) {
+            double total = 0.0;
+            for (int t = 0; t < nt; ++t) total += sq[t * n_groups + k]; /* in thread order */
+            sq_out[k] = total;
         }
-        peak_out[k] = top;
-        if (want_sq) sq_out[k] = total;
     }
     free(peak);
     free(sq);
@@ -366,17 +369,20 @@ static void keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, flo
  * may round to 0 in float32); Nesterov only with momentum.
  *
  * apply NULL: a speculative pure step (fresh outputs), applied whatever the
- * gradients while it finds each group's largest gradient magnitude; then
- * decided_out[k] = isfinite(fl32(peak_k * inv[k])) && require[k] (require NULL:
+ * gradients while it finds each leaf's largest gradient magnitude; then
+ * leaf_finite_out[l] = isfinite(fl32(peak_l * inv[k])) for leaf l of group k,
+ * decided_out[k] = the AND of its leaves' flags && require[k] (require NULL:
  * true), the decision grads_finite makes, and the groups that skip get their
- * old state copied back (keep_unless). apply given: decided_out is NULL. */
+ * old state copied back (keep_unless). apply given: decided_out and
+ * leaf_finite_out are NULL. */
 void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                    float *const *b, void *const *p, float *const *mo, float *const *bo,
                    void *const *po, const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
                    const float *inv, const float *clip_div, const float *clip_mul,
                    const float *lr, const uint8_t *apply, const uint8_t *require,
                    const uint8_t *started, float weight_decay, float momentum,
-                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out) {
+                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out,
+                   uint8_t *leaf_finite_out) {
     const int want_peak = apply == NULL;
     const int64_t per_group = n_leaves / n_groups;
     Hyper *hs = (Hyper *)malloc((size_t)n_groups * sizeof(Hyper));
@@ -400,7 +406,8 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
         h->factor = lr[k];
     }
     const int nt = threads > 0 ? threads : 1;
-    float *peak = (float *)calloc((size_t)(nt * n_groups), sizeof(float)); /* a row per thread */
+    /* a row of n_leaves per thread */
+    float *peak = want_peak ? (float *)calloc((size_t)(nt * n_leaves), sizeof(float)) : NULL;
 
     int64_t n_chunks;
     Chunk *chunks = make_chunks(n_leaves, numel, &n_chunks);
@@ -409,13 +416,13 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
         const Chunk *c = &chunks[k];
         const int l = c->leaf;
         const int64_t grp = l / per_group;
-        const int64_t row = (int64_t)omp_get_thread_num() * n_groups + grp;
         const Hyper *h = &hs[grp];
         const int gd = gdt[l], pd = pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         const int p_is_master = po[l] == (void *)mo[l];
         if (want_peak) {
             float v = peak_value(peak_bits((const char *)g[l] + c->start * gs, c->len, gd), gd);
-            peak[row] = v > peak[row] ? v : peak[row];
+            float *row = &peak[(int64_t)omp_get_thread_num() * n_leaves + l];
+            *row = v > *row ? v : *row;
         }
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
@@ -457,11 +464,16 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
     }
     free(chunks);
     if (want_peak) {
-        for (int64_t k = 0; k < n_groups; ++k) {
+        for (int64_t k = 0; k < n_groups; ++k) decided_out[k] = require == NULL || require[k] != 0;
+        for (int64_t l = 0; l < n_leaves; ++l) {
+            const int64_t k = l / per_group;
             float top = 0.0f;
-            for (int t = 0; t < nt; ++t) top = peak[t * n_groups + k] > top ? peak[t * n_groups + k] : top;
+            for (int t = 0; t < nt; ++t) top = peak[t * n_leaves + l] > top ? peak[t * n_leaves + l] : top;
             const float scaled = inv ? top * inv[k] : top; /* fl32, as torch multiplies */
-            decided_out[k] = isfinite(scaled) && (require == NULL || require[k] != 0);
+            leaf_finite_out[l] = isfinite(scaled) != 0;
+            /* the AND over the group's leaves: isfinite(fl32(max peak * inv)), rounding
+             * being monotonic */
+            decided_out[k] = decided_out[k] && leaf_finite_out[l];
         }
         keep_unless(n_leaves, n_groups, m, b, p, mo, bo, po, numel, pdt, decided_out, nt);
     }

@@ -16,6 +16,8 @@ of leaves ``L`` and the number of groups ``G`` (``G`` divides ``L``; leaf
   element counts (``int64``) and dtype codes (``int32``);
 * ``group``: a 1-d contiguous tensor of ``G`` scalars (or ``None`` where
   ``optional``), passed by address;
+* ``leafwise``: a 1-d contiguous tensor of one value per leaf (``members * L``
+  of them, member-major), passed by address;
 
 A call may stack ``members`` states in every leaf (a ``vmap`` batch): each
 leaf tensor then holds ``members`` equal, consecutive blocks along its
@@ -51,7 +53,7 @@ class Arg(NamedTuple):
     """One declared argument of a kernel entry point."""
 
     name: str
-    kind: str  # "leaves", "numel", "codes", "group", "float", "int"
+    kind: str  # "leaves", "numel", "codes", "group", "leafwise", "float", "int"
     dtypes: tuple[torch.dtype, ...] = ()  # allowed dtypes ("leaves", "group")
     optional: bool = False  # None allowed ("group": a NULL pointer)
     of: str = ""  # "numel"/"codes": the leaves argument it is derived from
@@ -75,6 +77,7 @@ class Signature(NamedTuple):
             "numel": ctypes.c_void_p,
             "codes": ctypes.c_void_p,
             "group": ctypes.c_void_p,
+            "leafwise": ctypes.c_void_p,
             "float": ctypes.c_float,
             "int": ctypes.c_int32,
         }
@@ -100,6 +103,10 @@ def _group(name: str, dtype: torch.dtype, *, optional: bool = False) -> Arg:
     return Arg(name, "group", (dtype,), optional=optional)
 
 
+def _leafwise(name: str, dtype: torch.dtype, *, optional: bool = False) -> Arg:
+    return Arg(name, "leafwise", (dtype,), optional=optional)
+
+
 _STEP_SCALARS = (
     _group("inv", torch.float32, optional=True),
     _group("clip_div", torch.float32, optional=True),
@@ -117,7 +124,7 @@ SIGNATURES: dict[str, Signature] = {
             _group("inv", torch.float32, optional=True),
             Arg("sum_squares", "int"),
             Arg("threads", "int"),
-            _group("peak_out", torch.float32),
+            _leafwise("peak_out", torch.float32),
             _group("sum_sq_out", torch.float64, optional=True),
         ),
         needs=(("sum_squares", "sum_sq_out"),),
@@ -145,8 +152,13 @@ SIGNATURES: dict[str, Signature] = {
             Arg("nesterov", "int"),
             Arg("threads", "int"),
             _group("decided_out", torch.bool, optional=True),
+            _leafwise("leaf_finite_out", torch.bool, optional=True),
         ),
-        together=(("clip_div", "clip_mul"), ("trace", "trace_out")),
+        together=(
+            ("clip_div", "clip_mul"),
+            ("trace", "trace_out"),
+            ("decided_out", "leaf_finite_out"),
+        ),
         one_of=(("apply", "decided_out"),),
     ),
     "adam_update": Signature(
@@ -303,7 +315,7 @@ def _check_leaves(
         _explain_leaves(sig, arg, value, n_leaves, kw, members)
 
 
-def _check_group(sig: Signature, arg: Arg, value: Any, n_groups: int) -> None:
+def _check_group(sig: Signature, arg: Arg, value: Any, n_groups: int, per: str = "group") -> None:
     where = f"{sig.symbol}: {arg.name}"
     if value is None:
         if not arg.optional:
@@ -318,7 +330,7 @@ def _check_group(sig: Signature, arg: Arg, value: Any, n_groups: int) -> None:
         )
     if value.shape != (n_groups,) or not value.is_contiguous():
         raise ValueError(
-            f"{where} must be contiguous of shape ({n_groups},) (one per group), "
+            f"{where} must be contiguous of shape ({n_groups},) (one per {per}), "
             f"got shape {tuple(value.shape)}"
         )
 
@@ -414,6 +426,10 @@ def pack(
         elif arg.kind == "group":
             value = kw[arg.name]
             _check_group(sig, arg, value, n_groups)
+            out.args.append(None if value is None else value.data_ptr())
+        elif arg.kind == "leafwise":
+            value = kw[arg.name]
+            _check_group(sig, arg, value, n_leaves * members, "leaf")
             out.args.append(None if value is None else value.data_ptr())
         elif arg.kind == "float":
             value = kw[arg.name]

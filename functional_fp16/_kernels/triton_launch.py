@@ -136,7 +136,7 @@ class Checker:
                     f"{arg.like}[{i}] has {tuple(ref[i].shape)} and {ref[i].stride()}"
                 )
 
-    def _group(self, arg: Arg, value: Any) -> None:
+    def _group(self, arg: Arg, value: Any, count: int | None = None, per: str = "group") -> None:
         if value is None:
             if not arg.optional:
                 self.fail(f"{arg.name} is required", TypeError)
@@ -145,11 +145,15 @@ class Checker:
             got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
             self.fail(f"{arg.name} must be a tensor of dtype {arg.dtypes[0]}, got {got}", TypeError)
         self._on_device(arg.name, value)
-        if value.shape != (self.n_groups,) or not value.is_contiguous():
+        count = self.n_groups if count is None else count
+        if value.shape != (count,) or not value.is_contiguous():
             self.fail(
-                f"{arg.name} must be contiguous of shape ({self.n_groups},) (one per group), "
+                f"{arg.name} must be contiguous of shape ({count},) (one per {per}), "
                 f"got shape {tuple(value.shape)}"
             )
+
+    def _leafwise(self, arg: Arg, value: Any) -> None:
+        self._group(arg, value, self.n_leaves, "leaf")
 
     def _float(self, arg: Arg, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

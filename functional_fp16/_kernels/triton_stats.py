@@ -1,12 +1,13 @@
-"""The Triton kernels of the gradient statistics: per-chunk partial results, then per group.
+"""The Triton kernels of the gradient statistics: per-chunk partial results, then per leaf
+and per group.
 
-Per group, ``max |g|`` (+inf if any element is inf or NaN) and, on request,
-``sum fl32(g * inv)^2`` accumulated in float64 (each square is exact there).
-:func:`_stats_kernel` writes one partial result per chunk, into the chunk's
-slot; the slots are numbered in leaf order, so a group's slots are
-contiguous, and :func:`_group_reduce_kernel`, one program per group, reduces
-them in a fixed order (deterministic). ``triton_steps.grad_stats`` launches
-both.
+Per leaf, ``max |g|`` (+inf if any element is inf or NaN) and, on request, per
+group ``sum fl32(g * inv)^2`` accumulated in float64 (each square is exact
+there). :func:`_stats_kernel` writes one partial result per chunk, into the
+chunk's slot; the slots are numbered in leaf order, so a leaf's slots, and a
+group's, are contiguous, and :func:`_segment_reduce_kernel`, one program per
+segment (a leaf for the peaks, a group for the sums), reduces them in a fixed
+order (deterministic). ``triton_steps.grad_stats`` launches them.
 """
 
 from __future__ import annotations
@@ -59,26 +60,27 @@ if triton is not None:
             tl.store(sq_part + slot, tl.sum(sq, axis=0))
 
     @triton.jit
-    def _group_reduce_kernel(
-        peak_part,
-        sq_part,
+    def _segment_reduce_kernel(
+        part,
         bounds,
-        peak_out,
-        sq_out,
-        SUM_SQ: tl.constexpr,
+        out,
+        SUM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Group k's result from its contiguous slots bounds[k]:bounds[k + 1]."""
+        """Segment k's result from its contiguous slots bounds[k]:bounds[k + 1]: the largest
+        peak (float32; ``SUM`` false) or the sum of squares (float64; ``SUM`` true)."""
         k = tl.program_id(0).to(tl.int64)
         lo = tl.load(bounds + k)
         hi = tl.load(bounds + k + 1)
-        peak = tl.zeros([BLOCK], dtype=tl.float32)
-        sq = tl.zeros([BLOCK], dtype=tl.float64)
-        for s in range(lo, hi, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            peak = tl.maximum(peak, tl.load(peak_part + offs, mask=offs < hi, other=0.0))
-            if SUM_SQ:
-                sq += tl.load(sq_part + offs, mask=offs < hi, other=0.0)
-        tl.store(peak_out + k, tl.max(peak, axis=0))
-        if SUM_SQ:
-            tl.store(sq_out + k, tl.sum(sq, axis=0))
+        if SUM:
+            sq = tl.zeros([BLOCK], dtype=tl.float64)
+            for s in range(lo, hi, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                sq += tl.load(part + offs, mask=offs < hi, other=0.0)
+            tl.store(out + k, tl.sum(sq, axis=0))
+        else:
+            peak = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in range(lo, hi, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                peak = tl.maximum(peak, tl.load(part + offs, mask=offs < hi, other=0.0))
+            tl.store(out + k, tl.max(peak, axis=0))

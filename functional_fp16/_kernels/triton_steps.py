@@ -37,7 +37,7 @@ from functional_fp16._kernels.triton_launch import (
 if triton is not None:
     from functional_fp16._kernels.triton_adam import _adam_kernel
     from functional_fp16._kernels.triton_sgd import _sgd_kernel
-    from functional_fp16._kernels.triton_stats import _group_reduce_kernel, _stats_kernel
+    from functional_fp16._kernels.triton_stats import _segment_reduce_kernel, _stats_kernel
 
 __all__ = [
     "available",
@@ -88,14 +88,15 @@ def grad_stats(
     peak_out: torch.Tensor,
     sum_sq_out: torch.Tensor | None,
 ) -> None:
-    """Per group ``k``: ``peak_out[k]`` = the largest ``|g|`` as float32 (+inf if any
-    element is inf or NaN, 0 for a group without elements) and, if
-    ``sum_squares``, ``sum_sq_out[k]`` = the float64 sum of ``fl32(g * inv[k])^2``.
+    """Per leaf ``l``: ``peak_out[l]`` = the largest ``|g_l|`` as float32 (+inf if any
+    element is inf or NaN, 0 for an empty leaf); per group ``k``, if ``sum_squares``,
+    ``sum_sq_out[k]`` = the float64 sum of ``fl32(g * inv[k])^2``.
 
     ``grads``: float32/float16/bfloat16 tensors; ``inv``: ``(G,)`` float32 or
-    ``None`` (1); ``peak_out``: ``(G,)`` float32; ``sum_sq_out``: ``(G,)`` float64
+    ``None`` (1); ``peak_out``: ``(L,)`` float32; ``sum_sq_out``: ``(G,)`` float64
     (``None`` without ``sum_squares``). One launch per gradient dtype, then one
-    that reduces each group's per-chunk results in a fixed order.
+    that reduces each leaf's per-chunk peaks in a fixed order (and one for the
+    groups' sums).
     """
     kw = dict(
         grads=grads, inv=inv, sum_squares=sum_squares, peak_out=peak_out, sum_sq_out=sum_sq_out
@@ -112,6 +113,7 @@ def grad_stats(
     bounds = [first[k * per_group] for k in range(n_groups)] + [first[n_leaves]]
     tables = Tables()
     leaf_classes = classes(tables, [grads], [(g.dtype,) for g in grads], per_group, CHUNK, first)
+    leaf_at, _ = tables.add(torch.tensor(first, dtype=torch.int64))
     b_at, _ = tables.add(torch.tensor(bounds, dtype=torch.int64))
     device = check.device
     table = tables.to(device)
@@ -133,18 +135,28 @@ def grad_stats(
                 SUM_SQ=bool(sum_squares),
                 **sizes,
             )
-        launch(
-            "group_reduce",
-            _group_reduce_kernel,
-            n_groups,
-            peak_part,
-            sq_part,
-            table[b_at : b_at + n_groups + 1],
-            peak_out,
-            sum_sq_out if sum_squares else peak_out,
-            SUM_SQ=bool(sum_squares),
-            BLOCK=BLOCK,
-        )
+        if n_leaves:
+            launch(
+                "leaf_reduce",
+                _segment_reduce_kernel,
+                n_leaves,
+                peak_part,
+                table[leaf_at : leaf_at + n_leaves + 1],
+                peak_out,
+                SUM=False,
+                BLOCK=BLOCK,
+            )
+        if sum_squares:
+            launch(
+                "group_reduce",
+                _segment_reduce_kernel,
+                n_groups,
+                sq_part,
+                table[b_at : b_at + n_groups + 1],
+                sum_sq_out,
+                SUM=True,
+                BLOCK=BLOCK,
+            )
 
 
 def sgd_update(

@@ -233,6 +233,12 @@ def tree_paths(tree: PyTree) -> list[str]:
     return [format_path(a) for a in accessors]
 
 
+def dotted_paths(tree: PyTree) -> list[str]:
+    """Every leaf's path as its keys, indices and field names joined by dots
+    (``h.3.mlp.c_fc.weight``; a flat dict's key as it is); ``""`` for the root."""
+    return [".".join(map(str, path)) for path in optree.tree_paths(tree, namespace=NAMESPACE)]
+
+
 def format_path(accessor: optree.PyTreeAccessor) -> str:
     """Formats an ``optree`` accessor as Python indexing syntax, ``<root>`` for the root."""
     return accessor.codify("") or "<root>"

@@ -34,6 +34,12 @@ from functional_fp16.checkpoint.format import (
     plain_meta,
     show,
 )
+from functional_fp16.update.state import (
+    ADDED_FIELDS,
+    FP16State,
+    added_field_value,
+    old_checkpoint_note,
+)
 
 
 def _unreadable(name: str, err: BaseException) -> CheckpointCorruptError:
@@ -204,17 +210,15 @@ class Reader:
         children, meta, entries, steps = one_level(like)
         stored_children = node["children"]
         filled: list[Any] = []
-        if _before_scale_stats(like, node["entries"], entries):
-            # Written before FP16State.scale_stats: the counters start at zero.
-            warnings.warn(
-                f"{self.file}: a checkpoint from before FP16State.scale_stats; the loss-scale "
-                "counters (loss_scale_stats) start at zero",
-                stacklevel=5,
-            )
-            filled = [
-                torch.zeros_like(x) for x in optree.tree_leaves(children[-1], namespace=NAMESPACE)
-            ]
-            children, entries, steps = children[:-1], entries[:-1], steps[:-1]
+        added = _fields_missing(like, node["entries"], entries)
+        if added:
+            # Written before these fields of FP16State existed: they start afresh.
+            warnings.warn(old_checkpoint_note(str(self.file), added), stacklevel=5)
+            for field, child in zip(added, children[-len(added) :]):
+                leaves = optree.tree_leaves(child, namespace=NAMESPACE)
+                filled += [added_field_value(field, x) for x in leaves]
+            n = len(entries) - len(added)
+            children, entries, steps = children[:n], entries[:n], steps[:n]
         if isinstance(like, dict):  # keys in any order
             by_key = dict(zip(node["entries"], stored_children, strict=True))
             missing = [k for k in entries if k not in by_key]
@@ -268,14 +272,18 @@ class Reader:
         out.append(leaf["value"])
 
 
-def _before_scale_stats(like: Any, stored: list, entries) -> bool:
-    """Whether ``like`` is an ``FP16State`` and the checkpoint's node the same one without its
-    last field, ``scale_stats`` (a checkpoint written before the field existed)."""
-    return (
-        type(like).__name__ == "FP16State"
-        and list(entries)[-1:] == ["scale_stats"]
-        and list(stored) == list(entries)[:-1]
-    )
+def _fields_missing(like: Any, stored: list, entries) -> list[str]:
+    """The fields of :data:`~functional_fp16.update.state.ADDED_FIELDS` that the checkpoint's
+    node lacks, where ``like`` is an ``FP16State`` and the node the same one without its last
+    fields (a checkpoint written before they existed); else ``[]``."""
+    entries = list(entries)
+    if not isinstance(like, FP16State) or list(stored) == entries:
+        return []
+    added = list(ADDED_FIELDS)
+    for n in range(1, len(added) + 1):
+        if entries[-n:] == added[-n:] and list(stored) == entries[:-n]:
+            return entries[-n:]
+    return []
 
 
 def load(path: Any, like: PyTree | None, map_location: Any) -> PyTree:

@@ -12,6 +12,8 @@ key                 what
 ``loss_scale.<f>``  the loss scale's tensors (``loss_scale``, its counters)
 ``step``            the number of updates
 ``grads_finite``    whether the last update was applied
+``scale_stats.<c>`` the loss-scale counters (``loss_scale_stats``)
+``leaf_finite``     per leaf, whether its gradient was finite at the last update
 ==================  ====================================================================
 
 ``<name>`` is the parameter's key where ``params`` is a flat dict with string
@@ -34,11 +36,16 @@ import os
 import warnings
 from typing import Any
 
+import optree
 import torch
 
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
-from functional_fp16.precision.scale_stats import zero_stats
-from functional_fp16.update.state import FP16State
+from functional_fp16.update.state import (
+    ADDED_FIELDS,
+    FP16State,
+    added_field_value,
+    old_checkpoint_note,
+)
 
 __all__ = ["state_to_dcp", "save_dcp_state", "load_dcp_state"]
 
@@ -74,6 +81,7 @@ def state_to_dcp(state: FP16State) -> dict[str, Any]:
     out["step"] = state.step
     out["grads_finite"] = state.grads_finite
     out["scale_stats"] = state.scale_stats._asdict()
+    out["leaf_finite"] = state.leaf_finite
     return out
 
 
@@ -113,29 +121,29 @@ def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) ->
         fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         target = tree_unflatten(spec, fresh)
     wanted = state_to_dcp(target)
-    if not _has_scale_stats(checkpoint_id):
-        # Written before FP16State.scale_stats: the counters start at zero.
-        warnings.warn(
-            f"{checkpoint_id}: a checkpoint from before FP16State.scale_stats; the loss-scale "
-            "counters (loss_scale_stats) start at zero",
-            stacklevel=2,
-        )
-        del wanted["scale_stats"]
-        target = target.replace(scale_stats=zero_stats(target.step.device))
+    missing = _fields_missing(checkpoint_id)
+    if missing:  # written before these fields existed: they start afresh
+        warnings.warn(old_checkpoint_note(str(checkpoint_id), missing), stacklevel=2)
+        for field in missing:
+            del wanted[field]
+            value = optree.tree_map(
+                lambda x, f=field: added_field_value(f, x), getattr(target, field)
+            )
+            target = target.replace(**{field: value})
     with one_process_is_intended():
         dcp.load(wanted, checkpoint_id=checkpoint_id, no_dist=not _distributed())
     return target
 
 
-def _has_scale_stats(checkpoint_id) -> bool:
-    """Whether the DCP checkpoint holds ``scale_stats`` (a directory's metadata says so;
-    another kind of storage is assumed current)."""
+def _fields_missing(checkpoint_id) -> list[str]:
+    """The fields of :data:`~functional_fp16.update.state.ADDED_FIELDS` the DCP checkpoint
+    does not hold (a directory's metadata says; another kind of storage is assumed current)."""
     import torch.distributed.checkpoint as dcp
 
     if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return True
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
-    return any(k.startswith("scale_stats.") for k in metadata.state_dict_metadata)
+        return []
+    keys = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    return [f for f in ADDED_FIELDS if not any(k == f or k.startswith(f + ".") for k in keys)]
 
 
 @contextlib.contextmanager

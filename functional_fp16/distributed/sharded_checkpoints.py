@@ -29,6 +29,7 @@ from functional_fp16._util.tree import PyTree, tree_flatten, tree_paths, tree_un
 from functional_fp16.checkpoint.format import CheckpointCorruptError, CheckpointMismatchError, show
 from functional_fp16.distributed.dcp_state import one_process_is_intended
 from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like
+from functional_fp16.update.state import ADDED_FIELDS, added_field_value, old_checkpoint_note
 
 __all__ = ["load_checkpoint_sharded", "MARKER"]
 
@@ -114,15 +115,13 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
     full = map_sharded(full_like, like)
     leaves, spec = tree_flatten(full)
     paths = tree_paths(full)
-    counters = {p for p in paths if ".scale_stats." in p} - set(records)
-    if counters:  # written before FP16State.scale_stats: the counters start at zero
-        warnings.warn(
-            f"{show(directory)}: a checkpoint from before FP16State.scale_stats; the "
-            "loss-scale counters (loss_scale_stats) start at zero",
-            stacklevel=2,
-        )
+    # Fields written after these files were: they start afresh (path -> the field).
+    counters = {p: _added(p) for p in paths if p not in records and _added(p)}
+    if counters:
+        missing = [f for f in ADDED_FIELDS if f in counters.values()]
+        warnings.warn(old_checkpoint_note(show(directory), missing), stacklevel=2)
         for p in counters:
-            records[p] = {"path": p, "zeros": True}
+            records[p] = {"path": p, "added": True}
     if set(paths) != set(records):
         missing = sorted(set(paths) - set(records))[:3]
         extra = sorted(set(records) - set(paths))[:3]
@@ -148,7 +147,7 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
     out = []
     for p, leaf in zip(paths, leaves):
         if p in counters:
-            out.append(torch.zeros_like(leaf))
+            out.append(added_field_value(counters[p], leaf))
             continue
         if p not in wanted:
             out.append(records[p].get("value"))
@@ -157,3 +156,12 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
         out.append(value if leaf.is_contiguous() else torch.empty_like(leaf).copy_(value))
     tree = tree_unflatten(spec, out)
     return shard_like(tree, like)
+
+
+def _added(path: str) -> str | None:
+    """The field of :data:`~functional_fp16.update.state.ADDED_FIELDS` a state's leaf path
+    lies in (``None``: another field)."""
+    for field in ADDED_FIELDS:
+        if path.endswith(f".{field}") or f".{field}." in path:
+            return field
+    return None

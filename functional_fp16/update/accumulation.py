@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.finite import leaves_finite
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.precision.loss_scale import NoOpLossScale
 from functional_fp16.precision.scale_stats import stepped_stats
@@ -100,8 +100,10 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
             f"opt_state.acc_grads has a different tree structure than master: "
             f"expected {m_spec}, got {acc_spec}"
         )
-    finite = decide(grads_finite(g32, None))
+    flags, finite = decide.leaves(leaves_finite(g32, None))
     window_ok = ms.acc_finite & finite
+    # Per leaf, finite in every micro-batch of the window so far (a window opens afresh).
+    window_leaves = torch.where(ms.mini_step == 0, flags, state.leaf_finite & flags)
     acc = torch._foreach_add(acc_leaves, g32)
     k = window_size(spec.every_k_schedule, ms.gradient_step)
     emit = window_closes(ms, k)
@@ -136,4 +138,6 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         loss_scale=tree_select(emit, adjusted, state.loss_scale),
         grads_finite=torch.where(emit, applied, window_ok),
         scale_stats=tree_select(emit, stats, state.scale_stats),
+        # On a window's last micro-batch, also the mean's own flags (it may overflow).
+        leaf_finite=torch.where(emit, window_leaves & stepped.leaf_finite, window_leaves),
     )

@@ -10,10 +10,31 @@ import torch
 
 from functional_fp16._util.tree import describe_tensor
 
-__all__ = ["Decision", "FiniteHook", "SumHook"]
+__all__ = ["Decision", "FiniteHook", "SumHook", "LeafAgreement"]
 
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
 SumHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LeafAgreement(NamedTuple):
+    r"""An ``agree`` hook that agrees on every leaf's flag, not only on the decision.
+
+    ``reduce`` maps a bool tensor of any shape to its elementwise AND over the
+    processes (e.g. one all-reduce MIN); ``then``, if given, is a caller's own
+    hook, applied to the decision afterwards. A :class:`Decision` whose
+    ``agree`` is one reduces the leaves' flags :math:`\ell` (with the
+    ``require`` condition in the same reduction) and decides from the result,
+    so every process holds the same per-leaf flags: a state that holds one shard
+    of each leaf reports which leaves overflowed anywhere. Called on a 0-d flag
+    it is an ordinary ``agree`` hook.
+    """
+
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+    then: FiniteHook | None = None
+
+    def __call__(self, finite: torch.Tensor) -> torch.Tensor:
+        out = self.reduce(finite)
+        return out if self.then is None else self.then(out)
 
 
 class Decision(NamedTuple):
@@ -43,17 +64,30 @@ class Decision(NamedTuple):
             finite = finite & self.require.to(finite.device)
         if self.agree is None:
             return finite
-        local = finite
-        finite = self.agree(local)
-        if (
-            not isinstance(finite, torch.Tensor)
-            or finite.ndim != 0
-            or finite.dtype != torch.bool
-            or finite.device != local.device
-        ):
-            got = describe_tensor(finite)
-            raise TypeError(f"agree must return a 0-d bool tensor on {local.device}, got {got}")
-        return finite
+        return _agreed(self.agree, finite)
+
+    def leaves(self, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(leaf_finite, finite)`` from the per-leaf flags :math:`\ell` of this process.
+
+        .. math:: d = \operatorname{agree}\big(r \wedge \textstyle\bigwedge_l \ell_l\big)
+
+        With a :class:`LeafAgreement` the flags (and :math:`r`) are agreed
+        first, elementwise, and :math:`d` is decided from them: every process
+        returns the same ``leaf_finite``. With any other hook (or none) the
+        flags returned are this process's own.
+        """
+        agree = self.agree
+        if not isinstance(agree, LeafAgreement):
+            return flags, self(flags.all())
+        require = self.require
+        if require is None:
+            flags = agree.reduce(flags)
+            finite = flags.all()
+        else:
+            both = agree.reduce(torch.cat([flags, require.to(flags.device).reshape(1)]))
+            flags = both[:-1]
+            finite = flags.all() & both[-1]
+        return flags, (finite if agree.then is None else _agreed(agree.then, finite))
 
     def with_require(self, require: torch.Tensor | None) -> Decision:
         """This rule with ``require`` in place of its own condition."""
@@ -62,3 +96,17 @@ class Decision(NamedTuple):
     def extra_args(self) -> dict[str, SumHook]:
         """The keyword arguments the step's ``tx.update`` gets besides ``(updates, state, params)``."""
         return {} if self.global_sum is None else {"global_sum": self.global_sum}
+
+
+def _agreed(hook: FiniteHook, local: torch.Tensor) -> torch.Tensor:
+    """``hook(local)``, refused unless it is a 0-d bool tensor on ``local``'s device."""
+    finite = hook(local)
+    if (
+        not isinstance(finite, torch.Tensor)
+        or finite.ndim != 0
+        or finite.dtype != torch.bool
+        or finite.device != local.device
+    ):
+        got = describe_tensor(finite)
+        raise TypeError(f"agree must return a 0-d bool tensor on {local.device}, got {got}")
+    return finite

@@ -9,9 +9,10 @@ steps such a state as the same computation on every rank's local shards:
 * every elementwise part (unscale, optimiser, select, cast) runs on
   ``x.to_local()`` through the same implementation a plain state takes (the
   fused op, on the local tensors: no gather and no DTensor dispatch);
-* the reductions that span leaves are completed over the mesh: the finite flag
-  :math:`f = \bigwedge_r f_r` by an all-reduce (MIN), so every rank takes the
-  same decision, and the sum of squares behind ``clip_by_global_norm``,
+* the reductions that span leaves are completed over the mesh: each leaf's
+  finite flag :math:`\ell_l = \bigwedge_r \ell_{l,r}` by one all-reduce (MIN) of
+  the flags of all leaves, so every rank takes the same decision
+  :math:`f = \bigwedge_l \ell_l` and holds the same ``leaf_finite``, and the sum of squares behind ``clip_by_global_norm``,
   :math:`S = \sum_r S_r`, by an all-reduce (SUM) over the mesh dimensions on
   which the leaves are sharded (a replicated dimension holds the same values
   on every rank and is not summed);
@@ -41,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.precision.loss_scale import unscale_inverse
 from functional_fp16.update.accumulation import fp16_accumulates
+from functional_fp16.update.decision import LeafAgreement
 from functional_fp16.update.dispatch import route
 from functional_fp16.update.state_check import check_state, mark_checked
 
@@ -239,16 +241,20 @@ def checked_locally(local, signature):
 
 def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, impl="auto"):
     r"""The ``agree`` and ``global_sum`` hooks that complete a local update's reductions over
-    the mesh: the finite flag by MIN over every mesh dimension, the float64 sum of squares by
-    SUM over the sharded ones, less the surplus copies of the replicated leaves. ``agree``
-    and ``global_sum``, when given, apply after the mesh's own reductions."""
+    the mesh: the leaves' finite flags (and the decision from them) by MIN over every mesh
+    dimension (a :class:`~functional_fp16.update.decision.LeafAgreement`), the float64 sum
+    of squares by SUM over the sharded ones, less the surplus copies of the replicated
+    leaves. ``agree`` and ``global_sum``, when given, apply after the mesh's own
+    reductions."""
 
-    def mesh_agree(finite: torch.Tensor) -> torch.Tensor:
+    def mesh_and(finite: torch.Tensor) -> torch.Tensor:
         flag = finite.to(torch.int32)
         for group in plan.every_dim:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        out = flag.to(torch.bool).reshape(finite.shape)
-        return out if agree is None else agree(out)
+        return flag.to(torch.bool).reshape(finite.shape)
+
+    # Per leaf: the flags of a leaf's shards on every rank, in the same all-reduce.
+    mesh_agree = LeafAgreement(mesh_and, agree)
 
     mixed = bool(plan.replicated) and plan.copies > 1
     # The surplus copies of the replicated leaves are known exactly where the norm is

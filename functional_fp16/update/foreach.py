@@ -45,7 +45,7 @@ import torch
 
 from functional_fp16._fused.chains import lr_factor
 from functional_fp16._fused.sgd import SGDPlan, sgd_plan, state_fits
-from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.finite import grads_finite, leaves_finite
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
@@ -155,7 +155,7 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
     p_leaves = tree_flatten(state.params)[0]
     cfg = sgd_sequence(state)
     if known:
-        finite = grads_finite(g_leaves, inv)
+        flags = leaves_finite(g_leaves, inv)
         # The SGD kernel works on negated gradients; with weight decay it
         # negates after adding the decay, so that exact cancellations keep
         # the reference's signed zero.
@@ -163,9 +163,8 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
         g32 = _unscale(g_leaves, inv, m_leaves, negate=negate)
     else:  # a loss scale this module does not know: use its own unscale
         g32 = tree_flatten(state.loss_scale.unscale(grads))[0]
-        finite = torch.stack([torch.isfinite(g).all() for g in g32]).all()
-    if decide is not None:
-        finite = decide(finite)
+        flags = torch.stack([torch.isfinite(g).all() for g in g32])
+    flags, finite = (flags, flags.all()) if decide is None else decide.leaves(flags)
 
     if cfg is not None:
         master, opt_state = _sgd_eager(cfg, state.opt_state, g32, m_leaves, finite, donate)
@@ -183,6 +182,7 @@ def foreach_update(state, grads: PyTree, decide, donate: bool):
         step=state.step + 1,
         grads_finite=finite,
         scale_stats=stepped_stats(state, loss_scale, finite),
+        leaf_finite=flags,
     )
 
 

@@ -1,7 +1,8 @@
 r"""``impl="reference"``: the plain tree-map update, the specification every other path is tested against.
 
 .. math::
-    \hat g = \operatorname{unscale}(g), \quad f = \textstyle\bigwedge \operatorname{isfinite}(\hat g), \quad
+    \hat g = \operatorname{unscale}(g), \quad \ell_l = \textstyle\bigwedge \operatorname{isfinite}(\hat g_l), \quad
+    f = \textstyle\bigwedge_l \ell_l, \quad
     (u, o') = \text{tx.update}(\hat g, o, m), \quad
     m' = f\ ?\ m + u : m, \quad p' = \operatorname{fl}_{16}(m')
 """
@@ -23,8 +24,8 @@ def reference_update(state: FP16State, grads: PyTree, decision: Decision, donate
     """The reference step. It never writes in place, so ``donate`` is accepted and ignored."""
     del donate
     grads32 = state.loss_scale.unscale(grads)
-    finite = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)]).all()
-    finite = decision(finite)
+    flags = torch.stack([torch.isfinite(g).all() for g in tree_leaves(grads32)])
+    flags, finite = decision.leaves(flags)
     updates, opt_state = update_with_extra_args(
         state.tx, grads32, state.opt_state, state.master, **decision.extra_args()
     )
@@ -40,4 +41,5 @@ def reference_update(state: FP16State, grads: PyTree, decision: Decision, donate
         step=state.step + 1,
         grads_finite=finite,
         scale_stats=stepped_stats(state, loss_scale, finite),
+        leaf_finite=flags,
     )

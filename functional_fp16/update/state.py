@@ -9,7 +9,8 @@ configuration carried alongside, not a leaf.
 ``fp16_update(state, grads)`` is the whole mixed-precision step::
 
     g32       = fl32(grads) * fl32(1 / fl64(s))          # unscale in FP32
-    finite    = all(isfinite(g32))
+    leaf_ok   = [all(isfinite(g)) for g in g32]            # per leaf (state.leaf_finite)
+    finite    = all(leaf_ok)
     u, opt'   = tx.update(g32, opt, master)               # on FP32 values only
     master'   = finite ? master + u : master              # bitwise no-op if skipped
     opt'      = finite ? opt'       : opt
@@ -27,6 +28,7 @@ import torch
 from functional_fp16._util.tree import (
     PyTree,
     describe_tensor,
+    dotted_paths,
     register_node,
     tree_leaves,
     tree_map,
@@ -42,10 +44,20 @@ from functional_fp16.precision.loss_scale import (
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 
-__all__ = ["FP16State", "fp16_init", "loss_scale_stats"]
+__all__ = ["FP16State", "fp16_init", "loss_scale_stats", "nonfinite_leaves"]
+__all__ += ["ADDED_FIELDS", "added_field_value", "old_checkpoint_note"]
 
 _LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
-_FIELDS = ("params", "master", "opt_state", "loss_scale", "step", "grads_finite", "scale_stats")
+_FIELDS = (  # the pytree children, in flattening order
+    "params",
+    "master",
+    "opt_state",
+    "loss_scale",
+    "step",
+    "grads_finite",
+    "scale_stats",
+    "leaf_finite",
+)
 
 
 class FP16State:
@@ -67,6 +79,11 @@ class FP16State:
       0-d int32 counters of the optimiser steps skipped, of the loss scale's
       growths and backoffs, and of the applied steps since the last skip
       (:func:`~functional_fp16.loss_scale_stats` reads them).
+    * ``leaf_finite`` — 1-d bool, one flag per leaf of ``params`` (in flattening
+      order): whether that leaf's unscaled gradient was finite at the last
+      update (with :func:`~functional_fp16.MultiSteps`, in every micro-batch
+      of the open window so far); :func:`~functional_fp16.nonfinite_leaves`
+      names the leaves that were not.
 
     Static configuration: ``tx``, the :class:`GradientTransformation`. Any
     tensor may be a DTensor: FSDP2's parameters give DTensor ``params``,
@@ -88,6 +105,7 @@ class FP16State:
         step: torch.Tensor,
         grads_finite: torch.Tensor,
         scale_stats: ScaleStats | None = None,
+        leaf_finite: torch.Tensor | None = None,
         *,
         tx: GradientTransformation,
     ) -> None:
@@ -101,6 +119,9 @@ class FP16State:
         if scale_stats is None:  # a state built by hand: the counters start at zero
             scale_stats = zero_stats(getattr(step, "device", None))
         init(self, "scale_stats", scale_stats)
+        if leaf_finite is None:  # a state built by hand: no leaf has overflowed yet
+            leaf_finite = initial_leaf_finite(params, getattr(step, "device", None))
+        init(self, "leaf_finite", leaf_finite)
         init(self, "tx", tx)
         # The signature under which fp16_update checked this state's parts when it
         # made the state (functional_fp16.update.state_check); None for a state
@@ -134,6 +155,35 @@ class FP16State:
             f"FP16State(step={self.step!r}, grads_finite={self.grads_finite!r}, "
             f"loss_scale={self.loss_scale!r}, {len(tree_leaves(self.params))} tensors / {n} params)"
         )
+
+
+def initial_leaf_finite(params: PyTree, device: torch.device | None) -> torch.Tensor:
+    """``leaf_finite`` before any update: one ``True`` per leaf of ``params``."""
+    return torch.ones(len(tree_leaves(params)), dtype=torch.bool, device=device)
+
+
+ADDED_FIELDS: dict[str, str] = {
+    "scale_stats": "the loss-scale counters (loss_scale_stats) start at zero",
+    "leaf_finite": "the leaves' finite flags (nonfinite_leaves) start as all finite",
+}
+"""The fields added after the first checkpoints were written (the last ones, in order), and
+what a checkpoint without them loads them as."""
+
+
+def added_field_value(field: str, like: torch.Tensor) -> torch.Tensor:
+    """The value a checkpoint without ``field`` gives one of its tensors (laid out like
+    ``like``): zero counters, all-finite flags."""
+    if field == "leaf_finite":
+        return torch.ones_like(like)
+    return torch.zeros_like(like)
+
+
+def old_checkpoint_note(where: str, missing: list[str]) -> str:
+    """The one-line note a load of a checkpoint without the fields ``missing`` warns with."""
+    fields = " and ".join(f"FP16State.{f}" for f in missing)
+    return f"{where}: a checkpoint from before {fields}; " + "; ".join(
+        ADDED_FIELDS[f] for f in missing
+    )
 
 
 def _rebuild(*fields: Any) -> FP16State:
@@ -267,6 +317,7 @@ def fp16_init(
         step=torch.zeros((), dtype=torch.int32, device=device),
         grads_finite=torch.ones((), dtype=torch.bool, device=device),
         scale_stats=zero_stats(device),
+        leaf_finite=initial_leaf_finite(working, device),
         tx=tx,
     )
 
@@ -297,3 +348,56 @@ def loss_scale_stats(state: FP16State) -> dict[str, int]:
         raise TypeError(f"state.scale_stats must be a ScaleStats, got {type(stats).__name__}")
     values = torch.stack([t.to(torch.int64) for t in stats]).cpu().tolist()
     return dict(zip(COUNTER_NAMES, values))
+
+
+def nonfinite_leaves(state: FP16State) -> list[str] | list[list[str]]:
+    r"""The paths of the leaves whose gradients held an inf or NaN at the last update.
+
+    Every :func:`~functional_fp16.fp16_update` records, per leaf :math:`l` of
+    the gradients, :math:`\ell_l = \bigwedge \operatorname{isfinite}(\hat g_l)`
+    of the unscaled gradient (``state.leaf_finite``, on the device, without a
+    host read; the step applies iff every :math:`\ell_l` holds and the loss,
+    if given, is finite). This reads those flags in one copy and names the
+    leaves where :math:`\ell_l` is false, as dotted paths of ``state.params``
+    (``"h.3.mlp.c_fc.weight"``; a flat dict's keys as they are), in
+    flattening order.
+
+    * After an applied step: ``[]``. After a step skipped for a non-finite
+      ``loss`` alone, or because another process's gradients overflowed
+      (``agree=``), also ``[]``: no leaf of this process overflowed.
+    * Sharded and DTensor states (FSDP2, ``shard_state``): the flags are
+      agreed across ranks in the update's own all-reduce, so every rank names
+      the leaves that overflowed on any rank.
+    * With :func:`~functional_fp16.MultiSteps`: the leaves that overflowed in
+      some micro-batch of the open window so far (on its last micro-batch, of
+      the window, including the mean handed to the optimiser).
+    * A stacked state (``vmap`` over members): one list per member.
+    * A state loaded from a checkpoint written before these flags existed:
+      ``[]`` until its next update (the load warns that the flags start as
+      all finite).
+
+    Args:
+      state: an :class:`FP16State`.
+
+    Returns:
+      The paths, a list of strings (a list of lists for a stacked state).
+    """
+    if not isinstance(state, FP16State):
+        raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
+    flags = state.leaf_finite
+    paths = dotted_paths(state.params)
+    n = len(paths)
+    if (
+        not isinstance(flags, torch.Tensor)
+        or flags.dtype != torch.bool
+        or flags.ndim not in (1, 2)
+        or flags.shape[-1] != n
+    ):
+        raise TypeError(
+            f"state.leaf_finite must be a bool tensor of shape ({n},) (one flag per leaf of "
+            f"state.params), got {describe_tensor(flags)}"
+        )
+    values = flags.cpu().tolist()
+    if flags.ndim == 1:
+        return [p for p, ok in zip(paths, values) if not ok]
+    return [[p for p, ok in zip(paths, row) if not ok] for row in values]

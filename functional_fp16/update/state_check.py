@@ -12,6 +12,7 @@ state its ``tx`` and parameters imply:
 * the loss scale's tensors are 0-d, of their declared dtypes (a float32
   scale, int32 counters);
 * ``step`` is a 0-d int32 tensor and ``grads_finite`` a 0-d bool tensor;
+* ``leaf_finite`` is a 1-d bool tensor with one flag per leaf of ``params``;
 * every tensor lives on the parameters' device;
 * every tensor is dense, without gaps or overlapping elements.
 
@@ -191,6 +192,7 @@ def _template(state: FP16State) -> FP16State:
         step=_empty((), torch.int32, where),
         grads_finite=_empty((), torch.bool, where),
         scale_stats=ScaleStats(*(_empty((), torch.int32, where) for _ in COUNTER_NAMES)),
+        leaf_finite=_empty((len(params),), torch.bool, where),
         tx=state.tx,
     )
 
@@ -202,6 +204,7 @@ _WHAT = {
     "step": "a 0-d int32 tensor",
     "grads_finite": "a 0-d bool tensor",
     "scale_stats": "a ScaleStats of 0-d int32 tensors",
+    "leaf_finite": "a 1-d bool tensor, one flag per leaf of params",
 }
 
 
