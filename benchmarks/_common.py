@@ -180,9 +180,9 @@ def print_report(md: list[str], out: str | None) -> None:
 # Side-against-side benchmarks: each side's worker in a fresh process, taking turns.
 
 
-def run_worker(cmd: list[str]) -> dict | None:
+def run_worker(cmd: list[str], env: dict[str, str] | None = None) -> dict | None:
     """Runs one worker process; its last JSON line, or None (its output on stderr) if it failed."""
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         print(out.stdout + out.stderr, file=sys.stderr)
         return None

@@ -1,34 +1,38 @@
-"""The update of this checkout against the same update at an earlier commit, in one process.
+"""The update of this checkout against the same update at an earlier commit, process by process.
 
-Timings from separate processes on a shared 2-core machine move by 10-25 %
-between runs, more than the changes worth measuring. This script exports the
-package as it was at ``--commit`` (``git archive``) under another name
-(``functional_fp16_at_<commit>``), imports both, and times the same steps
-call by call, interleaved (the order reversed every other round, and each
-row with its own copy of the gradients, so that no row finds another's data
-in cache), with GradScaler + ``SGD(fused=True)`` as the yardstick:
+The package at ``--commit`` is exported (``git archive``) into a temporary
+folder; each version then runs in a process of its own (two versions cannot
+share one: each registers the ``functional_fp16`` op namespaces with
+PyTorch). Timings from separate processes on a shared 2-core machine move by
+10-25 % between runs, more than the changes worth measuring, so the two
+alternate for ``--rounds`` rounds (the order reversed every other round) and
+each is read against a yardstick timed in the same process, call by call
+interleaved: ``GradScaler`` + ``SGD(fused=True)`` on FP32 parameters. A
+round's figure is a row's median over ``--reps`` calls divided by the
+yardstick's; the report gives the median over rounds, and the ratio of this
+checkout's to the commit's.
 
-* ``fp16_update`` pure and donated, eager, in both versions;
-* optionally (``--compiled``) the same under ``torch.compile(fullgraph=True)``.
-
-Every row starts from the same parameters and gradients (SGD momentum 0.9,
-lr 0.05, loss scale 2^10). Medians of ``--reps`` calls; the ratios are read
-within the run.
+Rows: ``fp16_update`` pure and donated, eager; optionally (``--compiled``)
+the pure update under ``torch.compile(fullgraph=True)``. Every row starts
+from the same parameters and gradients (loss scale 2^10) and the same
+optimiser (``--tx``: SGD momentum 0.9 at lr 0.05, AdamW, or the transformer
+recipe: clip + AdamW with a warmup-cosine schedule and a decay mask). Trees
+(``--tree``): one flat tensor of ``--params``, the ResNet-18 shapes, the
+example CNN's, or GPT-2 small's 148 leaves at width 32.
 
 Usage::
 
     python benchmarks/bench_against_commit.py --commit ddf0d1b [--params 10000000] [--compiled]
+    python benchmarks/bench_against_commit.py --commit ddf0d1b --tree gpt2 --tx recipe
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
+import json
 import math
 import os
-import re
-import resource
 import subprocess
 import sys
 import tarfile
@@ -38,19 +42,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_update import GradScalerSGD, _example_cnn_shapes, _resnet18_shapes  # noqa: E402
-
-import functional_fp16 as ff  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+YARDSTICK = "GradScaler + SGD(fused) FP32"
 
 
-def import_at(commit: str, into: str):
-    """The package as it was at ``commit``, importable as ``functional_fp16_at_<commit>``."""
-    name = "functional_fp16_at_" + re.sub(r"\W", "_", commit)
+def export_at(commit: str, into: str) -> str:
+    """The package as it was at ``commit``, exported under ``into``; returns ``into``."""
     archive = subprocess.run(
         ["git", "-C", ROOT, "archive", "--format=tar", commit, "functional_fp16"],
         capture_output=True,
@@ -58,72 +58,61 @@ def import_at(commit: str, into: str):
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
-    src = os.path.join(into, "functional_fp16")
-    dst = os.path.join(into, name)
-    os.rename(src, dst)
-    for folder, _, files in os.walk(dst):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                with open(path, encoding="utf-8") as fh:
-                    text = fh.read()
-                with open(path, "w", encoding="utf-8") as fh:
-                    fh.write(re.sub(r"\bfunctional_fp16\b", name, text))
-    sys.path.insert(0, into)
-    return importlib.import_module(name)
+    return into
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--params", type=int, default=10_000_000, help="one flat tensor of this size")
-    ap.add_argument(
-        "--tree",
-        choices=("flat", "resnet18", "cnn"),
-        default="flat",
-        help="flat (--params), the ResNet-18 shapes (62 tensors) or the example CNN's",
+def _recipe(ff):
+    decay = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731
+    schedule = ff.warmup_cosine_decay_schedule(0.0, 6e-4, 10, 1000, 6e-5)
+    return ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay),
     )
-    ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compiled", action="store_true", help="also the compiled updates")
-    args = ap.parse_args(argv)
-    C.set_threads(args.threads)
-    tmp = tempfile.mkdtemp(prefix="ff_at_")
-    old = import_at(args.commit, tmp)
 
-    g = torch.Generator().manual_seed(0)
-    shapes = {
+
+OPTIMISERS = {
+    "sgd": lambda ff: ff.sgd(0.05, momentum=0.9),
+    "adamw": lambda ff: ff.adamw(1e-3, weight_decay=0.1),
+    "recipe": _recipe,
+}
+
+
+def shapes_of(args) -> dict[str, tuple[int, ...]]:
+    from bench_recipe import gpt2_tree
+    from bench_update import _example_cnn_shapes, _resnet18_shapes
+
+    return {
         "flat": lambda: {"w": (args.params,)},
         "resnet18": _resnet18_shapes,
         "cnn": _example_cnn_shapes,
+        "gpt2": lambda: {k: tuple(v.shape) for k, v in gpt2_tree().items()},
     }[args.tree]()
-    n = sum(math.prod(s) for s in shapes.values())
+
+
+def worker(args) -> dict:
+    """One version's rows and the yardstick, interleaved call by call: medians in ms (and
+    where the package was imported from)."""
+    from bench_update import GradScalerSGD
+
+    import functional_fp16 as ff  # first: from $PYTHONPATH, before a module adds the checkout
+
+    C.set_threads(args.threads)
+    shapes = shapes_of(args)
+    g = torch.Generator().manual_seed(0)
     p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
     grads = [
         {k: (torch.randn(s, generator=g) * 10).half() for k, s in shapes.items()} for _ in range(3)
     ]
-    tx_new, tx_old = ff.sgd(0.05, momentum=0.9), old.sgd(0.05, momentum=0.9)
-    rows = {
-        "this checkout, pure": (ff, tx_new, False, False),
-        f"{args.commit}, pure": (old, tx_old, False, False),
-        "this checkout, donated": (ff, tx_new, True, False),
-        f"{args.commit}, donated": (old, tx_old, True, False),
-    }
+    rows = {"pure": (False, False), "donated": (True, False)}
     if args.compiled:
-        rows.update(
-            {
-                "this checkout, compiled pure": (ff, tx_new, False, True),
-                f"{args.commit}, compiled pure": (old, tx_old, False, True),
-            }
-        )
-    states, fns, counter, own = {}, {}, {"i": 0}, {}
-    for name, (lib, tx, donate, compiled) in rows.items():
-        states[name] = lib.fp16_init(p0, tx, lib.DynamicLossScale(2.0**10))
+        rows["compiled pure"] = (False, True)
+    states, fns, own, counter = {}, {}, {}, {"i": 0}
+    for name, (donate, compiled) in rows.items():
+        states[name] = ff.fp16_init(p0, OPTIMISERS[args.tx](ff), ff.DynamicLossScale(2.0**10))
         own[name] = [{k: v.clone() for k, v in gr.items()} for gr in grads]
 
-        def update(state, gr, lib=lib, donate=donate):
-            return lib.fp16_update(state, gr, donate=donate)
+        def update(state, gr, donate=donate):
+            return ff.fp16_update(state, gr, donate=donate)
 
         fns[name] = torch.compile(update, fullgraph=True) if compiled else update
 
@@ -133,43 +122,84 @@ def main(argv=None) -> int:
 
         return run
 
-    stock = GradScalerSGD(p0, grads, fused=True, name="GradScaler + SGD(fused) FP32")
+    stock = GradScalerSGD(p0, grads, fused=True, name=YARDSTICK)
     timed = {name: step(name) for name in rows}
-    timed[stock.name] = lambda: stock.step(counter["i"] % 3)
-
-    def next_step():
+    timed[YARDSTICK] = lambda: stock.step(counter["i"] % 3)
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for r in range(args.warmup + args.reps):
         counter["i"] += 1
         stock.prepare(counter["i"] % 3)
-
-    times: dict[str, list[float]] = {name: [] for name in timed}
-    faults: dict[str, int] = {name: 0 for name in timed}
-    for r in range(args.warmup + args.reps):
-        next_step()
         for name in list(timed) if r % 2 else list(timed)[::-1]:
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             timed[name]()
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-    med = {k: C.median(v) * 1e3 for k, v in times.items()}
-    info = C.machine_description()
+    out = {name: C.median(v) * 1e3 for name, v in times.items()}
+    return {**out, "package": os.path.dirname(os.path.dirname(os.path.abspath(ff.__file__)))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", help="the earlier commit (required unless --worker)")
+    ap.add_argument("--params", type=int, default=10_000_000, help="one flat tensor of this size")
+    ap.add_argument(
+        "--tree",
+        choices=("flat", "resnet18", "cnn", "gpt2"),
+        default="flat",
+        help="flat (--params), the ResNet-18 shapes (62 tensors), the example CNN's or GPT-2 "
+        "small's 148 leaves at width 32",
+    )
+    ap.add_argument("--tx", choices=tuple(OPTIMISERS), default="sgd")
+    ap.add_argument("--rounds", type=int, default=6, help="processes per version")
+    ap.add_argument("--reps", type=int, default=25, help="timed calls per process")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compiled", action="store_true", help="also the compiled pure update")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    if not args.commit:
+        ap.error("--commit is required")
+    tmp = export_at(args.commit, tempfile.mkdtemp(prefix="ff_at_"))
+    here = os.path.abspath(__file__)
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
+    sides = {"this checkout": ROOT, args.commit: tmp}
+    per_round: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(args.rounds):
+        for side in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            env = {**os.environ, "PYTHONPATH": sides[side]}
+            line = C.run_worker([sys.executable, here, *passed, "--worker"], env=env)
+            if line is None:
+                return 1
+            if os.path.realpath(line.pop("package")) != os.path.realpath(sides[side]):
+                print(f"{side}: the worker imported another copy of the package", file=sys.stderr)
+                return 1
+            per_round[side].append(line)
+            print(f"[round {r + 1}] {side}: {line}", file=sys.stderr)
+    rows = [k for k in per_round["this checkout"][0] if k != YARDSTICK]
+    n = sum(math.prod(s) for s in shapes_of(args).values())
     print(
         f"# fp16_update: this checkout against {args.commit}, {n:,} parameters in "
-        f"{len(shapes)} tensors\n"
+        f"{len(shapes_of(args))} tensors, optimiser {args.tx}\n"
     )
-    print(", ".join(f"{k}: {v}" for k, v in info.items()))
+    print(", ".join(f"{k}: {v}" for k, v in C.machine_description().items()))
     print(
-        f"\nrows interleaved call by call, order reversed every other round, {args.reps} reps, "
-        "medians\n"
+        f"\n{args.rounds} processes per version, alternating; in each, the rows interleaved "
+        f"call by call with the yardstick ({YARDSTICK}), {args.reps} reps, medians\n"
     )
-    print("| row | ms | vs GradScaler + SGD(fused) | page faults per call |")
+    print(f"| row | {args.commit} ms | this checkout ms | ratio (vs the yardstick) |")
     print("|---|---:|---:|---:|")
-    for name, ms in med.items():
-        print(
-            f"| {name} | {ms:.2f} | {ms / med['GradScaler + SGD(fused) FP32']:.2f}x "
-            f"| {faults[name] / args.reps:,.0f} |"
-        )
+    for row in rows:
+
+        def rel(side, row=row):
+            return [d[row] / d[YARDSTICK] for d in per_round[side]]
+
+        old_ms = C.median([d[row] for d in per_round[args.commit]])
+        new_ms = C.median([d[row] for d in per_round["this checkout"]])
+        ratio = C.median(rel("this checkout")) / C.median(rel(args.commit))
+        print(f"| {row} | {old_ms:.3f} | {new_ms:.3f} | {ratio:.3f}x |")
     return 0
 
 

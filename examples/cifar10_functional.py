@@ -166,6 +166,7 @@ class StepMetrics(NamedTuple):
     loss_scale: torch.Tensor  # float32: the scale this step's gradients were computed with
     skipped: torch.Tensor  # bool: the step overflowed and was not applied
     counters: torch.Tensor  # float32 (4,): the loss-scale counters after it (run_outputs.COUNTERS)
+    leaf_finite: torch.Tensor  # bool (leaves,): per parameter, its gradient was finite
 
 
 def build_model(num_classes: int, seed: int) -> Net:
@@ -235,6 +236,7 @@ def make_train_step(
             loss_scale=state.loss_scale.loss_scale,
             skipped=~new_state.grads_finite,
             counters=counters_of(new_state),
+            leaf_finite=new_state.leaf_finite,
         )
         return new_state, new_buffers, metrics
 

@@ -29,6 +29,8 @@ from cifar10_outputs import (
 )
 from run_outputs import (
     COUNTERS,
+    SkipReporter,
+    name_nonfinite,
     open_metrics,
     progress_bar,
     save_checkpoint,
@@ -98,41 +100,55 @@ class Fixed(NamedTuple):
     main_rank: bool  # rank 0 prints and writes files
     metrics_file: Any  # metrics.jsonl (rank 0) or /dev/null
     monitor: ff.StuckScaleMonitor | None
+    leaf_names: list[str]  # the parameters' paths, as ff.nonfinite_leaves names them
+    skips: SkipReporter  # one line per skipped step, rate-limited
 
 
-def metrics_rows(pending: list[StepMetrics], last_step: int, epoch: int, lr: float) -> list[dict]:
-    """The ``metrics.jsonl`` rows of the pending steps, read back in one host transfer."""
+def metrics_rows(
+    pending: list[StepMetrics], last_step: int, epoch: int, lr: float, leaf_names: list[str]
+) -> list[dict]:
+    """The ``metrics.jsonl`` rows of the pending steps, read back in one host transfer; a
+    skipped step's row names the leaves whose gradients overflowed."""
     if not pending:
         return []
     stacked = torch.stack(
         [
             torch.cat(
-                [torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()]), m.counters]
+                [
+                    torch.stack([m.loss.float(), m.loss_scale.float(), m.skipped.float()]),
+                    m.counters,
+                    m.leaf_finite.float(),
+                ]
             )
             for m in pending
         ]
     ).cpu()
-    first = last_step - len(pending) + 1
-    return [
-        {
-            "step": first + i,
-            "epoch": epoch,
-            "loss": loss,
-            "loss_scale": scale,
-            "skipped": bool(skipped),
-            "lr": lr,
-            **{name: int(v) for name, v in zip(COUNTERS, counters)},
-        }
-        for i, (loss, scale, skipped, *counters) in enumerate(stacked.tolist())
-    ]
+    first, k = last_step - len(pending) + 1, 3 + len(COUNTERS)
+    values = stacked.tolist()
+    rows = []
+    for i, row in enumerate(values):
+        loss, scale, skipped = row[:3]
+        rows.append(
+            {
+                "step": first + i,
+                "epoch": epoch,
+                "loss": loss,
+                "loss_scale": scale,
+                "skipped": bool(skipped),
+                "lr": lr,
+                **{name: int(v) for name, v in zip(COUNTERS, row[3:k])},
+            }
+        )
+    return name_nonfinite(rows, [row[k:] for row in values], leaf_names)
 
 
 def log_pending(fx: Fixed, pending: list[StepMetrics], last_step: int, epoch: int) -> list[dict]:
     """Writes the pending steps' metrics (rank 0) and runs the stuck-scale check."""
     if not fx.main_rank:  # the other ranks never read their metrics back
         return []
-    rows = metrics_rows(pending, last_step, epoch, float(fx.args.lr))
+    rows = metrics_rows(pending, last_step, epoch, float(fx.args.lr), fx.leaf_names)
     write_metrics(fx.metrics_file, (json.dumps(row) + "\n" for row in rows), fx.monitor)
+    fx.skips(rows)
     return rows
 
 
@@ -190,6 +206,7 @@ def train_epoch(fx: Fixed, loop: Loop, epoch: int) -> tuple[Loop, list[dict]]:
 def end_epoch(fx: Fixed, loop: Loop, epoch: int, epoch_rows: list[dict]) -> Loop:
     """Test accuracy, the epoch's line of output, and its checkpoint."""
     args = fx.args
+    fx.skips.flush()
     acc = evaluate(fx.eval_step, loop.state.params, loop.buffers, fx.test, args.eval_batch_size)
     loop = loop._replace(accuracies=loop.accuracies + [acc])
     if fx.main_rank:
@@ -250,11 +267,14 @@ def fit(args, data, state, buffers, train_step, eval_step, device, policy, start
         main_rank=main_rank,
         metrics_file=metrics_file,
         monitor=stuck_monitor(args.stuck_patience, state),
+        leaf_names=ff.leaf_paths(state.params),
+        skips=SkipReporter(),
     )
     loop = Loop(state, buffers, start["global_step"], list(start["accuracies"]), rows, [])
     for epoch in range(start["epoch"] + 1, args.epochs + 1):
         loop, epoch_rows = train_epoch(fx, loop, epoch)
         loop = end_epoch(fx, loop, epoch, epoch_rows)
+    fx.skips.flush()
     fx.metrics_file.close()
 
     return {

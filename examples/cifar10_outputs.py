@@ -21,9 +21,11 @@ from run_outputs import (
     COUNTERS,
     history_rows,
     history_tensor,
+    overflow_record,
     plot_loss_scale,
     read_for_resume,
     read_like,
+    restore_overflows,
     running_mean,
     save_figure,
 )
@@ -62,6 +64,7 @@ def checkpoint_tree(state, buffers, epoch, global_step, data_rng, accuracies, co
     """
     return {
         "history": history_tensor(rows, HISTORY_COLUMNS),
+        "overflows": overflow_record(rows),  # each skipped step's non-finite leaves
         "state": state,
         "buffers": buffers,
         "epoch": epoch,  # epochs completed
@@ -109,8 +112,11 @@ def load_resume(path: str, state, buffers, config: dict) -> dict:
         "test_accuracy": torch.empty_like(plain["test_accuracy"]),
         "config": config,
     }
+    if "overflows" in plain:  # (absent from checkpoints written before it was kept)
+        like["overflows"] = plain["overflows"]
     ckpt = read_like(path, like)
     ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", "epoch", *COUNTERS))
+    ckpt["rows"] = restore_overflows(ckpt["rows"], ckpt.get("overflows", []))
     return ckpt
 
 

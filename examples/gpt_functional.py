@@ -217,6 +217,7 @@ class StepMetrics(NamedTuple):
     skipped: torch.Tensor  # bool: the step overflowed and was not applied
     lr: torch.Tensor  # float32: the learning rate of this step
     counters: torch.Tensor  # float32 (4,): the loss-scale counters after it (run_outputs.COUNTERS)
+    leaf_finite: torch.Tensor  # bool (leaves,): per parameter, its gradient was finite
 
 
 def make_loss_fn(model: GPT, policy: Policy, *, train: bool) -> Callable[..., torch.Tensor]:
@@ -275,7 +276,12 @@ def make_train_step(
             losses.append(loss.float())
         # After the last micro-batch grads_finite says whether the window was applied.
         metrics = StepMetrics(
-            torch.stack(losses).mean(), scale, ~state.grads_finite, lr, counters_of(state)
+            torch.stack(losses).mean(),
+            scale,
+            ~state.grads_finite,
+            lr,
+            counters_of(state),
+            state.leaf_finite,
         )
         return state, metrics
 

@@ -25,6 +25,8 @@ import torch
 from gpt_outputs import CHECKPOINT_PATTERN, checkpoint_tree, metrics_lines, prune_checkpoints
 from run_outputs import (
     COUNTERS,
+    SkipReporter,
+    name_nonfinite,
     open_metrics,
     progress_bar,
     save_checkpoint,
@@ -85,6 +87,8 @@ class Fixed(NamedTuple):
     metrics_file: Any  # metrics.jsonl (rank 0) or /dev/null
     monitor: ff.StuckScaleMonitor | None
     bar: Any  # the tqdm progress bar, or None
+    leaf_names: list[str]  # the parameters' paths, as ff.nonfinite_leaves names them
+    skips: SkipReporter  # one line per skipped step, rate-limited
 
 
 def draw_step_batch(fx: Fixed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,23 +111,34 @@ def log_pending(fx: Fixed, pending: list, last_step: int) -> list[dict]:
         return []
     stacked = torch.stack(
         [
-            torch.cat([torch.stack([m.loss, m.loss_scale, m.skipped.float(), m.lr]), m.counters])
+            torch.cat(
+                [
+                    torch.stack([m.loss, m.loss_scale, m.skipped.float(), m.lr]),
+                    m.counters,
+                    m.leaf_finite.float(),
+                ]
+            )
             for m in pending
         ]
-    ).cpu()
-    first = last_step - len(pending) + 1
-    rows = [
-        {
-            "step": first + i,
-            "loss": loss,
-            "loss_scale": scale,
-            "skipped": bool(skip),
-            "lr": lr,
-            **{name: int(v) for name, v in zip(COUNTERS, counters)},
-        }
-        for i, (loss, scale, skip, lr, *counters) in enumerate(stacked.tolist())
-    ]
+    ).cpu()  # one host transfer for every metric of the pending steps
+    first, k = last_step - len(pending) + 1, 4 + len(COUNTERS)
+    values = stacked.tolist()
+    rows = []
+    for i, row in enumerate(values):
+        loss, scale, skip, lr = row[:4]
+        rows.append(
+            {
+                "step": first + i,
+                "loss": loss,
+                "loss_scale": scale,
+                "skipped": bool(skip),
+                "lr": lr,
+                **{name: int(v) for name, v in zip(COUNTERS, row[4:k])},
+            }
+        )
+    rows = name_nonfinite(rows, [row[k:] for row in values], fx.leaf_names)
     write_metrics(fx.metrics_file, metrics_lines(rows, []), fx.monitor)
+    fx.skips(rows)
     return rows
 
 
@@ -172,6 +187,7 @@ def train_segment(fx: Fixed, loop: Loop, until: int) -> tuple[Loop, list[dict]]:
 def end_segment(fx: Fixed, loop: Loop, segment_rows: list[dict]) -> Loop:
     """Validation loss, the segment's line of output, and its checkpoint."""
     args = fx.args
+    fx.skips.flush()
     val_loss = evaluate(fx.eval_step, loop.state.params, fx.val, args.batch_size, args.eval_batches)
     loop = loop._replace(evals=loop.evals + [(loop.step, val_loss)])
     if fx.main_rank:
@@ -224,12 +240,15 @@ def fit(args, data, state, train_step, eval_step, device, config, data_rng, star
         metrics_file=metrics_file,
         monitor=stuck_monitor(args.stuck_patience, state),
         bar=progress_bar(args, total=args.max_steps, initial=start["step"], desc="training"),
+        leaf_names=ff.leaf_paths(state.params),
+        skips=SkipReporter(),
     )
     loop = Loop(state, start["step"], rows, list(start["evals"]), [])
     while loop.step < args.max_steps:
         until = min(args.max_steps, (loop.step // args.eval_interval + 1) * args.eval_interval)
         loop, segment_rows = train_segment(fx, loop, until)
         loop = end_segment(fx, loop, segment_rows)
+    fx.skips.flush()
     fx.metrics_file.close()
     if fx.bar is not None:
         fx.bar.close()

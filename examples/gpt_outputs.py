@@ -26,9 +26,11 @@ from run_outputs import (
     COUNTERS,
     history_rows,
     history_tensor,
+    overflow_record,
     plot_loss_scale,
     read_for_resume,
     read_like,
+    restore_overflows,
     running_mean,
     save_figure,
 )
@@ -97,6 +99,7 @@ def checkpoint_tree(state, step, data_rng, rows, evals, config) -> dict:
     """Everything needed to continue bit-identically, as plain tensors and numbers."""
     return {
         "history": history_tensor(rows, HISTORY_COLUMNS),
+        "overflows": overflow_record(rows),  # each skipped step's non-finite leaves
         "evals": torch.tensor(evals, dtype=torch.float64).reshape(len(evals), 2),
         "state": state,
         "step": step,  # optimiser steps completed
@@ -138,8 +141,11 @@ def load_resume(path: str, state: ff.FP16State, config: dict) -> dict:
         "cuda_rng": None if plain["cuda_rng"] is None else torch.empty_like(plain["cuda_rng"]),
         "config": config,
     }
+    if "overflows" in plain:  # (absent from checkpoints written before it was kept)
+        like["overflows"] = plain["overflows"]
     ckpt = read_like(path, like)
     ckpt["rows"] = history_rows(ckpt["history"], HISTORY_COLUMNS, ("step", *COUNTERS))
+    ckpt["rows"] = restore_overflows(ckpt["rows"], ckpt.get("overflows", []))
     ckpt["evals"] = [(int(s), v) for s, v in ckpt["evals"].tolist()]
     return ckpt
 

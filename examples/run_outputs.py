@@ -106,6 +106,94 @@ def counters_of(state: ff.FP16State) -> torch.Tensor:
     return torch.stack([getattr(state.scale_stats, c) for c in COUNTERS]).float()
 
 
+NONFINITE = "nonfinite"
+"""The key of a skipped step's ``metrics.jsonl`` row that lists the leaves whose gradients
+held an inf or NaN (``ff.leaf_paths`` names; empty for a step skipped for its loss)."""
+
+
+def name_nonfinite(rows: list[dict], flags: list[list[float]], names: list[str]) -> list[dict]:
+    """``rows`` with :data:`NONFINITE` added to the skipped ones, from each step's
+    ``state.leaf_finite`` (read back as numbers, one list per row) and the leaves' names."""
+    for row, step_flags in zip(rows, flags, strict=True):
+        if row["skipped"]:
+            row[NONFINITE] = [n for n, ok in zip(names, step_flags, strict=True) if not ok]
+    return rows
+
+
+def overflow_record(rows: list[dict]) -> list[list]:
+    """The skipped steps' :data:`NONFINITE` lists as ``[[step, names], ...]``, for a checkpoint
+    (its ``history`` tensor holds numbers only)."""
+    return [[row["step"], list(row[NONFINITE])] for row in rows if NONFINITE in row]
+
+
+def restore_overflows(rows: list[dict], record: list[list]) -> list[dict]:
+    """The inverse of :func:`overflow_record`, into the rows read back from ``history``."""
+    by_step = {row["step"]: row for row in rows}
+    for step, names in record:
+        by_step[int(step)][NONFINITE] = list(names)
+    return rows
+
+
+def say(line: str) -> None:
+    """Prints ``line`` above any tqdm progress bar (plainly without tqdm)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        print(line, flush=True)
+        return
+    tqdm.write(line)
+
+
+class SkipReporter:
+    """Prints one line per skipped step, at most ``burst`` of them per window of ``window``
+    steps (steps ``0..window-1``, ``window..2*window-1``, ...).
+
+    An overflow storm (many skips in a row while the loss scale backs off)
+    would otherwise flood the output: the skips past ``burst`` in a window are
+    counted, and one line reports them when the next window's first skip is
+    printed or at :meth:`flush` (the loops call it at every evaluation).
+    ``metrics.jsonl`` holds every skip's leaves either way.
+    """
+
+    def __init__(self, write: Callable[[str], None] = say, burst: int = 3, window: int = 100):
+        self.write, self.burst, self.window = write, burst, window
+        self.current, self.shown, self.held, self.first_held = -1, 0, 0, 0
+
+    def __call__(self, rows: list[dict]) -> None:
+        for row in rows:
+            if not row["skipped"]:
+                continue
+            window = row["step"] // self.window
+            if window != self.current:
+                self.flush()
+                self.current, self.shown = window, 0
+            if self.shown < self.burst:
+                self.write(skip_line(row))
+                self.shown += 1
+            else:
+                self.first_held = self.first_held if self.held else row["step"]
+                self.held += 1
+
+    def flush(self) -> None:
+        """Reports the skips held back so far, in one line."""
+        if self.held:
+            self.write(
+                f"... {self.held} more skipped steps from step {self.first_held} "
+                "(metrics.jsonl names their leaves)"
+            )
+            self.held = 0
+
+
+def skip_line(row: dict, shown: int = 4) -> str:
+    """One skipped step in one line: the scale it ran at and the leaves that overflowed."""
+    names = row.get(NONFINITE, [])
+    head = f"step {row['step']}: skipped at loss scale {row['loss_scale']:g}"
+    if not names:
+        return f"{head}: the loss was not finite (no gradient leaf overflowed)"
+    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
+    return f"{head}: non-finite gradients in {', '.join(names[:shown])}{more}"
+
+
 def history_rows(
     history: torch.Tensor, columns: tuple[str, ...], counts: tuple[str, ...]
 ) -> list[dict]:

@@ -76,6 +76,7 @@ def _run(name: str, donate: bool, rank: int):
     ref = ff.fp16_init(make_params(), optimiser_matrix()[name], loss_scale)
     path = ff.update_path(ours)
     out = {"path": path, "decisions": [], "ref_decisions": [], "scales_equal": True}
+    out.update(nonfinite=[], ref_nonfinite=[])
     out.update(master_ulps=0.0, opt_ulps=0.0, params_equal=True, kept=True)
     for step in range(STEPS):
         grads = make_grads(step, world)
@@ -83,6 +84,8 @@ def _run(name: str, donate: bool, rank: int):
         ref = ff.fp16_update(ref, grads)
         out["decisions"].append(bool(ours.grads_finite))
         out["ref_decisions"].append(bool(ref.grads_finite))
+        out["nonfinite"].append(ff.nonfinite_leaves(ours))
+        out["ref_nonfinite"].append(ff.nonfinite_leaves(ref))
         out["scales_equal"] &= all(
             torch.equal(bits(a), bits(b))
             for a, b in zip(tree_leaves(ours.loss_scale), tree_leaves(ref.loss_scale))

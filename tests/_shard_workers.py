@@ -92,6 +92,8 @@ def full_snapshot(state: ff.FP16State) -> dict[str, Any]:
         "loss_scale": state.loss_scale.loss_scale.clone(),
         "step": state.step.clone(),
         "grads_finite": state.grads_finite.clone(),
+        "leaf_finite": state.leaf_finite.clone(),
+        "nonfinite": ff.nonfinite_leaves(state),
     }
 
 

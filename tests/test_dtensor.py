@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._dtensor_workers import INJECT_STEP
 from tests._launch import Launch, launch_workers, results
 from tests.helpers import optimiser_matrix
 
@@ -45,6 +46,10 @@ def test_dtensor_states_step_like_one_process(launch, name, donate):
     for r in per_rank:
         assert r["decisions"] == r["ref_decisions"], r
         assert r["decisions"].count(False) >= 1  # the injected inf skipped a step
+        # Its leaf is named on every rank, though only the last rank's shard held the inf.
+        assert r["nonfinite"] == r["ref_nonfinite"], r
+        assert r["nonfinite"][INJECT_STEP] == ["h.attn.w"], r
+        assert all(names == [] for i, names in enumerate(r["nonfinite"]) if i != INJECT_STEP)
         assert r["scales_equal"] and r["params_equal"] and r["kept"], r
         bound = 1.0 if name in CLIPPING else 0.0
         assert r["master_ulps"] <= bound and r["opt_ulps"] <= bound, r

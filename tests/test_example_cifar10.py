@@ -132,6 +132,12 @@ def test_resume_from_epoch_1_is_bit_identical(tmp_path, capsys):
     )
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["skipped"] for r in rows) and len({r["loss_scale"] for r in rows}) > 1
+    # A skipped step's row names the leaves that overflowed (some of the model's), no other.
+    names = set(full["state"].params)
+    for r in rows:
+        assert ("nonfinite" in r) == r["skipped"], r
+        assert set(r.get("nonfinite", [])) <= names, r
+    assert any(r.get("nonfinite") for r in rows)  # some skip was a gradient's overflow
 
     resumed = run_fp16(
         tmp_path / "resumed",

@@ -203,7 +203,26 @@ def test_injected_overflow_skips_backs_off_and_is_logged(tmp_path, monkeypatch, 
     assert rows[2]["loss"] > 1000 * rows[1]["loss"]  # the scaled-up logits' loss, logged
     assert summary["skipped_at"] == [3, 4] and summary["skipped_steps"] == 2
     assert summary["final_loss_scale"] == 2.0**15
-    assert "2 skipped steps (2 in all)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 skipped steps (2 in all)" in printed
+    # Each skipped row names the leaves whose gradients overflowed (the head's, at least:
+    # its output was scaled up), and each skip prints one line that names them too.
+    params = set(ff.load_checkpoint(out / "checkpoint_step_000002.pt")["state"]["params"])
+    for row in rows:
+        if row["skipped"]:
+            assert "head.weight" in row["nonfinite"] and set(row["nonfinite"]) <= params, row
+        else:
+            assert "nonfinite" not in row, row
+    for step in (3, 4):
+        line = next(x for x in printed.splitlines() if x.startswith(f"step {step}: skipped"))
+        assert "non-finite gradients in" in line and "head.weight" in line, line
+    # A run resumed after the skips writes them into its metrics.jsonl as they were.
+    again = tmp_path / "again"
+    run(
+        again, "--max-steps", "6", "--eval-interval", "2", "--keep-checkpoints", "0",
+        "--no-plot", "--resume", str(out / "checkpoint_step_000004.pt"),
+    )  # fmt: skip
+    assert [r for r in jsonl(again / "metrics.jsonl") if "loss" in r] == rows
     # The skipped steps left the state as it was after step 2.
     before = ff.load_checkpoint(out / "checkpoint_step_000002.pt")["state"]
     after = ff.load_checkpoint(out / "checkpoint_step_000004.pt")["state"]

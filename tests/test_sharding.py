@@ -62,8 +62,9 @@ def assert_bitwise(a, b, where: str) -> None:
 
 def assert_same_state(snap: dict, ref: dict, where: str, *, exact: bool) -> None:
     """``snap`` against ``ref`` (two full-state snapshots): bitwise, or within the contract."""
-    for field in ("loss_scale", "step", "grads_finite"):
+    for field in ("loss_scale", "step", "grads_finite", "leaf_finite"):
         assert_bitwise(snap[field], ref[field], f"{where} {field}")
+    assert snap["nonfinite"] == ref["nonfinite"], where
     for field, ulps in (("params", PARAM_ULPS), ("master", MASTER_ULPS)):
         for k, want in ref[field].items():
             got = snap[field][k]
@@ -104,6 +105,13 @@ def test_sharded_run_matches_the_replicated_run(runs, world, run):
     # An inf on the last rank only skipped the step on every rank ...
     assert applied[W.INJECT_STEP] is False
     assert applied.count(False) == 1
+    # ... and every rank names its leaf, whichever rank's rows of the mean held it.
+    for step in range(W.STEPS):
+        names = per_rank[0][step][1]["nonfinite"]
+        if step == W.INJECT_STEP:
+            assert names == ["w1"], names
+        elif run[0] != "multisteps":  # (a window's flags hold until it closes)
+            assert names == [], (step, names)
     # ... as a no-op on every tensor of the (gathered) state, bit for bit.
     for r, history in enumerate(per_rank):
         before, after = history[W.INJECT_STEP - 1][1], history[W.INJECT_STEP][1]

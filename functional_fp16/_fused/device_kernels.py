@@ -102,7 +102,7 @@ def decide_from_leaf_peaks(
     r"""``(finite, leaf_finite)`` from the leaves' peaks (member-major, ``(L,)``).
 
     .. math:: \ell_l = \operatorname{isfinite}(\operatorname{fl}_{32}(M_l)\, s_{k(l)}^{-1}),
-              \qquad f_k = r_k \wedge 	extstyleigwedge_{l \in k} \ell_l
+              \qquad f_k = r_k \wedge \textstyle\bigwedge_{l \in k} \ell_l
 
     the per-leaf flags and, per group, their AND with ``require`` (:math:`r`).
     Rounding is monotonic, so :math:`f_k` is ``finite_from_peak`` of the group's

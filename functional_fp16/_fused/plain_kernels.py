@@ -204,7 +204,10 @@ def write_lists(apply: Tensor, new: dict, **lists) -> None:
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     """:func:`stats_generic` of one group of one member, with multi-tensor ops."""
-    tops = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
+    shown = grads
+    if not all(map(Tensor.numel, grads)):  # an empty leaf's peak is 0: the norm of one zero
+        shown = [g if g.numel() else g.new_zeros(1) for g in grads]
+    tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
     peak.copy_(torch.where(torch.isnan(tops), float("inf"), tops))
     if sum_squares:
         u = unscaled_lists(grads, grads, inv, None, None)

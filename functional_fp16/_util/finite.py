@@ -46,8 +46,9 @@ def leaves_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> 
     leaves is :func:`grads_finite` (rounding is monotonic). One min/max per
     leaf, no host read.
     """
-    device = grads[0].device
-    shown = [g if g.numel() else torch.zeros(1, dtype=g.dtype, device=device) for g in grads]
+    if not grads:
+        return torch.ones(0, dtype=torch.bool)
+    shown = [g if g.numel() else g.new_zeros(1) for g in grads]
     peak = _peaks(shown).float()
     if inv_scale is not None:
         peak = peak * inv_scale

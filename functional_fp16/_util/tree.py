@@ -236,7 +236,20 @@ def tree_paths(tree: PyTree) -> list[str]:
 def dotted_paths(tree: PyTree) -> list[str]:
     """Every leaf's path as its keys, indices and field names joined by dots
     (``h.3.mlp.c_fc.weight``; a flat dict's key as it is); ``""`` for the root."""
-    return [".".join(map(str, path)) for path in optree.tree_paths(tree, namespace=NAMESPACE)]
+    return [
+        ".".join(str(_step_name(e)) for e in accessor)
+        for accessor in optree.tree_accessors(tree, namespace=NAMESPACE)
+    ]
+
+
+def _step_name(entry: Any) -> Any:
+    """One path step's name: a NamedTuple's or a dataclass's field, an attribute, else the
+    key or index."""
+    for attr in ("field", "name"):
+        value = getattr(entry, attr, None)
+        if isinstance(value, str):
+            return value
+    return entry.entry
 
 
 def format_path(accessor: optree.PyTreeAccessor) -> str:

@@ -23,13 +23,26 @@ import re
 import warnings
 from typing import Any
 
+import optree
 import torch
 
-from functional_fp16._util.tree import PyTree, tree_flatten, tree_paths, tree_unflatten
+from functional_fp16._util.tree import (
+    NAMESPACE,
+    PyTree,
+    format_path,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 from functional_fp16.checkpoint.format import CheckpointCorruptError, CheckpointMismatchError, show
 from functional_fp16.distributed.dcp_state import one_process_is_intended
 from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like
-from functional_fp16.update.state import ADDED_FIELDS, added_field_value, old_checkpoint_note
+from functional_fp16.update.state import (
+    ADDED_FIELDS,
+    FP16State,
+    added_field_value,
+    old_checkpoint_note,
+)
 
 __all__ = ["load_checkpoint_sharded", "MARKER"]
 
@@ -116,7 +129,8 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
     leaves, spec = tree_flatten(full)
     paths = tree_paths(full)
     # Fields written after these files were: they start afresh (path -> the field).
-    counters = {p: _added(p) for p in paths if p not in records and _added(p)}
+    later = _added_paths(full)
+    counters = {p: later[p] for p in paths if p not in records and p in later}
     if counters:
         missing = [f for f in ADDED_FIELDS if f in counters.values()]
         warnings.warn(old_checkpoint_note(show(directory), missing), stacklevel=2)
@@ -158,10 +172,19 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
     return shard_like(tree, like)
 
 
-def _added(path: str) -> str | None:
-    """The field of :data:`~functional_fp16.update.state.ADDED_FIELDS` a state's leaf path
-    lies in (``None``: another field)."""
-    for field in ADDED_FIELDS:
-        if path.endswith(f".{field}") or f".{field}." in path:
-            return field
-    return None
+def _added_paths(tree: PyTree) -> dict[str, str]:
+    """The paths of the leaves of ``tree`` that lie in a field of
+    :data:`~functional_fp16.update.state.ADDED_FIELDS` of an ``FP16State``, with the field."""
+    is_state = lambda x: isinstance(x, FP16State)  # noqa: E731
+    nodes = optree.tree_leaves(tree, is_leaf=is_state, namespace=NAMESPACE)
+    prefixes = [
+        format_path(a) if a.codify("") else ""
+        for a in optree.tree_accessors(tree, is_leaf=is_state, namespace=NAMESPACE)
+    ]
+    out = {}
+    for prefix, node in zip(prefixes, nodes):
+        if is_state(node):
+            for field in ADDED_FIELDS:
+                for path in tree_paths(getattr(node, field)):
+                    out[prefix + f".{field}" + ("" if path == "<root>" else path)] = field
+    return out

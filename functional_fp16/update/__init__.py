@@ -11,8 +11,14 @@ interop or distributed.
 """
 
 from functional_fp16.update.batching import tree_stack, tree_unstack
-from functional_fp16.update.state import FP16State, fp16_init, loss_scale_stats, nonfinite_leaves
+from functional_fp16.update.state import (
+    FP16State,
+    fp16_init,
+    leaf_paths,
+    loss_scale_stats,
+    nonfinite_leaves,
+)
 from functional_fp16.update.step import fp16_update, update_path
 
 __all__ = ["FP16State", "fp16_init", "fp16_update", "update_path", "tree_stack", "tree_unstack"]
-__all__ += ["loss_scale_stats", "nonfinite_leaves"]
+__all__ += ["loss_scale_stats", "nonfinite_leaves", "leaf_paths"]

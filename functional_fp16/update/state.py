@@ -44,7 +44,7 @@ from functional_fp16.precision.loss_scale import (
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 
-__all__ = ["FP16State", "fp16_init", "loss_scale_stats", "nonfinite_leaves"]
+__all__ = ["FP16State", "fp16_init", "loss_scale_stats", "nonfinite_leaves", "leaf_paths"]
 __all__ += ["ADDED_FIELDS", "added_field_value", "old_checkpoint_note"]
 
 _LOSS_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
@@ -350,6 +350,18 @@ def loss_scale_stats(state: FP16State) -> dict[str, int]:
     return dict(zip(COUNTER_NAMES, values))
 
 
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Every leaf's path in ``tree`` as :func:`nonfinite_leaves` names it, in flattening order.
+
+    The keys, indices and field names from the root to the leaf, joined by dots
+    (``h.3.mlp.c_fc.weight``; a flat dict's keys as they are). Position ``l``
+    names the leaf whose flag is ``state.leaf_finite[l]`` when ``tree`` is
+    ``state.params``, so a loop that keeps each step's flags (on the device,
+    read back with its other metrics) names them without the state.
+    """
+    return dotted_paths(tree)
+
+
 def nonfinite_leaves(state: FP16State) -> list[str] | list[list[str]]:
     r"""The paths of the leaves whose gradients held an inf or NaN at the last update.
 
@@ -371,7 +383,8 @@ def nonfinite_leaves(state: FP16State) -> list[str] | list[list[str]]:
     * With :func:`~functional_fp16.MultiSteps`: the leaves that overflowed in
       some micro-batch of the open window so far (on its last micro-batch, of
       the window, including the mean handed to the optimiser).
-    * A stacked state (``vmap`` over members): one list per member.
+    * A stacked state (``vmap`` over members): one list per member (lists of
+      lists for members of members).
     * A state loaded from a checkpoint written before these flags existed:
       ``[]`` until its next update (the load warns that the flags start as
       all finite).
@@ -380,24 +393,27 @@ def nonfinite_leaves(state: FP16State) -> list[str] | list[list[str]]:
       state: an :class:`FP16State`.
 
     Returns:
-      The paths, a list of strings (a list of lists for a stacked state).
+      The paths, a list of strings (nested lists for a stacked state).
     """
     if not isinstance(state, FP16State):
         raise TypeError(f"state must be an FP16State, got {type(state).__name__}")
     flags = state.leaf_finite
-    paths = dotted_paths(state.params)
+    paths = leaf_paths(state.params)
     n = len(paths)
     if (
         not isinstance(flags, torch.Tensor)
         or flags.dtype != torch.bool
-        or flags.ndim not in (1, 2)
+        or flags.ndim < 1
         or flags.shape[-1] != n
     ):
         raise TypeError(
             f"state.leaf_finite must be a bool tensor of shape ({n},) (one flag per leaf of "
             f"state.params), got {describe_tensor(flags)}"
         )
-    values = flags.cpu().tolist()
-    if flags.ndim == 1:
+
+    def named(values: list) -> list:
+        if values and isinstance(values[0], list):  # one list per member
+            return [named(v) for v in values]
         return [p for p, ok in zip(paths, values) if not ok]
-    return [[p for p, ok in zip(paths, row) if not ok] for row in values]
+
+    return named(flags.cpu().tolist())
