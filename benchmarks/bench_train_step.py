@@ -88,7 +88,8 @@ def _donating_train_step(model, policy):
         new_state = ff.fp16_update(state, grads, loss=loss, donate=True)
         counters = torch.stack(list(new_state.scale_stats)).float()
         skipped = ~new_state.grads_finite
-        return new_state, new_buffers, ex.StepMetrics(loss, scale, skipped, counters)
+        metrics = ex.StepMetrics(loss, scale, skipped, counters, new_state.leaf_finite)
+        return new_state, new_buffers, metrics
 
     return train_step
 
