@@ -3,18 +3,18 @@
 :func:`state_to_dcp` lays a :class:`~functional_fp16.FP16State` out as the
 nested dict of tensors DCP takes, with keys a plain PyTorch user can read:
 
-==================  ====================================================================
-key                 what
-==================  ====================================================================
-``params.<name>``   the working copies (FP16), one per parameter
-``master.<name>``   the FP32 master, one per parameter
-``opt_state.<p>``   every tensor of the optimiser state, ``<p>`` its path in the state
-``loss_scale.<f>``  the loss scale's tensors (``loss_scale``, its counters)
-``step``            the number of updates
-``grads_finite``    whether the last update was applied
-``scale_stats.<c>`` the loss-scale counters (``loss_scale_stats``)
-``leaf_finite``     per leaf, whether its gradient was finite at the last update
-==================  ====================================================================
+====================  ====================================================================
+key                   what
+====================  ====================================================================
+``params.<name>``     the working copies (FP16), one per parameter
+``master.<name>``     the FP32 master, one per parameter
+``opt_state.<p>``     every tensor of the optimiser state, ``<p>`` its path in the state
+``loss_scale.<f>``    the loss scale's tensors (``loss_scale``, its counters)
+``step``              the number of updates
+``grads_finite``      whether the last update was applied
+``scale_stats.<c>``   the loss-scale counters (``loss_scale_stats``)
+``leaf_finite``       per leaf, whether its gradient was finite at the last update
+====================  ====================================================================
 
 ``<name>`` is the parameter's key where ``params`` is a flat dict with string
 keys (``dict(model.named_parameters())``), else its path (``['a'][0]``).
