@@ -349,9 +349,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     cfg = model_config(args, data.vocab_size)
     if args.fsdp:  # FSDP2 on the module itself (examples/gpt_fsdp.py)
-        return gpt_fsdp.run_fsdp(
+        summary = gpt_fsdp.run_fsdp(
             args, data, info, device, out_dir, lambda: fsdp_parts(args, cfg, loss_scale)
         )
+        # The group goes before the interpreter does: gloo's threads left to exit with
+        # it can abort the process at shutdown (see functional_fp16.distributed.shutdown).
+        ffd.shutdown()
+        return summary
     model = build_model(cfg, args.seed)
     state = build_state(model, policy, loss_scale, args, device)
     if info is not None:  # every rank starts from rank 0's values

@@ -121,7 +121,7 @@ def kernel_of(kernel: str | None) -> ExitStack:
     return stack
 
 
-@settings(max_examples=20, deadline=None, database=None)
+@settings(max_examples=60, deadline=None, database=None)
 @given(
     bad=st.dictionaries(
         st.sampled_from(FILLED), st.sampled_from([math.inf, -math.inf, math.nan]), max_size=4
@@ -182,7 +182,7 @@ def test_each_member_of_a_vmapped_update_names_its_own_leaves(tx, impl, donate, 
         assert_states_bitwise_equal(out.leaf_finite[k], one.leaf_finite)
 
 
-@pytest.mark.parametrize("tx,donate", [("adam", False), ("recipe", False), ("momentum", True)])
+@pytest.mark.parametrize("tx,donate", [("recipe", False), ("momentum", True)])
 def test_compiled_updates_name_the_same_leaves_without_recompiling(tx, donate):
     torch._dynamo.reset()
     step = torch.compile(lambda s, g: ff.fp16_update(s, g, donate=donate), fullgraph=True)
