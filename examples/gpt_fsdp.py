@@ -111,6 +111,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     if it had not stopped (the batches it would have drawn are drawn and dropped).
     """
     from gpt_data import sample_batch, val_windows
+    from run_outputs import NONFINITE, SkipReporter
 
     if info is None:
         raise SystemExit("--fsdp needs torchrun (or one process with the torchrun variables)")
@@ -136,7 +137,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
         )
     rng = torch.Generator().manual_seed(args.seed)
     share = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
-    rows, start = [], int(state.step)
+    rows, start, skips = [], int(state.step), SkipReporter()
     for _ in range(start * args.grad_accum):  # a resumed run draws the batches it would have
         sample_batch(data.train, rng, args.batch_size, args.context)
     tokens = args.batch_size * args.grad_accum * args.context
@@ -152,6 +153,10 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
         state, loss = fsdp_step(model, state, inputs, targets)
         row = {"step": step + 1, "loss": float(loss), "loss_scale": scale,
                "skipped": not bool(state.grads_finite)}  # fmt: skip
+        if row["skipped"]:  # the leaves that overflowed on any rank (one more read, on a skip)
+            row[NONFINITE] = ff.nonfinite_leaves(state)
+            if rank == 0:
+                skips([row])
         rows.append(row)
         if (step + 1) % args.eval_interval == 0 and step + 1 < args.max_steps:
             ffd.save_dcp_state(state, out_dir / f"dcp_step_{step + 1:06d}")  # every rank its shards
@@ -162,6 +167,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
                 f"{' SKIPPED' if row['skipped'] else ''} {rate:,.0f} tokens/s",
                 flush=True,
             )
+    skips.flush()
     seconds = time.perf_counter() - t0
     val = _evaluate(model, val_windows(data.val, args.context), args.batch_size, args.eval_batches)
     ffd.save_dcp_state(state, out_dir / "dcp_final")

@@ -248,7 +248,7 @@ def fsdp_loss(model, x, y):
 
 def _fsdp_run(model, state, rank, world, sharded, donate):
     """FSDP_STEPS steps of the recipe; with ``sharded`` each rank takes its rows of the batch."""
-    out = {"decisions": [], "scales": [], "losses": []}
+    out = {"decisions": [], "scales": [], "losses": [], "nonfinite": []}
     out["init"] = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()
@@ -278,6 +278,7 @@ def _fsdp_run(model, state, rank, world, sharded, donate):
         out["decisions"].append(bool(state.grads_finite))
         out["scales"].append(float(state.loss_scale.loss_scale))
         out["losses"].append(float(loss))
+        out["nonfinite"].append(ff.nonfinite_leaves(state))
     full = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()

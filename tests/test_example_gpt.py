@@ -602,6 +602,16 @@ def test_fsdp_trains_checkpoints_on_dcp_and_resumes_bit_identically(tmp_path):
     assert resumed == rows[3:]  # losses, scales and decisions, exactly
     end = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert end["val_loss"] == summary["val_loss"]
+    # A scale of 2^24 overflows the FP16 gradients: each skip names the leaves, once, on rank 0.
+    storm = _torchrun([*common, "--max-steps", "2", "--init-scale", str(2.0**24),
+                       "--out-dir", str(tmp_path / "s")])  # fmt: skip
+    assert storm.returncode == 0, storm.stdout + storm.stderr
+    skipped = jsonl(tmp_path / "s" / "metrics.jsonl")
+    assert [r["skipped"] for r in skipped] == [True, True]
+    assert all("wte.weight" in r["nonfinite"] for r in skipped), skipped
+    for step in (1, 2):
+        lines = [x for x in storm.stdout.splitlines() if x.startswith(f"step {step}: skipped")]
+        assert len(lines) == 1 and "non-finite gradients in" in lines[0], storm.stdout
 
 
 def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):
