@@ -91,7 +91,8 @@ def member_views(xs: list[Tensor] | None, members: int) -> list[Tensor] | None:
 
 
 def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = None) -> Tensor:
-    """Per group: ``fl32(peak) * inv`` is finite (as ``grads_finite`` decides), and ``require``."""
+    """Per peak (a group's or a leaf's): ``fl32(peak) * inv`` is finite (as
+    ``grads_finite`` decides), and ``require``; ``inv`` broadcasts against ``peak``."""
     finite = torch.isfinite(peak if inv is None else peak * inv)
     return finite if require is None else finite & require
 
@@ -109,7 +110,7 @@ def decide_from_leaf_peaks(
     largest peak: the decision does not change.
     """
     by_group = peak.reshape(groups, -1)
-    leaves = torch.isfinite(by_group if inv is None else by_group * inv.reshape(groups, 1))
+    leaves = finite_from_peak(by_group, None if inv is None else inv.reshape(groups, 1))
     finite = leaves.all(dim=1)
     return (finite if require is None else finite & require), leaves.reshape(-1)
 

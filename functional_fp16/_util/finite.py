@@ -11,8 +11,9 @@ __all__ = ["grads_finite", "leaves_finite"]
 def grads_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor:
     r"""Whether :math:`\operatorname{fl}_{32}(g) \cdot s^{-1}` is finite for every element.
 
-    Equal to ``all(isfinite(g.float() * inv_scale))`` over all leaves, computed
-    from one reduction over the original (e.g. FP16) gradients:
+    Equal to ``all(isfinite(g.float() * inv_scale))`` over all leaves: the AND of
+    :func:`leaves_finite`, one min/max reduction per leaf over the original (e.g.
+    FP16) gradients. It is the test of the largest magnitude,
 
     .. math:: f = \operatorname{isfinite}\big(\operatorname{fl}_{32}(M)\cdot s^{-1}\big),
               \qquad M = \max_i \max(|\min g_i|, |\max g_i|)
@@ -25,14 +26,9 @@ def grads_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> t
     left the result is ``True``. Returns a 0-d bool tensor, without reading
     any value on the host.
     """
-    peaks = _peaks([g for g in grads if g.numel()])
-    if peaks is None:
-        device = grads[0].device if grads else None
-        return torch.ones((), dtype=torch.bool, device=device)
-    peak = peaks.amax().float()
-    if inv_scale is not None:
-        peak = peak * inv_scale
-    return torch.isfinite(peak)
+    if not grads:
+        return torch.ones((), dtype=torch.bool)
+    return leaves_finite(grads, inv_scale).all()
 
 
 def leaves_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -48,21 +44,15 @@ def leaves_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> 
     """
     if not grads:
         return torch.ones(0, dtype=torch.bool)
-    shown = [g if g.numel() else g.new_zeros(1) for g in grads]
-    peak = _peaks(shown).float()
+    peaks = []
+    for g in grads:
+        if g.numel() == 0:  # an empty leaf: a peak of 0
+            g = g.new_zeros(1)
+        lo, hi = torch.aminmax(g)
+        peaks.append(torch.maximum(hi, -lo))  # NaN where the leaf holds one
+    if len({p.dtype for p in peaks}) > 1:
+        peaks = [p.float() for p in peaks]
+    peak = torch.stack(peaks).float()
     if inv_scale is not None:
         peak = peak * inv_scale
     return torch.isfinite(peak)
-
-
-def _peaks(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The leaves' largest magnitudes, stacked (NaN where a leaf holds one); ``None`` if none."""
-    if not grads:
-        return None
-    peaks = []
-    for g in grads:
-        lo, hi = torch.aminmax(g)
-        peaks.append(torch.maximum(hi, -lo))
-    if len({p.dtype for p in peaks}) > 1:
-        peaks = [p.float() for p in peaks]
-    return torch.stack(peaks)
