@@ -146,28 +146,41 @@ def test_other_injected_values_run_the_multi_tensor_path_and_say_why():
 
 
 def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
+    """The learning rate set from outside between steps (in place, as with optax) reaches the
+    compiled step without a recompile, and steers it: two runs over the same gradients with
+    two learning-rate sequences part, and each is bitwise the plain (uncompiled) run with its
+    sequence, at every step."""
     torch._dynamo.reset()
-    state = ff.fp16_init(random_tree(5), _recipe())
-    eager = state
 
     @torch.compile(fullgraph=True)
     def step(s, grads):
         return ff.fp16_update(s, grads)
 
-    g = torch.Generator().manual_seed(3)
+    sequences = {"a": [1e-3 * (i + 1) for i in range(5)], "b": [3e-3 / (i + 1) for i in range(5)]}
+    final = {}
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(5):
-            grads = optree.tree_map(
-                lambda p: (torch.randn(p.shape, generator=g) * 300).half(),
-                state.params,
-                namespace=NS,
-            )
-            lr = torch.tensor(1e-3 * (i + 1))
-            for s in (state, eager):
-                s.opt_state.hyperparams["learning_rate"] = lr
-            state = step(state, grads)
-            eager = ff.fp16_update(eager, grads)
-            assert_states_bitwise_equal(state, eager)
+        for name, lrs in sequences.items():  # one compiled function for both runs
+            state = ff.fp16_init(random_tree(5), _recipe())
+            eager = ff.fp16_init(random_tree(5), _recipe())
+            g = torch.Generator().manual_seed(3)
+            for lr in lrs:
+                grads = optree.tree_map(
+                    lambda p: (torch.randn(p.shape, generator=g) * 300).half(),
+                    state.params,
+                    namespace=NS,
+                )
+                for s in (state, eager):
+                    s.opt_state.hyperparams["learning_rate"] = torch.tensor(lr)
+                state = step(state, grads)
+                eager = ff.fp16_update(eager, grads)
+                assert bool(state.grads_finite)
+                assert_states_bitwise_equal(state, eager)
+            final[name] = state
+    # the same gradients, another learning rate: every master leaf moved elsewhere
+    init = _leaves(ff.fp16_init(random_tree(5), _recipe()).master)
+    for m0, a, b in zip(init, _leaves(final["a"].master), _leaves(final["b"].master)):
+        assert not torch.equal(a, b)
+        assert not torch.equal(a, m0) and not torch.equal(b, m0)
     torch._dynamo.reset()
 
 
