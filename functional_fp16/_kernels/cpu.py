@@ -180,7 +180,7 @@ def _build_ops() -> Path:
     if cc is None or cxx is None:
         raise RuntimeError("no C and C++ compilers found (set $CC and $CXX, or install gcc/g++)")
     root = Path(torch.__file__).parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = int(torch.compiled_with_cxx11_abi())
     flags = [*_CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}"]
     libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
     key = hashlib.sha256()
