@@ -246,14 +246,17 @@ def fsdp_loss(model, x, y):
     return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def _fsdp_run(model, state, rank, world, sharded, donate):
-    """FSDP_STEPS steps of the recipe; with ``sharded`` each rank takes its rows of the batch."""
-    out = {"decisions": [], "scales": [], "losses": [], "nonfinite": []}
+def _fsdp_run(model, state, rank, world, sharded, donate, steps=FSDP_STEPS, inject=FSDP_INJECT):
+    """``steps`` steps of the recipe, an overflow at step ``inject``; with ``sharded`` each rank
+    takes its rows of the batch. The single process (not ``sharded``) also records each
+    step's global norm of the unscaled gradients (``norms``: whether a clip bound), the
+    sharded run its master's placements after the last step (``placements``)."""
+    out = {"decisions": [], "scales": [], "losses": [], "nonfinite": [], "norms": []}
     out["init"] = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()
     }
-    for step in range(FSDP_STEPS):
+    for step in range(steps):
         x, y = fsdp_batch(step)
         if sharded:
             n = BATCH // world
@@ -261,7 +264,9 @@ def _fsdp_run(model, state, rank, world, sharded, donate):
         loss = fsdp_loss(model, x, y)
         state.loss_scale.scale(loss).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        if step == FSDP_INJECT:  # an overflow in the last rank's shard of one gradient
+        if not sharded:
+            out["norms"].append(float(ff.global_norm(state.loss_scale.unscale(grads))))
+        if step == inject:  # an overflow in the last rank's shard of one gradient
             g = grads["blocks.1.mlp.0.weight"]
             if sharded and rank == world - 1:
                 g.to_local()[-1, 0] = math.inf
@@ -279,6 +284,8 @@ def _fsdp_run(model, state, rank, world, sharded, donate):
         out["scales"].append(float(state.loss_scale.loss_scale))
         out["losses"].append(float(loss))
         out["nonfinite"].append(ff.nonfinite_leaves(state))
+    if sharded:
+        out["placements"] = {n: tuple(m.placements) for n, m in state.master.items()}
     full = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()
@@ -316,6 +323,55 @@ def scenario_fsdp2(rank: int, out_dir: str):
         )  # fmt: skip
         results[(tx_name, donate)] = {"ours": ours, "ref": ref}
     return results
+
+
+HSDP_STEPS, HSDP_INJECT, HSDP_CLIP = 6, 3, 0.5
+
+
+def hsdp_tx():
+    """Clip + SGD(momentum). The threshold lies below every step's global norm of this run's
+    unscaled gradients (about 0.7 to 0.8): the clip scales every update, so the norm the
+    mesh completes (summed over the ``"shard"`` dimension only) enters the master."""
+    return ff.chain(ff.clip_by_global_norm(HSDP_CLIP), ff.sgd(0.05, momentum=0.9))
+
+
+def scenario_hsdp(rank: int, out_dir: str):
+    """HSDP at 4 ranks: ``fully_shard`` per block and at the root over a 2 x 2 mesh
+    (``("replicate", "shard")``: each parameter ``(Replicate(), Shard(0))``; FSDP2
+    reduce-scatters the gradients within a replica and all-reduces them across the two,
+    an average over all 4 ranks), clip + SGD(momentum), each rank fed its quarter of the
+    batch, an overflow in the last rank's shard at one step (rank 3, coordinate (1, 1):
+    rank 1 holds the same shard, finite). Beside it, the same model unsharded in one
+    process on the whole batch. ``None`` at other world sizes."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = torch.distributed.get_world_size()
+    if world != 4:
+        return None
+    torch.manual_seed(0)
+    model = TinyTransformer().half()
+    reference = TinyTransformer().half()
+    reference.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loss_scale = ff.DynamicLossScale(2.0**8, growth_interval=2)
+    state = ff.fp16_init(dict(model.named_parameters()), hsdp_tx(), loss_scale)
+    out = {"coordinate": tuple(mesh.get_coordinate()), "mesh_names": mesh.mesh_dim_names}
+    out["param_placements"] = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    out["ours"] = _fsdp_run(
+        model, state, rank, world, sharded=True, donate=False, steps=HSDP_STEPS,
+        inject=HSDP_INJECT,
+    )  # fmt: skip
+    ref_state = ff.fp16_init(dict(reference.named_parameters()), hsdp_tx(), loss_scale)
+    out["ref"] = _fsdp_run(
+        reference, ref_state, rank, world, sharded=False, donate=False, steps=HSDP_STEPS,
+        inject=HSDP_INJECT,
+    )  # fmt: skip
+    # The parameters the module holds after the run (written by write_params), gathered.
+    out["params"] = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return out
 
 
 def scenario_fsdp2_mixed_precision(rank: int, out_dir: str):
@@ -447,6 +503,7 @@ SCENARIOS = {
     "bad_grads": scenario_bad_grads,
     "disagree": scenario_disagree,
     "fsdp2": scenario_fsdp2,
+    "hsdp": scenario_hsdp,
     "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,
 }
