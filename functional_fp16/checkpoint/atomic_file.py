@@ -1,4 +1,4 @@
-"""Atomic file writes: a file is either the old one or the complete new one.
+"""Atomic writes: a file (or a checkpoint directory) is either the old one or the complete new one.
 
 :func:`atomic_write` (and :func:`atomic_torch_save`, which uses it) writes
 to a temporary file in the target's directory, flushes and fsyncs it,
@@ -13,12 +13,25 @@ process is gone, whatever their target's name
 (:func:`remove_stale_temporaries`), so a run that writes a new name each
 epoch does not collect them. Temporaries of live writers, and of other hosts
 on a shared file system, are left alone.
+
+A checkpoint directory (DCP's) is written the same way:
+:func:`new_temporary_directory` makes ``.NAME.HOST.PID.RANDOM.tmp`` beside
+it, and :func:`replace_directory` swaps the complete one into place with
+one ``renameat2(RENAME_EXCHANGE)`` (Linux) and deletes the old one. A writer
+killed at any point leaves the previous directory at ``NAME`` and at most
+its temporary (the new files, or the old ones after the swap), which the
+next save removes like a temporary file.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import os
+import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO, Union
@@ -27,7 +40,13 @@ import torch
 
 from functional_fp16._util import deprecation
 
-__all__ = ["atomic_write", "atomic_torch_save", "remove_stale_temporaries"]
+__all__ = [
+    "atomic_write",
+    "atomic_torch_save",
+    "remove_stale_temporaries",
+    "new_temporary_directory",
+    "replace_directory",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -38,15 +57,19 @@ def file_mode(path: str) -> int:
         return os.stat(path).st_mode & 0o777
     except OSError:
         pass
-    umask = 0o022
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc``; 022 where unreadable)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("Umask:"):
-                    umask = int(line.split()[1], 8)
+                    return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
-    return 0o666 & ~umask
+    return 0o022
 
 
 def fsync_dir(directory: str) -> None:
@@ -139,9 +162,13 @@ def remove_stale_temporaries(path: PathLike) -> list[str]:
         pid = _temp_writer(name, host)
         if pid is None or _pid_alive(pid):
             continue
+        full = os.path.join(directory, name)
         try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
+            if stat.S_ISDIR(os.lstat(full).st_mode):  # a checkpoint directory's
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+            removed.append(full)
         except OSError:  # another cleaner got there first
             pass
     return removed
@@ -203,3 +230,92 @@ def atomic_torch_save(path: PathLike, obj: Any) -> None:
         )
         path, obj = obj, path
     atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def new_temporary_directory(path: PathLike) -> str:
+    """A new empty directory ``.NAME.HOST.PID.RANDOM.tmp`` beside ``path``, to be filled
+    and then moved into place with :func:`replace_directory`.
+
+    The temporaries that dead writers on this host left beside it, files and
+    directories, are deleted first (:func:`remove_stale_temporaries`). The new
+    directory gets the mode of the one it will replace (else what ``mkdir``
+    would give).
+
+    Raises:
+      NotADirectoryError: ``path`` exists and is not a directory.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path) and not (os.path.isdir(path) and not os.path.islink(path)):
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    remove_stale_temporaries(path)
+    tmp = tempfile.mkdtemp(
+        prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=os.path.dirname(path)
+    )
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        mode = 0o777 & ~_umask()  # what mkdir would give
+    os.chmod(tmp, mode)
+    return tmp
+
+
+def replace_directory(tmp: PathLike, path: PathLike) -> None:
+    """Moves the complete directory ``tmp`` (from :func:`new_temporary_directory`) to ``path``.
+
+    If ``path`` does not exist, one ``rename``. If it does, the two are
+    swapped with ``renameat2(RENAME_EXCHANGE)`` and the old one, now at
+    ``tmp``, is deleted; either way ``path`` is at every instant the old
+    directory or the new one. Where the exchange is not available (not Linux,
+    or a file system without it) the old directory is first renamed to a
+    temporary of its own: a crash between the two renames leaves no
+    directory at ``path`` (the previous one is in that temporary). The
+    parent directory is fsynced.
+    """
+    tmp, path = os.fspath(tmp), os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    fsync_dir(tmp)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        fsync_dir(parent)
+        shutil.rmtree(tmp)
+    else:
+        old = tempfile.mkdtemp(
+            prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=parent
+        )
+        os.rename(path, old)  # replaces the empty directory just made
+        os.rename(tmp, path)
+        fsync_dir(parent)
+        shutil.rmtree(old)
+    fsync_dir(parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps the entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); ``False``
+    where this system or file system cannot."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)

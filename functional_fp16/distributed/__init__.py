@@ -86,6 +86,7 @@ from functional_fp16.distributed.checkpoints import (
     load_checkpoint_broadcast,
     save_checkpoint_rank0,
 )
+from functional_fp16.distributed.dcp_reader import CheckedReader
 from functional_fp16.distributed.dcp_state import load_dcp_state, save_dcp_state, state_to_dcp
 from functional_fp16.distributed.process_group import (
     DistInfo,
@@ -124,6 +125,7 @@ __all__ = [
     "state_to_dcp",
     "save_dcp_state",
     "load_dcp_state",
+    "CheckedReader",
     "shard_state",
     "unshard_state",
     "is_sharded",

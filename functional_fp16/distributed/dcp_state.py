@@ -33,13 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
+from functional_fp16.checkpoint.atomic_file import new_temporary_directory, replace_directory
+from functional_fp16.checkpoint.format import CheckpointCorruptError, CheckpointMismatchError, show
+from functional_fp16.distributed.dcp_reader import CheckedReader, check_entries, dcp_failure
 from functional_fp16.update.state import (
     ADDED_FIELDS,
     FP16State,
@@ -85,19 +91,48 @@ def state_to_dcp(state: FP16State) -> dict[str, Any]:
     return out
 
 
-def save_dcp_state(state: FP16State, checkpoint_id) -> None:
-    """Saves ``state`` with ``torch.distributed.checkpoint.save`` (every rank calls it).
+def save_dcp_state(state: FP16State, checkpoint_id: str | os.PathLike) -> None:
+    """Saves ``state`` with ``torch.distributed.checkpoint.save`` (every rank calls it), atomically.
 
     Each rank writes its own shards of the DTensor leaves; nothing is
-    gathered. ``checkpoint_id`` is DCP's (a directory path).
+    gathered. ``checkpoint_id`` is the checkpoint's directory. DCP writes
+    into a new sibling ``.NAME.HOST.PID.RANDOM.tmp`` (rank 0 makes it and
+    tells the others its name), and once every rank has finished, rank 0
+    swaps it into place (:func:`~functional_fp16.checkpoint.atomic_file.replace_directory`)
+    and every rank waits for that. A save killed at any point leaves the
+    previous checkpoint loadable at ``checkpoint_id``; its temporary is
+    removed by the next save beside it (the single-file checkpoints' rule:
+    temporaries of dead writers on this host).
+
+    Raises:
+      TypeError: ``checkpoint_id`` is not a path.
+      NotADirectoryError: it names something that is not a directory.
+      RuntimeError: DCP failed on some rank (the original chained); the
+        previous checkpoint is kept and the temporary removed.
     """
     import torch.distributed.checkpoint as dcp
 
-    with one_process_is_intended():
-        dcp.save(state_to_dcp(state), checkpoint_id=checkpoint_id, no_dist=not _distributed())
+    path = _path(checkpoint_id)
+    plain = state_to_dcp(state)
+    first = _rank() == 0
+    tmp = new_temporary_directory(path) if first else None
+    tmp = _from_rank_0(tmp)
+    try:
+        with one_process_is_intended():
+            dcp.save(plain, checkpoint_id=tmp, no_dist=not _distributed())
+    except (Exception, CheckpointException) as err:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"saving {show(path)} failed: {dcp_failure(err)}") from err
+    if first:
+        replace_directory(tmp, path)
+    if _distributed():
+        torch.distributed.barrier()
 
 
-def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) -> FP16State:
+def load_dcp_state(
+    like: FP16State, checkpoint_id: str | os.PathLike, *, in_place: bool = False
+) -> FP16State:
     """The state saved at ``checkpoint_id``, laid out like ``like`` (its tree, dtypes,
     mesh and placements; DCP reshards).
 
@@ -109,19 +144,39 @@ def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) ->
     what they share: a state built with ``fp16_init(..., copy_master=False)``
     from an FSDP2 module's FP32 shards then still has the module's shards as
     its master (and the module holds the loaded weights).
+
+    The directory is read without trusting it
+    (:class:`~functional_fp16.distributed.dcp_reader.CheckedReader`: nothing
+    in ``.metadata`` runs, every size is checked against the files before
+    anything is allocated). Every rank checks it before DCP's collectives
+    start, and the ranks agree: if one rank's files are damaged, every rank
+    raises.
+
+    Raises:
+      CheckpointCorruptError: the directory is not a checkpoint DCP wrote, or
+        is damaged (DCP's own ``CheckpointException`` and unpickling errors
+        are chained to it); nothing of ``like`` has changed unless a data
+        file failed to read with ``in_place=True``.
+      CheckpointMismatchError: an entry's dtype or shape differs from
+        ``like``'s, or ``like`` has an entry the checkpoint lacks.
     """
     import torch.distributed.checkpoint as dcp
 
     if not isinstance(in_place, bool):
         raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    path = _path(checkpoint_id)
+    state_to_dcp(like)  # checks like before anything is read
     leaves, spec = tree_flatten(like)
+    reader = CheckedReader(path)
+    metadata = _agreed(reader.read_metadata)
+    keys = metadata.state_dict_metadata
+    missing = [f for f in ADDED_FIELDS if not any(k == f or k.startswith(f + ".") for k in keys)]
     if in_place:
         target = like
     else:
         fresh = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         target = tree_unflatten(spec, fresh)
     wanted = state_to_dcp(target)
-    missing = _fields_missing(checkpoint_id)
     if missing:  # written before these fields existed: they start afresh
         warnings.warn(old_checkpoint_note(str(checkpoint_id), missing), stacklevel=2)
         for field in missing:
@@ -130,20 +185,76 @@ def load_dcp_state(like: FP16State, checkpoint_id, *, in_place: bool = False) ->
                 lambda x, f=field: added_field_value(f, x), getattr(target, field)
             )
             target = target.replace(**{field: value})
-    with one_process_is_intended():
-        dcp.load(wanted, checkpoint_id=checkpoint_id, no_dist=not _distributed())
+    _agreed(lambda: check_entries(_entries(wanted), metadata, show(path)))
+    try:
+        with one_process_is_intended():
+            dcp.load(wanted, storage_reader=reader, no_dist=not _distributed())
+    except (Exception, CheckpointException) as err:
+        raise CheckpointCorruptError(
+            f"{show(path)}: DCP could not read it ({dcp_failure(err)})"
+        ) from err
     return target
 
 
-def _fields_missing(checkpoint_id) -> list[str]:
-    """The fields of :data:`~functional_fp16.update.state.ADDED_FIELDS` the DCP checkpoint
-    does not hold (a directory's metadata says; another kind of storage is assumed current)."""
-    import torch.distributed.checkpoint as dcp
-
+def _path(checkpoint_id: Any) -> str:
     if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return []
-    keys = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    return [f for f in ADDED_FIELDS if not any(k == f or k.startswith(f + ".") for k in keys)]
+        raise TypeError(
+            f"checkpoint_id must be a directory path, got {type(checkpoint_id).__name__}"
+        )
+    return os.fspath(checkpoint_id)
+
+
+def _entries(wanted: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """DCP's flat names of the nested dict :func:`state_to_dcp` gives (keys joined by ``.``)."""
+    out = {}
+    for key, value in wanted.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _agreed(read: Callable[[], Any]) -> Any:
+    """``read()`` on every rank; if it raises on any rank, every rank raises (the first
+    failing rank's error), so no rank goes on into a collective the others never join."""
+    error: Exception | None = None
+    result = None
+    try:
+        result = read()
+    except Exception as err:  # noqa: BLE001 - each rank's error is reported to all
+        error = err
+    if _distributed():
+        import torch.distributed as dist
+
+        mine = None if error is None else (isinstance(error, CheckpointMismatchError), str(error))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = [(r, e) for r, e in enumerate(every) if e is not None]
+        if failed and error is None:
+            rank, (mismatch, text) = failed[0]
+            kind = CheckpointMismatchError if mismatch else CheckpointCorruptError
+            raise kind(f"rank {rank}: {text}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _distributed() else 0
+
+
+def _from_rank_0(value: Any) -> Any:
+    """``value`` as rank 0 has it (every rank calls this)."""
+    if not _distributed():
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @contextlib.contextmanager

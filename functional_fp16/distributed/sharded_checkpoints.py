@@ -10,9 +10,8 @@ still loads with :func:`load_checkpoint_sharded`; to convert one::
     tree = ffd.load_checkpoint_sharded("old_ckpt", like)     # like: {"state": ..., "epoch": 0}
     ffd.save_dcp_state(tree["state"], "new_ckpt")             # and keep tree["epoch"] yourself
 
-DCP reads a folder's ``.metadata`` with ``pickle``: as with any DCP
-checkpoint, load only directories you trust. (The library's single-file
-checkpoints, :func:`~functional_fp16.save_checkpoint`, are read without pickle.)
+The DCP folder is read like every DCP checkpoint of the library, without
+trusting it (:class:`~functional_fp16.distributed.dcp_reader.CheckedReader`).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from functional_fp16._util.tree import (
     NAMESPACE,
@@ -35,6 +35,7 @@ from functional_fp16._util.tree import (
     tree_unflatten,
 )
 from functional_fp16.checkpoint.format import CheckpointCorruptError, CheckpointMismatchError, show
+from functional_fp16.distributed.dcp_reader import CheckedReader, check_entries, dcp_failure
 from functional_fp16.distributed.dcp_state import one_process_is_intended
 from functional_fp16.distributed.sharding import full_like, map_sharded, shard_like
 from functional_fp16.update.state import (
@@ -151,12 +152,14 @@ def load_checkpoint_sharded(path: str | os.PathLike, like: PyTree) -> PyTree:
         if shape is not None:
             wanted[p] = torch.empty(shape, dtype=leaf.dtype, device=leaf.device)
     folder = os.path.join(directory, marker["folder"])
+    reader = CheckedReader(folder)
+    check_entries(wanted, reader.read_metadata(), show(folder))
     try:
         with one_process_is_intended():
-            dcp.load(wanted, checkpoint_id=folder, no_dist=True)
-    except Exception as err:
+            dcp.load(wanted, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:
         raise CheckpointCorruptError(
-            f"{show(folder)}: DCP could not read it ({type(err).__name__}: {err})"
+            f"{show(folder)}: DCP could not read it ({dcp_failure(err)})"
         ) from err
     out = []
     for p, leaf in zip(paths, leaves):
