@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
@@ -206,10 +207,7 @@ def _plan(state: FP16State, mesh, comm_dtype, bucket_bytes: int) -> _Zero1Plan:
         plan_buckets(shapes, [comm_dtype or p.dtype for p in p_leaves], world, bucket_bytes),
         plan_buckets(shapes, [p.dtype for p in p_leaves], world, bucket_bytes),
     )
-    if len(_PLANS) >= _PLANS_KEPT:
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = found
-    return found
+    return remember(_PLANS, key, found, _PLANS_KEPT)
 
 
 def _rows_of(params: list[torch.Tensor], world: int, rank: int) -> list[torch.Tensor]:

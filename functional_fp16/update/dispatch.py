@@ -34,6 +34,7 @@ from functional_fp16._fused.device_kernels import cuda_kernel_choice, kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_leaves
 from functional_fp16.update.accumulation import (
     fp16_accumulate_update,
@@ -102,10 +103,7 @@ def route(state, impl: str = "auto", signature=None) -> Route:
     key = (signature, impl, c_kernel.available(), cuda_kernel_choice(), triton_failures())
     found = _ROUTES.get(key)
     if found is None:
-        found = _route(state, impl)
-        if len(_ROUTES) >= _ROUTES_KEPT:
-            del _ROUTES[next(iter(_ROUTES))]
-        _ROUTES[key] = found
+        found = remember(_ROUTES, key, _route(state, impl), _ROUTES_KEPT)
     return found
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.precision.loss_scale import unscale_inverse
 from functional_fp16.update.accumulation import fp16_accumulates
@@ -213,9 +214,7 @@ def plan(state, signature, field: str = "params") -> _Plan:
         tuple(p.placements for p in params),
     )
     if signature is not None:
-        if len(_PLANS) >= _PLANS_KEPT:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[signature] = found
+        remember(_PLANS, signature, found, _PLANS_KEPT)
     return found
 
 
@@ -239,10 +238,7 @@ def checked_locally(local, signature):
     key = (signature, tuple([x.stride() for x in leaves if isinstance(x, torch.Tensor)]))
     found = _LOCAL_SIGNATURES.get(key)
     if found is None:
-        found = check_state(local)
-        if len(_LOCAL_SIGNATURES) >= _PLANS_KEPT:
-            del _LOCAL_SIGNATURES[next(iter(_LOCAL_SIGNATURES))]
-        _LOCAL_SIGNATURES[key] = found
+        found = remember(_LOCAL_SIGNATURES, key, check_state(local), _PLANS_KEPT)
     return mark_checked(local, found)
 
 
@@ -352,9 +348,7 @@ def agree_on_layout(state, grads, signature) -> None:
                     f"rank 0 but {other.get(path, 'absent')} on rank {r}"
                 )
     if signature is not None:
-        if len(_AGREED) >= _PLANS_KEPT:
-            del _AGREED[next(iter(_AGREED))]
-        _AGREED[key] = True
+        remember(_AGREED, key, True, _PLANS_KEPT)
 
 
 def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=None, **kwargs):

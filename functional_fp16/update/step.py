@@ -16,6 +16,7 @@ import operator
 import torch
 from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_map
 from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook, SumHook
@@ -142,9 +143,7 @@ def _holds_dtensors(state: FP16State, signature) -> bool:
     if found is None:
         found = _dtensor_kind(state)
         if signature is not None:
-            _DTENSOR_STATES[signature] = found
-            if len(_DTENSOR_STATES) > _LAYOUTS_KEPT:
-                del _DTENSOR_STATES[next(iter(_DTENSOR_STATES))]
+            remember(_DTENSOR_STATES, signature, found, _LAYOUTS_KEPT)
     if found == "sharded":
         raise ValueError(_SHARDED_MESSAGE)
     return found == "dtensor"
@@ -181,9 +180,7 @@ def _grad_leaves(state: FP16State, grads, signature) -> list[torch.Tensor]:
         types = list(map(type, p_leaves))  # plain tensors, or DTensors where params are
         layout = (p_spec, [torch.Tensor if t is torch.nn.Parameter else t for t in types])
         layout += _metadata(p_leaves)
-        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            del _LAYOUTS[next(iter(_LAYOUTS))]
-        _LAYOUTS[signature] = layout
+        remember(_LAYOUTS, signature, layout, _LAYOUTS_KEPT)
     leaves, spec = tree_flatten(grads)
     if (
         spec == layout[0]
