@@ -8,13 +8,16 @@ library goes through the helpers here so that the namespace is never forgotten.
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+
+from functional_fp16._util.cache import remember
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -91,102 +94,161 @@ class _Unknown(Exception):
     """A node :func:`_known_flatten` leaves to ``optree``."""
 
 
+class _Known(NamedTuple):
+    """What the structure cache knows of one key."""
+
+    spec: optree.PyTreeSpec  # optree's spec of every tree with this key
+    order: tuple[int, ...]  # insertion-order positions of optree's leaves (() if the same)
+    defaults: tuple[tuple[type, Any], ...]  # (class, its registry entry when learnt)
+
+
 _PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter})
 _STR = frozenset({str})
-_STRUCTURES: dict[Any, tuple[optree.PyTreeSpec, tuple[int, ...]] | None] = {}
+_STRUCTURES: dict[Any, _Known] = {}
 _STRUCTURES_KEPT = 1024
 _REGISTERED: set[type] = set()  # the library's own nodes (flattened by their registration)
+_registry_entry = optree.register_pytree_node.get
+# optree's registry entries for the kinds the cache flattens itself, as optree has them by
+# default: tensors are leaves (no entry), a named tuple's children are its fields, a dict's
+# children its values by sorted key. Registering a class (in this namespace or the global
+# one) gives it another entry, and dict_insertion_ordered gives dict another.
+_NAMED_TUPLE_DEFAULT = _registry_entry(collections.namedtuple)
+_SORTED_DICT_DEFAULT = _registry_entry(dict)
+
+
+def _proven(defaults: tuple[tuple[type, Any], ...]) -> bool:
+    """Whether optree's registry still holds, for every class of ``defaults``, the entry
+    it held when the key was learnt (about 0.3 us a class)."""
+    for cls, entry in defaults:
+        if _registry_entry(cls, namespace=NAMESPACE) is not entry:
+            return False
+    return True
 
 
 def _known_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec] | None:
-    """``optree.tree_flatten(tree)`` for a tree of known node kinds, or ``None``.
+    """``optree.tree_flatten(tree)`` for a tree of node kinds it can prove, or ``None``.
 
     ``optree`` spends about 0.2 us per leaf (its registry lookups), which at
     hundreds of leaves is a large part of an update. Here a tree whose nodes
-    are ``dict`` (string keys, plain tensor values), ``tuple``, ``list``,
-    named tuples and ``None`` is described by a key (each node's type, each
-    dict's keys in insertion order), its leaves gathered in insertion order,
-    and the key looked up: the first time, ``optree`` flattens the tree and
-    the key keeps its spec and the permutation to ``optree``'s order (sorted
-    keys), checked leaf by leaf; a tree ``optree`` orders another way is
-    never looked up again. Two trees with one key have the same node types
-    and keys, so ``optree`` gives them the same spec.
+    are exactly ``dict`` (string keys, plain tensor values), ``tuple``,
+    ``list``, named tuples and ``None`` is described by a key (each node's
+    type, each leaf's type, each dict's keys in insertion order), its leaves
+    gathered in insertion order, and the key looked up. The first time,
+    ``optree`` flattens the tree and the key keeps its spec and the
+    permutation to ``optree``'s order, read from ``optree``'s leaf paths.
+
+    Those paths name the leaves the key describes only under ``optree``'s
+    defaults: tensors are leaves, a named tuple's children are its fields in
+    order, a dict's its values by key (sorted). So the key also keeps the
+    registry entry of each class it relies on (the tensor types, ``dict``,
+    its named tuples), and every hit asks ``optree.register_pytree_node.get``
+    whether they still hold. A class registered in :data:`NAMESPACE` or the
+    global one, before or after its first use, and ``dict`` under
+    ``optree.dict_insertion_ordered`` fail that check: such a tree is
+    flattened by ``optree``, and is never learnt. The library's own
+    registered nodes go to ``optree`` always.
     """
     leaves: list[Any] = []
     try:
         key = _describe(tree, leaves)
     except _Unknown:
         return None
-    hit = _STRUCTURES.get(key, False)
-    if hit is False:
-        hit = _learn(tree, key, leaves)
-    if hit is None:
+    known = _STRUCTURES.get(key)
+    if known is None:
+        known = _learn(tree, key, leaves)
+        if known is None:
+            return None
+    elif not _proven(known.defaults):
         return None
-    spec, order = hit
-    return (leaves if not order else list(map(leaves.__getitem__, order))), spec
+    return (leaves if not known.order else list(map(leaves.__getitem__, known.order))), known.spec
 
 
 def _describe(tree: PyTree, leaves: list[Any]) -> Any:
+    """The key of ``tree``: a leaf's type, ``None``, or a tuple: ``(dict, keys, value
+    types)`` or ``(node type, *children's keys)``; appends its leaves to ``leaves``."""
     kind = type(tree)
     if kind in _PLAIN_LEAVES:
         leaves.append(tree)
-        return 0
+        return kind
     if kind is dict:
         values = list(tree.values())
+        kinds = frozenset(map(type, values))
         # Keys of exactly ``str``: a str subclass or str enum member is equal to its
         # string (the same lookup key) but optree keeps it in the spec.
-        if not set(map(type, values)) <= _PLAIN_LEAVES or not set(map(type, tree)) <= _STR:
+        if not kinds <= _PLAIN_LEAVES or not set(map(type, tree)) <= _STR:
             raise _Unknown
         leaves += values
-        return (dict, tuple(tree))
+        return (dict, tuple(tree), kinds)
     if tree is None:
         return None
-    if (
-        kind is tuple
-        or kind is list
-        or (issubclass(kind, tuple) and hasattr(kind, "_fields") and kind not in _REGISTERED)
-    ):
+    if kind is tuple or kind is list:
         return (kind, *[_describe(child, leaves) for child in tree])
+    if issubclass(kind, tuple) and hasattr(kind, "_fields") and kind not in _REGISTERED:
+        # optree reads a named tuple's slots, whatever its class's __iter__ does
+        return (kind, *[_describe(child, leaves) for child in tuple.__iter__(tree)])
     raise _Unknown
 
 
-def _learn(tree: PyTree, key: Any, leaves: list[Any]):
+def _learn(tree: PyTree, key: Any, leaves: list[Any]) -> _Known | None:
     """``optree``'s spec of ``tree`` and the permutation from ``leaves`` (insertion
-    order) to its leaves (each dict's keys sorted), checked against ``optree``."""
+    order) to its leaves, kept under ``key`` where optree's registry has its defaults for
+    the key's classes; else ``None``, nothing kept.
+
+    The permutation is read from optree's own leaf paths (each leaf's dict keys and
+    indices), matched to the paths of ``leaves``, so it holds with one tensor at several
+    places too; the leaves are then checked against optree's one by one.
+    """
+    classes: dict[type, Any] = {}
+    _classes_of(key, classes)
+    defaults = tuple(classes.items())
+    if not _proven(defaults):
+        return None
     found, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    order: list[int] = []
-    try:
-        _sorted_order(key, order)
-    except TypeError:  # keys that do not sort: optree keeps insertion order
-        order = None
-    if order is not None and (
-        len(order) != len(found) or any(leaves[i] is not x for i, x in zip(order, found))
+    paths: list[tuple[Any, ...]] = []
+    _paths_of(key, (), paths)
+    position = {path: i for i, path in enumerate(paths)}
+    order = [position.get(path, -1) for path in spec.paths()]
+    if (
+        len(order) != len(leaves)
+        or sorted(order) != list(range(len(leaves)))
+        or any(leaves[i] is not x for i, x in zip(order, found))
     ):
-        order = None
-    hit = None if order is None else (spec, () if order == sorted(order) else tuple(order))
-    if len(_STRUCTURES) >= _STRUCTURES_KEPT:
-        del _STRUCTURES[next(iter(_STRUCTURES))]
-    _STRUCTURES[key] = hit
-    return hit
+        return None
+    known = _Known(spec, () if order == sorted(order) else tuple(order), defaults)
+    return remember(_STRUCTURES, key, known, _STRUCTURES_KEPT)
 
 
-def _sorted_order(key: Any, order: list[int]) -> None:
-    """Appends to ``order`` the insertion-order positions of the described leaves in
-    ``optree``'s order (raises ``TypeError`` for a dict whose keys are not all strings)."""
+def _classes_of(key: Any, classes: dict[type, Any]) -> None:
+    """Collects the classes of a key (tensor types, dicts, named tuples), each with the
+    registry entry of optree's default for it."""
     if key is None:
         return
-    if key == 0:
-        order.append(len(order))
+    if type(key) is not tuple:
+        classes[key] = None  # a leaf
         return
-    if key[0] is not dict:
-        for child in key[1:]:
-            _sorted_order(child, order)
+    kind = key[0]
+    if kind is dict:
+        classes[dict] = _SORTED_DICT_DEFAULT
+        classes.update(dict.fromkeys(key[2]))
         return
-    keys = key[1]
-    if not all(type(k) is str for k in keys):
-        raise TypeError("not string keys")
-    start = len(order)
-    order += [start + i for i in sorted(range(len(keys)), key=keys.__getitem__)]
+    if kind is not tuple and kind is not list:
+        classes[kind] = _NAMED_TUPLE_DEFAULT
+    for child in key[1:]:
+        _classes_of(child, classes)
+
+
+def _paths_of(key: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]]) -> None:
+    """Appends the path of each described leaf, in insertion order, as optree writes
+    paths: a dict's key, a sequence's or named tuple's index."""
+    if key is None:
+        return
+    if type(key) is not tuple:
+        paths.append(path)
+    elif key[0] is dict:
+        paths += [(*path, k) for k in key[1]]
+    else:
+        for i, child in enumerate(key[1:]):
+            _paths_of(child, (*path, i), paths)
 
 
 def tree_unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
