@@ -195,7 +195,9 @@ def test_per_rank_metadata_files_are_never_read(clean):
         ([((0, 0), (2, 2)), ((0, 2), (2, 3)), ((2, 0), (2, 5))], (4, 5), True),
         ([((0, 0), (3, 5)), ((2, 0), (1, 5))], (4, 5), False),  # overlap + gap
         ([((0, 0), (2, 3)), ((0, 2), (2, 3))], (2, 5), False),  # columns overlap, one missing
-        ([((0,), (5,)), ((0,), (0,))], (5,), False),  # an empty chunk
+        ([((0,), (1,)), ((1,), (0,))], (1,), True),  # a rank's empty shard
+        ([((0,), (1,)), ((2,), (0,))], (1,), False),  # an empty shard outside
+        ([((0,), (5,)), ((0,), (5,))], (10,), False),  # twice the same half
         ([((0,), (6,))], (5,), False),
         ([((), ())], (), True),
         ([((), ()), ((), ())], (), False),

@@ -261,25 +261,27 @@ def _volume(sizes: tuple[int, ...]) -> int:
 def _tiles(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], size: tuple[int, ...]) -> bool:
     """Whether the boxes ``(offsets, sizes)`` lie inside ``size`` and cover it exactly once.
 
-    Inside the tensor, with volumes adding up to the tensor's, they cover it
-    exactly when no two overlap; that is checked by a sweep along the first
-    dimension (a pair is compared only when their first-dimension ranges meet).
+    Empty boxes (a rank's empty shard of a tensor with fewer rows than ranks)
+    cover nothing but must still lie inside. Inside the tensor, with volumes
+    adding up to the tensor's, the boxes cover it exactly when no two
+    overlap; that is checked by a sweep along the first dimension (a pair is
+    compared only when their first-dimension ranges meet).
     """
-    if any(d == 0 for d in size):
-        return all(_volume(s) == 0 for _, s in chunks)
     total = 0
+    boxes = []
     for offsets, sizes in chunks:
-        if any(s < 1 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
             return False
-        total += _volume(sizes)
-    if total != _volume(size):
+        volume = _volume(sizes)
+        total += volume
+        if volume:
+            boxes.append((offsets, sizes))
+    if total != _volume(size) or (not size and len(chunks) != 1):
         return False
-    if not size:
-        return len(chunks) == 1
-    ordered = sorted(chunks)
-    for i, (a_off, a_size) in enumerate(ordered):
-        for b_off, b_size in ordered[i + 1 :]:
-            if b_off[0] >= a_off[0] + a_size[0]:
+    boxes.sort()
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1 :]:
+            if b_off and b_off[0] >= a_off[0] + a_size[0]:
                 break  # sorted by first offset: no later box meets this one
             if all(
                 bo < ao + asz and ao < bo + bsz
