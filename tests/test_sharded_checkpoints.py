@@ -11,6 +11,7 @@ sharded ``like``.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -121,3 +122,24 @@ def test_the_retired_writer_says_what_replaces_it():
         ffd.save_checkpoint_sharded  # noqa: B018
     with pytest.raises(AttributeError, match="placements"):
         ffd.ShardLayout  # noqa: B018
+
+
+@pytest.mark.parametrize("case", ["global_system", "data_cut_to_a_third", "outside_folder"])
+def test_a_forged_dcp_folder_of_the_old_format_is_refused_and_runs_nothing(case, tmp_path):
+    from tests import _forged_dcp as F
+
+    copy = tmp_path / "legacy"
+    shutil.copytree(LEGACY, copy)
+    folder = next(p for p in copy.iterdir() if p.name.startswith("step-"))
+    evidence = tmp_path / "evidence"
+    evidence.mkdir()
+    if case == "outside_folder":  # this format's chunks are named by another entry
+        md = F.metadata(folder)
+        key = next(iter(md.storage_data))
+        md.storage_data[key].relative_path = "/etc/passwd"
+        F.write_metadata(folder, pickle.dumps(md))
+    else:
+        F.forgeries(evidence)[case](folder)
+    with pytest.raises(ff.CheckpointCorruptError, match=folder.name):
+        ffd.load_checkpoint_sharded(copy, legacy_like())
+    assert not any(evidence.iterdir())
