@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from functional_fp16._fused.op_checks import first_overlap
+from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import (
     describe_tensor,
     first_difference,
@@ -134,9 +135,7 @@ def check_state(state: FP16State) -> Any:
         return key
     _compare(state, _template(state))
     if key is not None:
-        if len(_good) >= _CACHE_SIZE:
-            del _good[next(iter(_good))]
-        _good[key] = None
+        remember(_good, key, None, _CACHE_SIZE)
     return key
 
 
