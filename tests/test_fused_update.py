@@ -72,12 +72,52 @@ def assert_within_contract(new, ref, old):
             (new.params, new.master, new.opt_state), (old.params, old.master, old.opt_state)
         )
         return
-    for a, r, m in zip(tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(old.master)):
-        assert_within_one_operation_ulp(a, r, m)
+    contracted = op_library.kernel_for(torch.device("cpu")) != "c"
+    carried = _carried_error(new, ref) if contracted else None
+    for i, (a, r, m) in enumerate(
+        zip(tree_leaves(new.master), tree_leaves(ref.master), tree_leaves(old.master))
+    ):
+        extra = None if carried is None else (r - m).abs() * carried[i]
+        assert_within_one_operation_ulp(a, r, m, extra=extra)
     for p, m in zip(tree_leaves(new.params), tree_leaves(new.master)):
         assert torch.equal(bits(p), bits(m.to(p.dtype)))  # the round-to-nearest working copy
-    # Momentum, counts and flags are not contracted: bitwise.
-    assert_bitwise(new.opt_state, ref.opt_state)
+    if op_library.kernel_for(torch.device("cpu")) == "c":
+        # The C kernel rounds momentum as the reference does: bitwise.
+        assert_bitwise(new.opt_state, ref.opt_state)
+        return
+    # The CUDA default (PyTorch's fused kernels) may contract the momentum's multiply-add,
+    # as the contract allows: each FP32 state within one ulp at the scale of its operation
+    # (|b|, |b'|, |b' - b|); counts and flags bitwise.
+    for a, r, o in zip(
+        tree_leaves(new.opt_state), tree_leaves(ref.opt_state), tree_leaves(old.opt_state)
+    ):
+        if a.dtype == torch.float32:
+            assert_within_one_operation_ulp(a, r, o)
+        else:
+            assert_bitwise(a, r)
+
+
+def _carried_error(new, ref):
+    r"""Per master leaf, the relative error of the optimiser's FP32 state leaves that step it
+    (the largest over the state's blocks laid out like the master), or ``None``.
+
+    The CUDA default runs PyTorch's fused kernels, which may contract the momentum's
+    multiply-add as well as the master's (both within the contract's one ulp at their own
+    scale). The master's step :math:`\eta b'` then carries the momentum's rounding: the
+    bound on the master is one ulp at its operation's scale plus
+    :math:`|m_{ref} - m| \cdot |b' - b'_{ref}| / |b'_{ref}|`, the momentum's own error
+    carried by the step (and the momentum is held to its one ulp separately)."""
+    n = len(tree_leaves(ref.master))
+    a = [x for x in tree_leaves(new.opt_state) if x.dtype == torch.float32]
+    r = [x for x in tree_leaves(ref.opt_state) if x.dtype == torch.float32]
+    shapes = [x.shape for x in tree_leaves(ref.master)]
+    if not r or len(r) % n or any(x.shape != shapes[i % n] for i, x in enumerate(r)):
+        return None
+    out = [torch.zeros(s) for s in shapes]
+    for i, (x, y) in enumerate(zip(a, r)):
+        rel = ((x - y).abs() / y.abs()).nan_to_num(nan=0.0, posinf=0.0)
+        out[i % n] = torch.maximum(out[i % n], rel)
+    return out
 
 
 def clone(state):
@@ -135,7 +175,12 @@ def test_one_step_within_one_ulp_of_torch_sgd_and_long_runs_within_four(cfg):
     m0 = torch.randn(n) * 0.05
     state = ff.fp16_init({"w": m0}, ff.sgd(lr, **cfg), ff.StaticLossScale(scale))
     param = torch.nn.Parameter(m0.clone())
-    opt = torch.optim.SGD([param], lr=lr, foreach=True, **cfg)
+    # What a user runs beside this kernel: on the CPU torch's multi-tensor SGD (the C kernel
+    # rounds as it does), on CUDA SGD(fused=True), the kernel the CUDA default calls.
+    fused = op_library.kernel_for(torch.device("cpu")) == "generic"
+    opt = torch.optim.SGD(
+        [param], lr=lr, **({"fused": True} if fused else {"foreach": True}), **cfg
+    )
     inv = ff.unscale_factor(torch.tensor(scale))
     for step in range(30):
         g16 = (torch.randn(n) * scale * 0.1).half()

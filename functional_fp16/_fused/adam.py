@@ -220,9 +220,9 @@ def _lists(
     torch._foreach_mul_(step, inv_c1.reshape(()))
     if decoupled != 0.0:
         torch._foreach_add_(step, master, alpha=decoupled)
-    new = {"master": plain_kernels.stepped(master, step, lr), "mu": na, "nu": nv}
+    del u, denom  # the moments and the step are all this step still needs
     plain_kernels.write_lists(
-        apply.reshape(()), new, master=master, mu=mu, nu=nu, params=params,
+        apply.reshape(()), {"mu": na, "nu": nv}, step, lr, master=master, mu=mu, nu=nu, params=params,
         master_out=master_out, mu_out=mu_out, nu_out=nu_out, params_out=params_out,
     )  # fmt: skip
 

@@ -152,9 +152,9 @@ def _generic(
             torch._foreach_add_(d, master, alpha=decoupled)
         na = torch._foreach_mul(u, w2)
         torch._foreach_add_(na, torch._foreach_mul(mu, b2))
-        new = {"master": plain_kernels.stepped(master, d, lr), "mu": na}
+        del u
         plain_kernels.write_lists(
-            apply.reshape(()), new, master=master, mu=mu, params=params,
+            apply.reshape(()), {"mu": na}, d, lr, master=master, mu=mu, params=params,
             master_out=master_out, mu_out=mu_out, params_out=params_out,
         )  # fmt: skip
         return

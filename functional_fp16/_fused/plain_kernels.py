@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
-__all__ += ["one_group", "unscaled_lists", "stepped", "correct_sqrt", "select_into", "write_lists"]
+__all__ += ["one_group", "unscaled_lists", "skip_flag", "start_from", "fma_step_", "correct_sqrt"]
+__all__ += ["select_into", "write_lists", "refresh_params"]
 
 
 def f32(x: float) -> float:
@@ -128,26 +129,41 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     return u
 
 
-def stepped(master: list[Tensor], v: list[Tensor], lr: Tensor) -> list[Tensor]:
-    r"""``m + v * lr`` per leaf, as one multiply-add: :math:`\operatorname{fl}_{32}(
-    \operatorname{fl}_{64}(m + v\,\eta))`.
+def skip_flag(apply: Tensor) -> Tensor:
+    """``1.0`` where the step is skipped, else ``0.0``: the ``found_inf`` PyTorch's fused
+    optimiser kernels take (a float32 0-d tensor on ``apply``'s device; no host read)."""
+    return torch.where(apply.reshape(()), 0.0, 1.0)
 
-    The product of two float32 numbers is exact in float64 and the sum is
-    rounded there once, so the float32 result is the contracted one (as
-    ``addcmul`` and the compiled kernels give it) but for rare double-rounding
-    ties, which land on the neighbouring float32: within one ulp of the result.
-    A multi-tensor op takes the factor as a device tensor only as a separate
-    product, which would round twice.
-    """
-    wide = [torch.empty_like(m, dtype=torch.float64) for m in master]
-    torch._foreach_copy_(wide, v)
-    torch._foreach_mul_(wide, lr.reshape(()).double())
-    acc = [torch.empty_like(m, dtype=torch.float64) for m in master]
-    torch._foreach_copy_(acc, master)
-    torch._foreach_add_(acc, wide)
-    out = [torch.empty_like(m) for m in master]
-    torch._foreach_copy_(out, acc)
+
+def start_from(out: list[Tensor], old: list[Tensor]) -> list[Tensor]:
+    """``out`` holding ``old``'s values (one multi-tensor copy where they are other
+    tensors; nothing where ``out`` is ``old``, a donated step)."""
+    if out and any(o is not x for o, x in zip(out, old)):
+        torch._foreach_copy_(out, old)
     return out
+
+
+def fma_step_(out: list[Tensor], master: list[Tensor], v: list[Tensor], lr: Tensor, skip: Tensor):
+    r"""``out = fma(v, lr, master)`` per element where the step applies, else ``master``
+    bit for bit; in place in ``out`` (which may be ``master``), no temporary.
+
+    .. math:: m' = \operatorname{fl}_{32}(m + v\,\eta)
+
+    rounded once, as the compiled kernels contract it. It is PyTorch's fused SGD
+    kernel (``torch._fused_sgd_``) with no momentum or decay, ascending by the
+    signed ``lr`` (``maximize``: :math:`m + \eta v`), and ``found_inf = skip``:
+    a skipped step returns before it writes. A multi-tensor op would take
+    ``lr`` as a device tensor only as a separate product (two roundings); this
+    kernel contracts it (PyTorch's CPU kernel is measured exact against the
+    float64 reference; CUDA's is compiled with contraction).
+    """
+    if not out:
+        return
+    start_from(out, master)
+    torch._fused_sgd_(
+        out, v, [], weight_decay=0.0, momentum=0.0, lr=lr.reshape(()), dampening=0.0,
+        nesterov=False, maximize=True, is_first_step=False, grad_scale=None, found_inf=skip,
+    )  # fmt: skip
 
 
 def correct_sqrt(x: list[Tensor]) -> list[Tensor]:
@@ -162,14 +178,17 @@ def correct_sqrt(x: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def select_into(apply: Tensor, new: list[Tensor], old: list[Tensor], out: list[Tensor]) -> None:
+def select_into(
+    apply: Tensor, new: list[Tensor], old: list[Tensor], out: list[Tensor], consume: bool = False
+) -> None:
     r"""``out[i] = new[i] if apply else old[i]``, bit for bit, on lists and without reading
     ``apply`` on the host.
 
     On the bit patterns as integers of the same width, with :math:`a \in \{0, 1\}`:
     :math:`o = n\,a + o_{\text{old}}\,(1 - a)`, exact (one term is zero, the other a
     product by one), for every value, inf, NaN and signed zero. ``out`` may be
-    ``old`` (a donated step); every ``new`` is computed before.
+    ``old`` (a donated step); every ``new`` is computed before. With ``consume`` the
+    ``new`` tensors are the caller's temporaries and are overwritten (no further buffer).
     """
     if not new:
         return
@@ -185,21 +204,40 @@ def select_into(apply: Tensor, new: list[Tensor], old: list[Tensor], out: list[T
         if any(out[i] is not old[i] for i in idx):
             torch._foreach_copy_(o, [old[i].view(kind) for i in idx])
         torch._foreach_mul_(o, keep)
-        torch._foreach_add_(o, torch._foreach_mul(n, a))
+        if consume:
+            torch._foreach_mul_(n, a)  # ``new`` is a temporary of the caller's: no other
+            torch._foreach_add_(o, n)
+        else:
+            torch._foreach_add_(o, torch._foreach_mul(n, a))
 
 
-def write_lists(apply: Tensor, new: dict, **lists) -> None:
-    """:func:`write_member` for every leaf at once: ``where(apply, new, old)`` into the
-    outputs, and the working copies (``fl16`` of the new master) where they are their own."""
-    mo, po, params = lists["master_out"], lists["params_out"], lists["params"]
-    own = [i for i, (m, p) in enumerate(zip(mo, po)) if p.data_ptr() != m.data_ptr()]
-    if own:
-        rounded = [torch.empty_like(po[i]) for i in own]
-        torch._foreach_copy_(rounded, [new["master"][i] for i in own])
-        select_into(apply, rounded, [params[i] for i in own], [po[i] for i in own])
+def write_lists(apply: Tensor, new: dict, direction: list[Tensor], lr: Tensor, **lists) -> None:
+    """:func:`write_member` for every leaf at once, consuming the temporaries it is given.
+
+    The master steps in place in ``master_out`` (:func:`fma_step_`: ``m + lr * direction``
+    where ``apply``); each state of ``new`` (its new values, the caller's temporaries) is
+    selected into its ``<name>_out``; then the working copies are refreshed
+    (:func:`refresh_params`). ``lists`` holds each name's input and output lists."""
+    fma_step_(lists["master_out"], lists["master"], direction, lr, skip_flag(apply))
     for name, value in new.items():
         if value is not None:
-            select_into(apply, value, lists[name], lists[f"{name}_out"])
+            select_into(apply, value, lists[name], lists[f"{name}_out"], consume=True)
+    refresh_params(apply, lists["master_out"], lists["params"], lists["params_out"])
+
+
+def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
+    """The working copies that are their own tensors: ``fl16`` of the new master where
+    ``apply``, else the old ones bit for bit (one FP16 temporary, 2 B a parameter)."""
+    own = [
+        i for i, (m, p) in enumerate(zip(master_out, params_out)) if p.data_ptr() != m.data_ptr()
+    ]
+    if own:
+        rounded = [torch.empty_like(params_out[i]) for i in own]
+        torch._foreach_copy_(rounded, [master_out[i] for i in own])
+        select_into(
+            apply.reshape(()), rounded, [params[i] for i in own], [params_out[i] for i in own],
+            consume=True,
+        )  # fmt: skip
 
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:

@@ -243,21 +243,49 @@ def _lists(
     grads, master, trace, params, master_out, trace_out, params_out, inv, clip_div, clip_mul,
     lr, apply, started, weight_decay, momentum, take, nesterov,
 ) -> None:  # fmt: skip
-    """The plain kernel of one group of one member: the same operations on flat lists,
-    a fixed number of multi-tensor ops (``torch._foreach_*``) whatever the leaves."""
+    r"""The plain kernel of one group of one member: a fixed number of multi-tensor ops
+    whatever the leaves, and one of PyTorch's fused kernels.
+
+    Without dampening (``take == 1``) or without momentum the step is PyTorch's
+    fused SGD kernel (``torch._fused_sgd_``) on the unscaled gradients, in place
+    in the outputs (copies of the inputs, or the inputs when donated), with
+    ``found_inf`` the skip: per element
+
+    .. math:: u \leftarrow u + \lambda m, \quad b' = \mu b + u, \quad
+              v = u + \mu b' \text{ (Nesterov) or } b', \quad m' = m - (-\eta)\, v
+
+    Before momentum has started the trace is zero (the state's invariant: it
+    starts at zero and changes only on an applied step, which starts it), so
+    :math:`\mu b + u = u` there, as the reference's :math:`b' = u`. The only
+    temporary is the float32 gradient list (4 B a parameter) and, afterwards,
+    the FP16 working copies (2 B). With dampening the first step differs from
+    PyTorch's (:math:`b' = u`, not :math:`(1 - d) u`), so it runs as multi-tensor
+    ops.
+    """
     u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    apply = apply.reshape(())
+    if trace is None or take == 1.0:
+        m_out = plain_kernels.start_from(master_out, master)
+        t_out = plain_kernels.start_from(trace_out, trace) if trace is not None else []
+        torch._fused_sgd_(
+            m_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
+            lr=torch.neg(lr.reshape(())), dampening=0.0, nesterov=bool(nesterov and t_out),
+            maximize=False, is_first_step=False, grad_scale=None,
+            found_inf=plain_kernels.skip_flag(apply),
+        )  # fmt: skip
+        del u
+        plain_kernels.refresh_params(apply, master_out, params, params_out)
+        return
     if weight_decay != 0.0:
         torch._foreach_add_(u, master, alpha=weight_decay)
-    v, nb = u, None
-    if trace is not None:
-        on = started.reshape(())
-        keep = torch.where(on, momentum, 0.0).float()
-        nb = torch._foreach_mul(trace, keep)
-        torch._foreach_add_(nb, torch._foreach_mul(u, torch.where(on, take, 1.0).float()))
-        v = torch._foreach_add(u, nb, alpha=momentum) if nesterov else nb
-    new = {"master": plain_kernels.stepped(master, v, lr), "trace": nb}
+    on = started.reshape(())
+    nb = torch._foreach_mul(trace, torch.where(on, momentum, 0.0).float())
+    torch._foreach_add_(nb, torch._foreach_mul(u, torch.where(on, take, 1.0).float()))
+    if nesterov:
+        torch._foreach_add_(u, nb, alpha=momentum)  # v = u + mu b', in u's buffers
+    v = u if nesterov else nb
     plain_kernels.write_lists(
-        apply.reshape(()), new, master=master, trace=trace, params=params,
+        apply, {"trace": nb}, v, lr, master=master, trace=trace, params=params,
         master_out=master_out, trace_out=trace_out, params_out=params_out,
     )  # fmt: skip
 
