@@ -231,8 +231,9 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
       prefixes) or Lion chain (:func:`~functional_fp16.lion`, after an optional
       ``clip_by_global_norm``), the state has the plan's layout and the loss scale is one of
       the library's. The op runs the compiled kernel of the state's device
-      (the CPU with a C compiler, CUDA with Triton) or its plain PyTorch
-      kernel, in eager mode, under ``torch.compile`` and under ``vmap``;
+      (the CPU with a C compiler) or its plain PyTorch kernel (CUDA's
+      default: PyTorch's multi-tensor ops and fused optimiser kernels), in
+      eager mode, under ``torch.compile`` and under ``vmap``;
     * ``"foreach-sgd"`` — the multi-tensor SGD sequence (a fusable SGD chain
       without clipping, ``impl="foreach"``);
     * ``"foreach"`` — any other optimiser, run on flat lists of tensors;
