@@ -1,7 +1,8 @@
 """Which kernel runs an op on a device, and the call into it: C, Triton or plain PyTorch.
 
 :func:`kernel_for` names the device's kernel: the compiled C library on the
-CPU, the multi-tensor Triton launches on CUDA (a Triton kernel that fails on
+CPU (or, with ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``, the kernel CUDA
+runs by default), the multi-tensor Triton launches on CUDA (a Triton kernel that fails on
 its first launch falls back to the plain kernel, see ``triton_fallback``),
 and the plain PyTorch kernel (``plain_kernels``) on any other device or
 where no compiler exists. :func:`stats` runs ``grad_stats`` and
@@ -23,7 +24,10 @@ from functional_fp16._fused.triton_fallback import with_triton
 from functional_fp16._kernels import cpu as c_kernel
 
 __all__ = [
+    "CPU_KERNEL_VARIABLE",
     "CUDA_KERNEL_VARIABLE",
+    "CUDA_DEFAULT_KERNEL",
+    "cpu_kernel_choice",
     "cuda_kernel_choice",
     "kernel_for",
     "member_views",
@@ -48,21 +52,50 @@ def cuda_kernel_choice() -> str:
     return choice
 
 
+CPU_KERNEL_VARIABLE = "FUNCTIONAL_FP16_CPU_KERNEL"
+"""The environment variable that chooses the CPU kernel: ``c`` (the default, where the C
+library is available) or ``cuda-default`` (the kernel CUDA runs by default, on the CPU)."""
+
+CUDA_DEFAULT_KERNEL = "generic"
+"""What :func:`kernel_for` answers for a CUDA device without opt-ins: the plain PyTorch
+kernel (PyTorch's multi-tensor ops)."""
+
+
+def cpu_kernel_choice() -> str:
+    """The declared CPU kernel: ``"c"`` (the compiled C library where it is available, the
+    default) or ``"cuda-default"`` (the CPU runs what CUDA runs by default,
+    :data:`CUDA_DEFAULT_KERNEL`, so that path can be run and measured without a GPU)."""
+    choice = os.environ.get(CPU_KERNEL_VARIABLE, "c").strip().lower() or "c"
+    if choice not in ("c", "cuda-default"):
+        raise ValueError(f"${CPU_KERNEL_VARIABLE} must be 'c' or 'cuda-default', got {choice!r}")
+    return choice
+
+
 def kernel_for(device: torch.device) -> str:
     """The kernel that runs on ``device``: ``"c"``, ``"triton"`` or ``"generic"``.
 
     * the CPU: the compiled C library (``$FUNCTIONAL_FP16_NO_KERNEL`` makes it
-      unavailable, so the CPU runs the plain PyTorch kernel);
+      unavailable, so the CPU runs the plain PyTorch kernel), unless
+      ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``: then the CPU runs exactly
+      the kernel a CUDA device runs by default (:data:`CUDA_DEFAULT_KERNEL`,
+      the plain PyTorch kernel) and no C or C++ kernel runs in the update, so
+      CUDA's default path can be tested, profiled and counted on a machine
+      without a GPU (``benchmarks/bench_cuda_default.py``);
     * CUDA: the plain PyTorch kernel, whose one-group form is a fixed number of
       PyTorch's own multi-tensor ops (``torch._foreach_*``), unless
       ``$FUNCTIONAL_FP16_CUDA_KERNEL=triton`` opts in to the Triton kernels;
     * any other device: the plain PyTorch kernel.
+
+    Each of the two variables is read on every call; a value other than those
+    above raises a ``ValueError`` that names the variable.
     """
-    if device.type == "cpu" and c_kernel.available():
-        return "c"
+    if device.type == "cpu":
+        if cpu_kernel_choice() == "cuda-default":
+            return CUDA_DEFAULT_KERNEL
+        return "c" if c_kernel.available() else "generic"
     if device.type == "cuda" and cuda_kernel_choice() == "triton" and _triton().available():
         return "triton"
-    return "generic"
+    return CUDA_DEFAULT_KERNEL if device.type == "cuda" else "generic"
 
 
 def _triton(module: str = "triton_steps"):

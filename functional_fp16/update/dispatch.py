@@ -12,8 +12,10 @@ disagree.
 route name       what runs
 ===============  ===========================================================
 ``fused``        one ``functional_fp16::sgd_step``/``adam_step`` op call
-                 (kernel ``c`` on the CPU, ``triton`` on CUDA, ``generic``
-                 elsewhere or without a C compiler); eager, compiled and vmapped.
+                 (kernel ``c`` on the CPU, ``generic`` on CUDA unless
+                 ``triton`` is opted in, ``generic`` elsewhere, without a C
+                 compiler or with ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``);
+                 eager, compiled and vmapped.
                  After a Triton kernel failed on its first launch on a device,
                  eager updates there take ``foreach-sgd``/``foreach``
 ``foreach-sgd``  the multi-tensor SGD sequence (:mod:`.foreach`), eager only
@@ -30,7 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.device_kernels import cuda_kernel_choice, kernel_for
+from functional_fp16._fused.device_kernels import (
+    cpu_kernel_choice,
+    cuda_kernel_choice,
+    kernel_for,
+)
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel
@@ -82,6 +88,12 @@ def _warn_generic(device) -> None:
     )
 
 
+def _asked(device) -> bool:
+    """Whether ``device`` runs the plain kernel because it was asked to
+    (``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default`` on the CPU), not for want of a kernel."""
+    return device.type == "cpu" and cpu_kernel_choice() == "cuda-default"
+
+
 _ROUTES: dict = {}  # (signature, impl, kernels available) -> Route
 _ROUTES_KEPT = 256
 
@@ -100,7 +112,8 @@ def route(state, impl: str = "auto", signature=None) -> Route:
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     if signature is None or torch.compiler.is_compiling():
         return _route(state, impl)
-    key = (signature, impl, c_kernel.available(), cuda_kernel_choice(), triton_failures())
+    kernels = (c_kernel.available(), cpu_kernel_choice(), cuda_kernel_choice())
+    key = (signature, impl, *kernels, triton_failures())
     found = _ROUTES.get(key)
     if found is None:
         found = remember(_ROUTES, key, _route(state, impl), _ROUTES_KEPT)
@@ -124,7 +137,8 @@ def _route(state, impl: str) -> Route:
             if not torch.compiler.is_compiling():
                 device = tree_leaves(state.master)[0].device
                 kernel = kernel_for(device)
-                if kernel == "generic" and device.type != "cuda":  # CUDA's default: no warning
+                # CUDA's default, and CUDA's default asked for on the CPU: no warning.
+                if kernel == "generic" and device.type != "cuda" and not _asked(device):
                     _warn_generic(device)
             # A Triton kernel that failed on its first launch here (the op warned):
             # eager updates take the multi-tensor path instead.
