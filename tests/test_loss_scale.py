@@ -438,3 +438,49 @@ def test_trajectory_equal_to_jmp_dynamic_loss_scale():
         ours = ours.adjust(torch.tensor(f))
         assert float(ours.loss_scale) == float(theirs.loss_scale)
         assert int(ours.growth_count) == int(theirs.counter)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+edge_configs = st.fixed_dictionaries(
+    {
+        "growth_factor": st.sampled_from([2.0, 4.0, 2.0**20, 1.5, 3.0, 1.0000001]),
+        "backoff_factor": st.sampled_from([0.5, 0.25, 2.0**-20, 0.3, 0.9999999]),
+        "growth_interval": st.integers(1, 3),
+        "min_scale": st.sampled_from([float(np.finfo(np.float32).tiny), 2.0**-100, 1.0]),
+        # float32's top: its largest value, numbers that round to it or to inf, beyond it
+        "max_scale": st.sampled_from(
+            [
+                2.0**24,
+                _F32_MAX,
+                3.4028235e38,
+                3.4028235677973362e38,
+                3.4028235677973366e38,
+                3.5e38,
+                1e300,
+                math.inf,
+            ]
+        ),  # fmt: skip
+        "init": st.sampled_from([2.0**-126, 1.0, 2.0**120, 1.5 * 2.0**127, _F32_MAX]),
+        "hysteresis": st.integers(1, 3),
+    }
+)
+
+
+@given(cfg=edge_configs, flags=st.lists(st.booleans(), min_size=1, max_size=24))
+def test_dynamic_scale_follows_model_at_float32s_edges(cfg, flags):
+    """Near float32's overflow and underflow, with factors that are powers of two (whose
+    products are formed in float32) and odd ones (formed in float64): the model's values."""
+    hi = cfg["max_scale"]
+    lo = cfg["min_scale"]
+    init = min(max(cfg["init"], lo), min(hi, _F32_MAX))
+    args = (init, cfg["growth_factor"], cfg["backoff_factor"], cfg["growth_interval"], lo, hi)
+    ls = ff.DynamicLossScale(*args, cfg["hysteresis"])
+    model = ScaleModel(*args, cfg["hysteresis"])
+    with np.errstate(over="ignore"):
+        for f in flags:
+            ls = ls.adjust(torch.tensor(f))
+            model.step(f)
+            assert float(ls.loss_scale) == model.scale
+            assert math.isfinite(float(ls.loss_scale))
+            assert int(ls.growth_count) == model.count
+            assert int(ls.hysteresis_count) == model.hyst

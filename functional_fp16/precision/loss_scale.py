@@ -338,34 +338,61 @@ class DynamicLossScale(_LossScaleBase):
         )
 
     def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
-        """The next loss scale given whether this step's gradients were finite."""
+        r"""The next loss scale given whether this step's gradients were finite.
+
+        With ``n = growth_count + 1`` and ``h = max(hysteresis_count - 1, 0)``:
+
+        * finite: at ``n >= growth_interval`` the scale becomes
+          :math:`\min(s\,g, s_{max})` (kept if that overflows float32), the
+          count 0 and the hysteresis count reset; else the count is ``n``;
+        * not finite: the count is 0, the hysteresis count ``h``, and at
+          ``h <= 0`` the scale becomes :math:`\max(s\,b, s_{min})`.
+
+        The products are rounded once to float32 from their exact values, as
+        ``torch._amp_update_scale_`` does, so odd factors agree with it bitwise;
+        for factors that are powers of two (the defaults) the float32 product is
+        already exact and is formed directly.
+        """
         finite = _as_flag(grads_finite, self.loss_scale.device)
         scale = self.loss_scale
-        zero = torch.zeros_like(self.growth_count)
 
         # Finite branch.
         count = self.growth_count + 1
         grow = count >= self.growth_interval
-        # Products are formed in float64 and rounded once to float32, as
-        # torch._amp_update_scale_ does, so odd factors agree with it bitwise.
-        grown = torch.clamp(scale.double() * self.growth_factor, max=self.max_scale).float()
-        grown = torch.where(torch.isfinite(grown), grown, scale)
+        grown = _times(scale, self.growth_factor)
+        if self.max_scale >= _F32_OVERFLOW:  # no float32 bound: an overflow keeps the scale
+            grown = torch.where(torch.isfinite(grown), grown, scale)
+        else:  # rounding is monotonic: fl32(min(p, s_max)) = min(fl32(p), fl32(s_max))
+            grown = torch.clamp(grown, max=min(self.max_scale, _F32_MAX))
         scale_if_finite = torch.where(grow, grown, scale)
-        count_if_finite = torch.where(grow, zero, count)
-        hyst_if_finite = torch.where(
-            grow, torch.full_like(self.hysteresis_count, self.hysteresis), self.hysteresis_count
-        )
+        count_if_finite = torch.where(grow, 0, count)
+        hyst_if_finite = torch.where(grow, self.hysteresis, self.hysteresis_count)
 
         # Non-finite branch.
         hyst_if_overflow = torch.clamp(self.hysteresis_count - 1, min=0)
-        backed_off = torch.clamp(scale.double() * self.backoff_factor, min=self.min_scale).float()
+        backed_off = torch.clamp(_times(scale, self.backoff_factor), min=self.min_scale)
         scale_if_overflow = torch.where(hyst_if_overflow <= 0, backed_off, scale)
 
         return self._replace(
             loss_scale=torch.where(finite, scale_if_finite, scale_if_overflow),
-            growth_count=torch.where(finite, count_if_finite, zero),
+            growth_count=torch.where(finite, count_if_finite, 0),
             hysteresis_count=torch.where(finite, hyst_if_finite, hyst_if_overflow),
         )
+
+
+_F32_MAX = (2.0 - 2.0**-23) * 2.0**127
+"""The largest float32."""
+_F32_OVERFLOW = (2.0 - 2.0**-24) * 2.0**127
+"""The smallest number that rounds to inf in float32 (half an ulp above the largest)."""
+
+
+def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """``fl32(scale * factor)`` from the exact product: in float32 directly when ``factor``
+    is a power of two (the product is then exact, or overflows to inf as the rounded one
+    does; a subnormal result lies below every allowed ``min_scale``), else via float64."""
+    if math.frexp(factor)[0] == 0.5:
+        return scale * factor
+    return (scale.double() * factor).float()
 
 
 class StaticLossScale(_LossScaleBase):
