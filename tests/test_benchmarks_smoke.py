@@ -14,6 +14,7 @@ history) and ``bench_compiled_step_parts.py`` (it compiles the CNN's whole
 backward, about 20 s) are not run here.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +136,27 @@ def test_page_fault_benchmark_prints_every_row():
     out = _run("bench_page_faults.py", "--params", "300000", "--steps", "2")
     for row in ("eager (default)", "compiled", "eager, plain allocation"):
         assert f"| {row} |" in out
+
+
+def test_cuda_default_benchmark_counts_every_row_on_cudas_default_path(tmp_path):
+    # It sets FUNCTIONAL_FP16_CPU_KERNEL=cuda-default itself (and fails if a C++ op runs).
+    report = tmp_path / "cuda_default.json"
+    out = _run(
+        "bench_cuda_default.py",
+        *("--layers", "1", "--small-layers", "0", "--params", "100000"),
+        *("--json", str(report)),
+    )
+    res = json.loads(report.read_text())
+    assert res["kernel"] == "generic" and res["leaves"] == [16, 4]
+    rows = {r["row"]: r for r in res["rows"]}
+    assert len(rows) == 11 and sum(r["row"].startswith("torch: ") for r in res["rows"]) == 2
+    for r in rows.values():
+        for mode in [m for m in ("pure", "donated", "in place") if m in r]:
+            m = r[mode]
+            assert all(n > 0 for n in m["launches"]) and m["per_leaf"], (r["row"], mode)
+            assert all(x is not None and x >= 0 for x in m["transient_bytes_per_param"])
+    # one update's work does not grow with the leaves on these fused rows (issue 40's target)
+    for name in ("recipe: clip + adamw(mask, warmup-cosine)", "sgd(0.05, momentum=0.9)"):
+        assert rows[name]["path"] == "fused (generic)"
+        assert rows[name]["pure"]["per_leaf"] == rows[name]["donated"]["per_leaf"] == "no"
+    assert res["cpu"] in out and "| torch: GradScaler + SGD(fused, momentum=0.9) |" in out
