@@ -25,9 +25,9 @@ It finishes in under three minutes on one GPU and prints one line per check:
 6. ``reduce-overhead``: the recipe's update under
    ``torch.compile(mode="reduce-overhead")`` (Inductor's CUDA graphs) against eager.
 
-On CUDA every check runs twice, once per fused-op kernel
-(``$FUNCTIONAL_FP16_CUDA_KERNEL``): ``torch`` (PyTorch's multi-tensor ops, the
-default) and ``triton`` (the Triton opt-in, unverified until this script passes).
+On CUDA the fused op runs PyTorch's own kernels (multi-tensor ops and
+``torch._fused_sgd_``); ``--device cpu`` with ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``
+runs the same code path on the CPU.
 
 then a speed table at 10M and 100M FP16 parameters: ``fp16_update`` pure,
 donated, compiled (pure and donated) and replayed from a CUDA graph, against
@@ -110,26 +110,6 @@ def txs():
         "recipe": recipe(),
         "recipe+MultiSteps(2)": ff.MultiSteps(recipe(), every_k_schedule=2),
     }
-
-
-KERNEL_CHOICES = ("torch", "triton")
-"""The CUDA kernels of the fused op (``$FUNCTIONAL_FP16_CUDA_KERNEL``): PyTorch's multi-tensor
-ops (the default) and the Triton opt-in. Every check runs under each."""
-
-
-def with_kernel(choice: str, fn, *args):
-    """Runs ``fn(*args)`` with ``$FUNCTIONAL_FP16_CUDA_KERNEL=choice``."""
-    from functional_fp16._fused.device_kernels import CUDA_KERNEL_VARIABLE
-
-    before = os.environ.get(CUDA_KERNEL_VARIABLE)
-    os.environ[CUDA_KERNEL_VARIABLE] = choice
-    try:
-        return fn(*args)
-    finally:
-        if before is None:
-            del os.environ[CUDA_KERNEL_VARIABLE]
-        else:
-            os.environ[CUDA_KERNEL_VARIABLE] = before
 
 
 def clone(state):
@@ -418,13 +398,7 @@ CHECKS = {
 def run_check(name: str, device) -> list[tuple[str, str, str]]:
     """Runs the check ``name`` on ``device``; its ``(verdict, check, detail)`` lines."""
     before = len(RESULTS)
-    if device.type != "cuda":
-        CHECKS[name](device)
-        return RESULTS[before:]
-    for choice in KERNEL_CHOICES:
-        start = len(RESULTS)
-        with_kernel(choice, CHECKS[name], device)
-        RESULTS[start:] = [(v, f"[kernel={choice}] {c}", d) for v, c, d in RESULTS[start:]]
+    CHECKS[name](device)
     return RESULTS[before:]
 
 

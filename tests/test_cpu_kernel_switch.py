@@ -60,7 +60,7 @@ def test_the_switch_makes_the_cpu_answer_cudas_default(monkeypatch):
         monkeypatch.setenv(VAR, value)
         assert dk.kernel_for(CPU) == cuda
         assert op_library.kernel_for(CPU) == cuda  # the ops' hook asks the same function
-    # the CUDA opt-in does not reach the CPU: still CUDA's default
+    # the retired CUDA choice does not reach the CPU: still CUDA's default
     monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "triton")
     assert dk.kernel_for(CPU) == cuda
     assert dk.kernel_for(torch.device("meta")) == "generic"  # other devices: unchanged

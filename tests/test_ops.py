@@ -541,138 +541,25 @@ def test_the_kernels_refuse_gradients_on_several_devices():
         op_library._check_grads("sgd_step", grads, 1)
 
 
-# -- a Triton kernel that fails on its first launch ------------------------------------------
+# -- the CUDA kernel -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def failing_triton(monkeypatch):
-    """The CPU made to look like a device whose Triton kernels fail to launch.
-
-    ``kernel_for`` answers ``"triton"`` for the CPU, and the Triton entry points
-    count a launch and raise as a compile or driver failure would. Returns the
-    number of launches each failing call makes before it raises.
-    """
-    from functional_fp16._fused import triton_fallback
-    from functional_fp16._kernels import triton_steps
-    from functional_fp16.update import dispatch
-
-    launches = {"before_failure": 1}
-
-    def failing(name):
-        def entry(**kwargs):
-            for _ in range(launches["before_failure"]):
-                triton_steps.launch_counts[name] += 1
-            raise RuntimeError("PTX .version 9.9 does not support .target sm_99 (forced)")
-
-        return entry
-
-    def on_cpu(device):
-        return "triton" if device.type == "cpu" else "generic"
-
-    monkeypatch.setattr(op_library, "kernel_for", on_cpu)
-    monkeypatch.setattr(dispatch, "kernel_for", on_cpu)
-    monkeypatch.setattr(triton_fallback, "_proven", set())
-    monkeypatch.setattr(triton_fallback, "_failed", {})
-    for name in ("grad_stats", "sgd_update", "adam_update"):
-        monkeypatch.setattr(triton_steps, name, failing(name))
-    return launches
-
-
-@pytest.mark.parametrize("clip", [False, True], ids=["sgd", "clip+sgd"])
-def test_a_triton_kernel_failing_on_first_launch_falls_back_with_one_warning(
-    failing_triton, clip, recwarn
-):
-    params = {"w": torch.randn(5, 4), "b": torch.randn(4)}
-    tx = ff.sgd(0.1, momentum=0.9)
-    if clip:
-        tx = ff.chain(ff.clip_by_global_norm(1.0), tx)
-    state = ff.fp16_init(params, tx)
-    grads = {k: torch.full_like(v, 0.5) for k, v in state.params.items()}
-    reference = ff.fp16_update(state, grads, impl="reference")
-
-    first = ff.fp16_update(state, grads)  # the op's plain kernel finishes the step
-    warned = [w for w in recwarn if "failed on its first launch" in str(w.message)]
-    assert len(warned) == 1 and "report" in str(warned[0].message)
-    assert "PTX" in str(warned[0].message)
-    assert ff.update_path(state) in ("foreach-sgd", "foreach")  # eager: the multi-tensor path
-    second = ff.fp16_update(first, grads)
-    assert len([w for w in recwarn if "failed on its first launch" in str(w.message)]) == 1
-    # One applied step from the same state: within one ulp of the reference's master.
-    for a, b in zip(tree_leaves(first.master), tree_leaves(reference.master)):
-        assert torch.allclose(a, b, rtol=2**-23, atol=0)
-    assert bool(second.grads_finite) and int(second.step) == 2
-
-
-def test_a_donated_step_that_failed_after_a_launch_raises_instead_of_redoing(failing_triton):
-    failing_triton["before_failure"] = 2  # the first dtype class ran, the second failed
-    state = ff.fp16_init({"w": torch.randn(8)}, ff.sgd(0.1, momentum=0.9))
-    grads = {"w": torch.ones(8, dtype=torch.float16)}
-    with pytest.raises(RuntimeError, match="partially updated"):
-        ff.fp16_update(state, grads, donate=True)
-
-
-def test_triton_fallback_is_per_configuration_and_never_for_out_of_memory(monkeypatch, recwarn):
-    from functional_fp16._fused import triton_fallback as tf
-
-    monkeypatch.setattr(tf, "_proven", set())
-    monkeypatch.setattr(tf, "_failed", {})
-    dev = torch.device("cpu")
-    calls = []
-
-    def ok():
-        calls.append("triton")
-        return "triton"
-
-    def broken():
-        raise RuntimeError("no kernel image for this architecture (forced)")
-
-    def fallback():
-        calls.append("plain")
-        return "plain"
-
-    def run(config, launch):
-        return tf.with_triton(config, dev, launch, fallback, lambda: 0, writes_inputs=False)
-
-    assert run(("sgd_update", "torch.float16"), ok) == "triton"  # proven
-    assert run(("sgd_update", "torch.bfloat16"), broken) == "plain"  # another configuration
-    assert tf.triton_failure(dev).startswith("sgd_update")
-    assert run(("sgd_update", "torch.bfloat16"), ok) == "plain"  # remembered: not launched
-    with pytest.raises(RuntimeError, match="no kernel image"):  # proven: errors propagate
-        run(("sgd_update", "torch.float16"), broken)
-
-    def out_of_memory():
-        raise torch.OutOfMemoryError("CUDA out of memory (forced)")
-
-    with pytest.raises(torch.OutOfMemoryError):
-        run(("adam_update", "torch.float16"), out_of_memory)
-    assert ("adam_update", "torch.float16", dev) not in tf._failed
-    assert len([w for w in recwarn if "first launch" in str(w.message)]) == 1  # one per device
-
-
-def test_cuda_runs_pytorchs_multi_tensor_kernel_by_default_and_triton_only_when_asked(
-    monkeypatch,
-):
-    """No GPU has run the Triton kernels, so CUDA's default is the plain kernel (PyTorch's
-    ``_foreach_*`` ops); ``$FUNCTIONAL_FP16_CUDA_KERNEL=triton`` opts in (where Triton runs)."""
+def test_cuda_runs_pytorchs_kernels_and_the_retired_triton_choice_says_so(monkeypatch):
+    """CUDA's kernel is the plain one (PyTorch's multi-tensor ops and fused optimiser
+    kernels); the library's Triton kernels were retired, and asking for them raises,
+    naming the variable, rather than silently running something else."""
     from functional_fp16._fused import device_kernels as dk
 
-    class Runs:
-        @staticmethod
-        def available():
-            return True
-
-    monkeypatch.setattr(dk, "_triton", lambda: Runs)  # as if Triton and a GPU were here
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv(dk.CUDA_KERNEL_VARIABLE, raising=False)
-    assert dk.kernel_for(cuda) == "generic"
+    assert dk.kernel_for(cuda) == dk.CUDA_DEFAULT_KERNEL == "generic"
     monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "torch")
     assert dk.kernel_for(cuda) == "generic"
     monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "triton")
-    assert dk.kernel_for(cuda) == "triton"
-    monkeypatch.setattr(Runs, "available", staticmethod(lambda: False))
-    assert dk.kernel_for(cuda) == "generic"  # asked for, but it cannot run here
+    with pytest.raises(ValueError, match="FUNCTIONAL_FP16_CUDA_KERNEL=triton: .* retired"):
+        dk.kernel_for(cuda)
     monkeypatch.setenv(dk.CUDA_KERNEL_VARIABLE, "tirton")
-    with pytest.raises(ValueError, match="FUNCTIONAL_FP16_CUDA_KERNEL must be 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="FUNCTIONAL_FP16_CUDA_KERNEL must be 'torch'"):
         dk.kernel_for(cuda)
 
 

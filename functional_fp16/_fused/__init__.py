@@ -2,8 +2,8 @@
 
 ``op_library`` turns a declared step (``step_schema``) into ops (functional
 and donated, with fake kernels and ``vmap`` rules from ``vmap_rules``): each
-checks its arguments (``op_checks``) and runs the device's kernel, C, Triton
-or plain PyTorch (``device_kernels``, ``plain_kernels``);
+checks its arguments (``op_checks``) and runs the device's kernel, C or
+plain PyTorch (``device_kernels``, ``plain_kernels``);
 ``steps`` is the fused update that every fusable optimiser plugs into with
 :func:`~functional_fp16._fused.steps.register`; ``sgd`` and ``adam`` are the
 fusable optimisers (their plans, ops and plain kernels); ``chains`` reads

@@ -1,10 +1,9 @@
-"""Which kernel runs an op on a device, and the call into it: C, Triton or plain PyTorch.
+"""Which kernel runs an op on a device, and the call into it: C or plain PyTorch.
 
 :func:`kernel_for` names the device's kernel: the compiled C library on the
 CPU (or, with ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``, the kernel CUDA
-runs by default), the multi-tensor Triton launches on CUDA (a Triton kernel that fails on
-its first launch falls back to the plain kernel, see ``triton_fallback``),
-and the plain PyTorch kernel (``plain_kernels``) on any other device or
+runs by default), and the plain PyTorch kernel (``plain_kernels``: PyTorch's
+multi-tensor ops and fused optimiser kernels) on CUDA, on any other device and
 where no compiler exists. :func:`stats` runs ``grad_stats`` and
 :func:`run_step` a step on the kernel the op chose; both take arguments that
 have passed the op's checks (``op_checks``).
@@ -12,7 +11,6 @@ have passed the op's checks (``op_checks``).
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -20,7 +18,6 @@ from torch import Tensor
 
 from functional_fp16._fused.plain_kernels import stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
-from functional_fp16._fused.triton_fallback import with_triton
 from functional_fp16._kernels import cpu as c_kernel
 
 __all__ = [
@@ -30,7 +27,6 @@ __all__ = [
     "cpu_kernel_choice",
     "cuda_kernel_choice",
     "kernel_for",
-    "member_views",
     "finite_from_peak",
     "decide_from_leaf_peaks",
     "stats",
@@ -40,15 +36,21 @@ __all__ += ["cpp_ready", "cpp_step", "cpp_stats"]
 
 
 CUDA_KERNEL_VARIABLE = "FUNCTIONAL_FP16_CUDA_KERNEL"
-"""The environment variable that chooses the CUDA kernel: ``torch`` (the default) or ``triton``."""
+"""The environment variable that once chose the retired Triton kernels on CUDA: ``torch``
+(PyTorch's kernels, the only CUDA kernel) is accepted; ``triton`` raises, saying so."""
 
 
 def cuda_kernel_choice() -> str:
-    """The declared CUDA kernel: ``"torch"`` (PyTorch's multi-tensor ops, the default) or
-    ``"triton"`` (the library's Triton kernels, an opt-in that no GPU has verified yet)."""
+    """The declared CUDA kernel: ``"torch"`` (PyTorch's multi-tensor ops and fused optimiser
+    kernels). The library's own Triton kernels were retired: asking for them raises."""
     choice = os.environ.get(CUDA_KERNEL_VARIABLE, "torch").strip().lower() or "torch"
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"${CUDA_KERNEL_VARIABLE} must be 'torch' or 'triton', got {choice!r}")
+    if choice == "triton":
+        raise ValueError(
+            f"${CUDA_KERNEL_VARIABLE}=triton: the library's Triton kernels were retired; CUDA "
+            "runs PyTorch's own multi-tensor ops and fused optimiser kernels (unset the variable)"
+        )
+    if choice != "torch":
+        raise ValueError(f"${CUDA_KERNEL_VARIABLE} must be 'torch' (or unset), got {choice!r}")
     return choice
 
 
@@ -72,7 +74,7 @@ def cpu_kernel_choice() -> str:
 
 
 def kernel_for(device: torch.device) -> str:
-    """The kernel that runs on ``device``: ``"c"``, ``"triton"`` or ``"generic"``.
+    """The kernel that runs on ``device``: ``"c"`` or ``"generic"``.
 
     * the CPU: the compiled C library (``$FUNCTIONAL_FP16_NO_KERNEL`` makes it
       unavailable, so the CPU runs the plain PyTorch kernel), unless
@@ -82,8 +84,8 @@ def kernel_for(device: torch.device) -> str:
       CUDA's default path can be tested, profiled and counted on a machine
       without a GPU (``benchmarks/bench_cuda_default.py``);
     * CUDA: the plain PyTorch kernel, whose one-group form is a fixed number of
-      PyTorch's own multi-tensor ops (``torch._foreach_*``), unless
-      ``$FUNCTIONAL_FP16_CUDA_KERNEL=triton`` opts in to the Triton kernels;
+      PyTorch's own multi-tensor ops (``torch._foreach_*``) and fused optimiser
+      kernels (``torch._fused_sgd_``);
     * any other device: the plain PyTorch kernel.
 
     Each of the two variables is read on every call; a value other than those
@@ -93,34 +95,14 @@ def kernel_for(device: torch.device) -> str:
         if cpu_kernel_choice() == "cuda-default":
             return CUDA_DEFAULT_KERNEL
         return "c" if c_kernel.available() else "generic"
-    if device.type == "cuda" and cuda_kernel_choice() == "triton" and _triton().available():
-        return "triton"
-    return CUDA_DEFAULT_KERNEL if device.type == "cuda" else "generic"
-
-
-def _triton(module: str = "triton_steps"):
-    """A Triton kernels' module of ``_kernels`` (imported on first use: it imports triton)."""
-    return importlib.import_module(f"functional_fp16._kernels.{module}")
-
-
-def _launches() -> int:
-    return sum(_triton().launch_counts.values())
-
-
-def _dtypes(xs: list[Tensor]) -> tuple[str, ...]:
-    """The distinct dtypes of ``xs``, in a fixed order (part of a Triton configuration)."""
-    return tuple(sorted({str(x.dtype) for x in xs}))
+    if device.type == "cuda":
+        cuda_kernel_choice()  # a retired choice raises
+        return CUDA_DEFAULT_KERNEL
+    return "generic"
 
 
 def _threads() -> int:
     return torch.get_num_threads()
-
-
-def member_views(xs: list[Tensor] | None, members: int) -> list[Tensor] | None:
-    """Each leaf's members as separate views, member-major (``[x[b] for b for x]``)."""
-    if xs is None or members == 1:
-        return xs
-    return [x[b] for b in range(members) for x in xs]
 
 
 def finite_from_peak(peak: Tensor, inv: Tensor | None, require: Tensor | None = None) -> Tensor:
@@ -167,22 +149,6 @@ def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor
             peak_out=peak,
             sum_sq_out=sq if sum_squares else None,
         )
-    elif kernel == "triton":
-        with_triton(
-            ("grad_stats", *_dtypes(grads), sum_squares, inv is None),
-            device,
-            lambda: _triton().grad_stats(
-                n_groups=groups,
-                grads=member_views(grads, members),
-                inv=inv,
-                sum_squares=sum_squares,
-                peak_out=peak,
-                sum_sq_out=sq if sum_squares else None,
-            ),
-            lambda: stats_generic(grads, inv, groups, members, sum_squares, peak, sq),
-            _launches,
-            writes_inputs=False,
-        )
     else:
         stats_generic(grads, inv, groups, members, sum_squares, peak, sq)
     return peak, sq
@@ -195,7 +161,6 @@ def run_step(
     out: dict,
     kernel: str,
     speculate: bool,
-    donated: bool = False,
 ) -> Tensor:
     """Runs the step on ``kernel`` into ``out`` (``master``, the states, ``params``: one per
     leaf); returns ``(finite, leaf_finite)``: the decision per group and, where the step
@@ -236,19 +201,6 @@ def run_step(
             threads=_threads(),
             **{**spec.c_extra, **decided},
             **kw,
-        )
-    elif kernel == "triton":
-        views = {k: member_views(v, members) if isinstance(v, list) else v for k, v in kw.items()}
-        given = tuple(sorted(k for k, v in kw.items() if v is not None and not isinstance(v, list)))
-        with_triton(
-            (spec.entry, *_dtypes(a["grads"]), *_dtypes(inputs["params"]), *sorted(used), *given),
-            a["grads"][0].device,
-            lambda: getattr(_triton(spec.triton_module), spec.entry)(
-                n_groups=groups, apply=finite, **views
-            ),
-            lambda: spec.generic(members=members, apply=finite, **kw),
-            _launches,
-            writes_inputs=donated,
         )
     else:
         spec.generic(members=members, apply=finite, **kw)

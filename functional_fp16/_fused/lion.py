@@ -21,8 +21,7 @@ momentum, :math:`w_i = \operatorname{fl}_{32}(1 - \beta_i)`, the ops compute
 
 as the reference chain computes it: the momentum bitwise, the master within
 one ulp (the step's multiply-add is contracted). The C entry is ``ff_lion_step``
-(``fused_step.h``'s argument block, through the generic C++ op), the Triton one
-``triton_lion.lion_update``.
+(``fused_step.h``'s argument block, through the generic C++ op).
 """
 
 from __future__ import annotations
@@ -189,7 +188,6 @@ SPEC = StepSpec(
     cpp_op="lion",
     cpp_hyper=_hyper,
     c_block=True,
-    triton_module="triton_lion",
 )
 
 LION_OPS = define_step(

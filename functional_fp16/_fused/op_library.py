@@ -8,8 +8,7 @@ conventions are ``step_schema``'s). Each gets one Python kernel for every
 device, a fake (meta) kernel and a ``vmap`` rule (``vmap_rules``). The
 kernel checks its arguments (``op_checks``), asks :func:`kernel_for` which
 kernel runs on the gradients' device (the compiled C library on the CPU,
-multi-tensor Triton launches on CUDA, plain PyTorch on any other device or
-where no compiler exists) and runs it (``device_kernels``). ``kernel_for`` is
+plain PyTorch on CUDA, on any other device and where no compiler exists) and runs it (``device_kernels``). ``kernel_for`` is
 looked up in this module when an op runs, so this one name decides for every
 op. :data:`grad_stats` is the gradient reduction every fused step shares.
 
@@ -224,7 +223,7 @@ def define_step(spec: StepSpec, doc: str) -> StepOps:
         out = {"master": a["master"], **{s: a[s] for s in spec.states}}
         out["params"] = working_copies(a["master"], a["params"], a["separate"])
         kernel = kernel_for(a["grads"][0].device)
-        return run_step(spec, a, used, out, kernel, speculate=False, donated=True)
+        return run_step(spec, a, used, out, kernel, speculate=False)
 
     def call(donated: bool, a: dict) -> Any:
         """The op (``donated``: the donated one) on the arguments ``a``, by name.

@@ -1,8 +1,9 @@
-r"""The plain PyTorch kernels' parts: the kernel for any device without a compiled one.
+r"""The plain PyTorch kernels' parts: CUDA's kernel, and any device's without a compiled one.
 
-Where neither the C library (CPU) nor Triton (CUDA) runs, an op computes
-with ordinary tensor operations, leaf by leaf and member by member, the same
-arithmetic as the compiled kernels. This module holds what every such kernel
+Where the C library (CPU) does not run, an op computes with PyTorch's own
+operations (multi-tensor ops and fused optimiser kernels, which PyTorch
+verifies on GPUs; leaf by leaf and member by member under ``vmap``), the same
+arithmetic as the C kernel up to the multiply-adds PyTorch's kernels contract. This module holds what every such kernel
 shares: the walk over ``(member, leaf, group)``, a member's view of a leaf,
 the unscaled and clipped gradient
 

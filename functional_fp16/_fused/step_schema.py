@@ -59,7 +59,7 @@ class StepSpec(NamedTuple):
     scalars: tuple[str, ...]  # per-group scalars after the common ones, e.g. ("started",)
     bool_scalars: tuple[str, ...]  # which of ``scalars`` are bool
     hyper: tuple[tuple[str, str], ...]  # fixed hyperparameters: (name, schema type)
-    entry: str  # the kernel entry: C (signatures.py) and Triton (triton_steps.py) alike
+    entry: str  # the C kernel's entry (signatures.py)
     check: Callable[[str, dict], list[str]]  # optimiser checks; returns the states in use
     kernel_args: Callable[[dict, list[str]], dict]  # op arguments -> the kernel's keywords
     generic: Callable[..., None]  # the plain PyTorch kernel (the kernel's keywords + members)
@@ -75,7 +75,6 @@ class StepSpec(NamedTuple):
     # op functional_fp16_cpu::step, found there by the name cpp_op, with cpp_hyper as its
     # `hyper` array. Without the C++ op library such a step runs the plain kernel.
     c_block: bool = False
-    triton_module: str = "triton_steps"  # the _kernels module that holds the Triton entry
 
 
 def schema(spec: StepSpec, donated: bool) -> str:

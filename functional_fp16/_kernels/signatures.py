@@ -202,7 +202,7 @@ def step_signature(
     Its arguments by name, in the conventional order: the gradients, master,
     each state, working copies and their outputs, the common per-group scalars,
     ``apply``, the optimiser's own float32 per-group ``scalars`` and its fixed
-    ``floats``. The Triton entries of such steps are checked against it.
+    ``floats``.
     """
     lists = ["master", *states]
     return Signature(

@@ -12,12 +12,10 @@ disagree.
 route name       what runs
 ===============  ===========================================================
 ``fused``        one ``functional_fp16::sgd_step``/``adam_step`` op call
-                 (kernel ``c`` on the CPU, ``generic`` on CUDA unless
-                 ``triton`` is opted in, ``generic`` elsewhere, without a C
-                 compiler or with ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``);
-                 eager, compiled and vmapped.
-                 After a Triton kernel failed on its first launch on a device,
-                 eager updates there take ``foreach-sgd``/``foreach``
+                 (kernel ``c`` on the CPU, ``generic`` on CUDA and elsewhere,
+                 without a C compiler or with
+                 ``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``); eager,
+                 compiled and vmapped
 ``foreach-sgd``  the multi-tensor SGD sequence (:mod:`.foreach`), eager only
 ``foreach``      any optimiser on flat lists of tensors (:mod:`.foreach`)
 ``reference``    the tree-map specification (:mod:`.reference`)
@@ -32,13 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from functional_fp16._fused.device_kernels import (
-    cpu_kernel_choice,
-    cuda_kernel_choice,
-    kernel_for,
-)
+from functional_fp16._fused.device_kernels import cpu_kernel_choice, kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
-from functional_fp16._fused.triton_fallback import triton_failure, triton_failures
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_leaves
@@ -62,7 +55,7 @@ class Route(NamedTuple):
     """Which implementation runs a state's update, and how."""
 
     name: str  # "fused", "foreach-sgd", "foreach" or "reference"
-    kernel: str | None  # the fused op's kernel ("c", "triton", "generic"); None otherwise
+    kernel: str | None  # the fused op's kernel ("c", "generic"); None otherwise
     # (and None while torch.compile traces: the op chooses when it runs)
     run: Callable  # run(state, grads, decision, donate) -> FP16State
     batches: bool  # runs under vmap as it is (else once per member)
@@ -105,15 +98,15 @@ def route(state, impl: str = "auto", signature=None) -> Route:
     ``signature``, the state's static metadata from
     :func:`~functional_fp16.update.state_check.check_state`, lets the answer
     be looked up instead of derived: a route is a function of the signature
-    and of which kernels can run (the C library loaded, Triton kernels that
-    failed), so the lookup returns what deriving it would.
+    and of which kernels can run (the C library loaded, the declared kernel
+    choices), so the lookup returns what deriving it would.
     """
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     if signature is None or torch.compiler.is_compiling():
         return _route(state, impl)
-    kernels = (c_kernel.available(), cpu_kernel_choice(), cuda_kernel_choice())
-    key = (signature, impl, *kernels, triton_failures())
+    kernels = (c_kernel.available(), cpu_kernel_choice())
+    key = (signature, impl, *kernels)
     found = _ROUTES.get(key)
     if found is None:
         found = remember(_ROUTES, key, _route(state, impl), _ROUTES_KEPT)
@@ -140,9 +133,6 @@ def _route(state, impl: str) -> Route:
                 # CUDA's default, and CUDA's default asked for on the CPU: no warning.
                 if kernel == "generic" and device.type != "cuda" and not _asked(device):
                     _warn_generic(device)
-            # A Triton kernel that failed on its first launch here (the op warned):
-            # eager updates take the multi-tensor path instead.
-            if kernel != "triton" or triton_failure(device) is None:
-                return Route("fused", kernel, _fused_runner(fp), batches=True)
+            return Route("fused", kernel, _fused_runner(fp), batches=True)
     name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
     return Route(name, None, foreach_update, batches=False)
