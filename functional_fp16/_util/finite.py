@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from functional_fp16._util.multi_tensor import peaks
+
 __all__ = ["grads_finite", "leaves_finite"]
 
 
@@ -39,20 +41,13 @@ def leaves_finite(grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> 
               \qquad M_l = \max(|\min g_l|, |\max g_l|)
 
     The reduction of :func:`grads_finite`, kept per leaf: its AND over the
-    leaves is :func:`grads_finite` (rounding is monotonic). One min/max per
-    leaf, no host read.
+    leaves is :func:`grads_finite` (rounding is monotonic). One multi-tensor
+    reduction (PyTorch's infinity norm, NaN-propagating) outside ``vmap``, one
+    min/max per leaf inside it; no host read.
     """
     if not grads:
         return torch.ones(0, dtype=torch.bool)
-    peaks = []
-    for g in grads:
-        if g.numel() == 0:  # an empty leaf: a peak of 0
-            g = g.new_zeros(1)
-        lo, hi = torch.aminmax(g)
-        peaks.append(torch.maximum(hi, -lo))  # NaN where the leaf holds one
-    if len({p.dtype for p in peaks}) > 1:
-        peaks = [p.float() for p in peaks]
-    peak = torch.stack(peaks).float()
+    peak = peaks(grads)  # one multi-tensor reduction where it may run
     if inv_scale is not None:
         peak = peak * inv_scale
     return torch.isfinite(peak)

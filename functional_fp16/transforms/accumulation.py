@@ -78,6 +78,7 @@ import torch
 
 from functional_fp16._util import validate
 from functional_fp16._util.finite import grads_finite
+from functional_fp16._util.multi_tensor import zero_where
 from functional_fp16._util.tree import (
     PyTree,
     check_like,
@@ -177,8 +178,9 @@ def hand_over(acc: list[torch.Tensor], k: torch.Tensor, mean: bool) -> list[torc
 
 
 def empty_unless(emit: torch.Tensor, acc: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The accumulator after this call: +0.0 where the window closed, else ``acc``."""
-    return [torch.where(emit, torch.zeros_like(a), a) for a in acc]
+    """The accumulator after this call: +0.0 where the window closed, else ``acc`` (bit for
+    bit, inf and NaN kept); multi-tensor ops outside ``vmap``."""
+    return zero_where(emit, acc)
 
 
 def MultiSteps(  # optax's name (a class there), kept for its users

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from functional_fp16._util.finite import leaves_finite
+from functional_fp16._util.multi_tensor import unscaled
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
-from functional_fp16.precision.loss_scale import NoOpLossScale
+from functional_fp16.precision.loss_scale import NoOpLossScale, unscale_inverse
 from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.accumulation import (
     MultiStepsSpec,
@@ -60,6 +61,14 @@ def fp16_accumulates(tx: GradientTransformation) -> bool:
     return False
 
 
+def _unscaled(leaves: list[torch.Tensor], inv: torch.Tensor | None) -> list[torch.Tensor]:
+    r"""``loss_scale.unscale`` of the leaves: :math:`\operatorname{fl}_{32}(g)\cdot s^{-1}`
+    (multi-tensor ops outside ``vmap``), or the float32 leaves themselves for a unit scale."""
+    if inv is None:
+        return [g if g.dtype == torch.float32 else g.float() for g in leaves]
+    return unscaled(leaves, inv)
+
+
 def _unit_scale(device: torch.device) -> NoOpLossScale:
     # A fill on the device, not a host-to-device copy (CUDA-graph capturable).
     return NoOpLossScale().replace(loss_scale=torch.ones((), dtype=torch.float32, device=device))
@@ -92,7 +101,7 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
     spec: MultiStepsSpec = state.tx.spec
     inner = inner_fp16_state(state)
     ms: MultiStepsState = state.opt_state
-    g32, _ = tree_flatten(state.loss_scale.unscale(grads))
+    g32 = _unscaled(tree_flatten(grads)[0], unscale_inverse(state.loss_scale))
     acc_leaves, acc_spec = tree_flatten(ms.acc_grads)
     m_spec = tree_flatten(state.master)[1]
     if acc_spec != m_spec:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from functional_fp16._util.multi_tensor import is_batched
 from functional_fp16._util.tree import PyTree, first_difference, tree_flatten, tree_unflatten
 
 __all__ = ["tree_stack", "tree_unstack", "is_batched", "per_member"]
@@ -73,11 +74,6 @@ def tree_unstack(tree: PyTree) -> list[PyTree]:
         )
     k = sizes.pop()
     return [tree_unflatten(spec, [x[i].clone() for x in leaves]) for i in range(k)]
-
-
-def is_batched(tensors: list[Any]) -> bool:
-    """Whether any of ``tensors`` (``None`` allowed) is a ``vmap`` batched tensor."""
-    return any(x is not None and torch._C._functorch.is_batchedtensor(x) for x in tensors)
 
 
 def _slice(x: torch.Tensor, dim: int | None, k: int) -> torch.Tensor:
