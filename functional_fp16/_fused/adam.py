@@ -206,25 +206,51 @@ def _lists(
     clip_mul, lr, apply, inv_c1, sqrt_c2, l2, w, b2, c2, eps, decoupled,
 ) -> None:  # fmt: skip
     """The plain kernel of one group of one member: the same operations on flat lists,
-    a fixed number of multi-tensor ops (``torch._foreach_*``) whatever the leaves."""
+    a fixed number of multi-tensor ops (``torch._foreach_*``) whatever the leaves.
+
+    Its temporaries, in bytes a parameter: the FP32 gradient list ``u`` (4),
+    which later holds the step. A pure step computes the moments in their new
+    buffers (restoring the old bits where it skips) and the denominator in the
+    new master's buffer before the master is written: 4 in all. A donated step
+    must keep the old moments until it knows, so each new moment is a
+    temporary in turn, and so is the denominator: 8 at most. (On the CPU the
+    correctly rounded square root adds a float64 temporary, see
+    :func:`~functional_fp16._fused.plain_kernels.correct_sqrt`.)
+    """
+    apply = apply.reshape(())
     u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
     if l2 != 0.0:
         torch._foreach_add_(u, master, alpha=l2)
-    na = torch._foreach_lerp(mu, u, w)
-    nv = torch._foreach_mul(nu, b2)
-    torch._foreach_addcmul_(nv, u, u, value=c2)
-    denom = plain_kernels.correct_sqrt(nv)
+    pure = any(o is not x for o, x in zip(mu_out, mu))
+    if pure:
+        torch._foreach_lerp_(plain_kernels.start_from(mu_out, mu), u, w)
+        torch._foreach_mul_(plain_kernels.start_from(nu_out, nu), b2)
+        torch._foreach_addcmul_(nu_out, u, u, value=c2)
+        plain_kernels.restore_skipped_(apply, mu_out, mu)
+        plain_kernels.restore_skipped_(apply, nu_out, nu)
+        denom = plain_kernels.correct_sqrt(nu_out, out=master_out)  # master_out: scratch
+    else:
+        na = torch._foreach_lerp(mu, u, w)
+        plain_kernels.select_into(apply, na, mu, mu_out, consume=True)
+        del na
+        nv = torch._foreach_mul(nu, b2)
+        torch._foreach_addcmul_(nv, u, u, value=c2)
+        plain_kernels.select_into(apply, nv, nu, nu_out, consume=True)
+        del nv
+        denom = plain_kernels.correct_sqrt(nu_out)
+    # Where the step applies, mu_out and nu_out hold the new moments; where it skips, the
+    # step below is computed from the old ones and not applied.
     torch._foreach_div_(denom, sqrt_c2.reshape(()))
     torch._foreach_add_(denom, eps)
-    step = torch._foreach_div(na, denom)
+    step = plain_kernels.start_from(u, mu_out)  # u's buffers: a' / denom, as one division
+    torch._foreach_div_(step, denom)
+    del denom
     torch._foreach_mul_(step, inv_c1.reshape(()))
     if decoupled != 0.0:
         torch._foreach_add_(step, master, alpha=decoupled)
-    del u, denom  # the moments and the step are all this step still needs
-    plain_kernels.write_lists(
-        apply.reshape(()), {"mu": na, "nu": nv}, step, lr, master=master, mu=mu, nu=nu, params=params,
-        master_out=master_out, mu_out=mu_out, nu_out=nu_out, params_out=params_out,
-    )  # fmt: skip
+    plain_kernels.fma_step_(master_out, master, step, lr, plain_kernels.skip_flag(apply))
+    del step, u
+    plain_kernels.refresh_params(apply, master_out, params, params_out)
 
 
 SPEC = StepSpec(

@@ -25,7 +25,7 @@ from torch import Tensor
 
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
 __all__ += ["one_group", "unscaled_lists", "skip_flag", "start_from", "fma_step_", "correct_sqrt"]
-__all__ += ["select_into", "write_lists", "refresh_params"]
+__all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params"]
 
 
 def f32(x: float) -> float:
@@ -167,16 +167,47 @@ def fma_step_(out: list[Tensor], master: list[Tensor], v: list[Tensor], lr: Tens
     )  # fmt: skip
 
 
-def correct_sqrt(x: list[Tensor]) -> list[Tensor]:
-    """The correctly rounded square roots of float32 tensors (see ``sqrt_rn``), on lists."""
-    if not x or x[0].device.type == "cuda":
-        return torch._foreach_sqrt(x)
+def correct_sqrt(x: list[Tensor], out: list[Tensor] | None = None) -> list[Tensor]:
+    """The correctly rounded square roots of float32 tensors (see ``sqrt_rn``), on lists,
+    into ``out`` where given (which may be ``x``), else into new tensors.
+
+    CUDA's square root is correctly rounded: one multi-tensor op. The CPU's
+    multi-tensor square root is not always (about 0.6 % of float32 inputs are
+    one ulp off), so there it is taken in float64 (exact to round once to
+    float32), a CPU-only temporary of 8 bytes an element.
+    """
+    if out is None:
+        out = [torch.empty_like(t) for t in x]
+    if not x:
+        return out
+    if x[0].device.type == "cuda":
+        start_from(out, x)
+        torch._foreach_sqrt_(out)
+        return out
     wide = [torch.empty_like(t, dtype=torch.float64) for t in x]
     torch._foreach_copy_(wide, x)
     torch._foreach_sqrt_(wide)
-    out = [torch.empty_like(t) for t in x]
     torch._foreach_copy_(out, wide)
     return out
+
+
+def restore_skipped_(apply: Tensor, out: list[Tensor], old: list[Tensor]) -> None:
+    r"""``out[i] = out[i] if apply else old[i]``, bit for bit, in place and without a
+    temporary: on the bit patterns as integers, :math:`o \leftarrow o_{old} + (o - o_{old})\,a`
+    with :math:`a \in \{0, 1\}` (integer arithmetic wraps, so it is exact for every
+    pattern). ``out`` holds new values the step computed in its own buffers."""
+    if not out:
+        return
+    by_width: dict[int, list[int]] = {}
+    for i, x in enumerate(out):
+        by_width.setdefault(x.element_size(), []).append(i)
+    for width, idx in by_width.items():
+        kind = _SAME_WIDTH_INT[width]
+        o = [out[i].view(kind) for i in idx]
+        old_bits = [old[i].view(kind) for i in idx]
+        torch._foreach_sub_(o, old_bits)
+        torch._foreach_mul_(o, apply.reshape(()).to(kind))
+        torch._foreach_add_(o, old_bits)
 
 
 def select_into(
