@@ -237,3 +237,20 @@ def test_the_fused_kernel_runs_adam_adamw_and_l2_adam_but_not_eps_root():
     assert ff.update_path(ff.fp16_init(params, both)) == "fused"
     other = ff.chain(ff.scale_by_adam(), ff.trace(0.9), ff.scale_by_learning_rate(LR))
     assert ff.update_path(ff.fp16_init(params, other)) == "foreach"
+
+
+@pytest.mark.parametrize("batch", [1, 7, 1 << 20])
+def test_the_plain_kernels_square_root_is_correctly_rounded_in_bounded_batches(batch, monkeypatch):
+    """The CPU's float64 square root runs a bounded batch at a time (cut through tensors and
+    across them), with the same bits as one conversion, into new tensors or in place."""
+    from functional_fp16._fused import plain_kernels as pk
+
+    monkeypatch.setattr(pk, "SQRT_BATCH", batch)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(5, 3, generator=g) * 1e3, torch.rand(0), torch.rand(2), torch.rand(20)]
+    want = [x.double().sqrt().float() for x in xs]
+    got = pk.correct_sqrt(xs)
+    inplace = [x.clone() for x in xs]
+    pk.correct_sqrt(inplace, out=inplace)
+    for w, a, b in zip(want, got, inplace):
+        assert torch.equal(a, w) and torch.equal(b, w)

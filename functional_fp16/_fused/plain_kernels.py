@@ -174,7 +174,8 @@ def correct_sqrt(x: list[Tensor], out: list[Tensor] | None = None) -> list[Tenso
     CUDA's square root is correctly rounded: one multi-tensor op. The CPU's
     multi-tensor square root is not always (about 0.6 % of float32 inputs are
     one ulp off), so there it is taken in float64 (exact to round once to
-    float32), a CPU-only temporary of 8 bytes an element.
+    float32), a batch of at most :data:`SQRT_BATCH` elements at a time, so that
+    its temporary stays bounded (three multi-tensor ops a batch).
     """
     if out is None:
         out = [torch.empty_like(t) for t in x]
@@ -184,11 +185,42 @@ def correct_sqrt(x: list[Tensor], out: list[Tensor] | None = None) -> list[Tenso
         start_from(out, x)
         torch._foreach_sqrt_(out)
         return out
-    wide = [torch.empty_like(t, dtype=torch.float64) for t in x]
-    torch._foreach_copy_(wide, x)
-    torch._foreach_sqrt_(wide)
-    torch._foreach_copy_(out, wide)
+    for src, dst in _batches(x, out, SQRT_BATCH):
+        wide = [torch.empty_like(t, dtype=torch.float64) for t in src]
+        torch._foreach_copy_(wide, src)
+        torch._foreach_sqrt_(wide)
+        torch._foreach_copy_(dst, wide)
     return out
+
+
+SQRT_BATCH = 1 << 20
+"""The most elements a float64 conversion takes at once (8 MiB): the CPU's square root and
+the sum of squares of the clipping norm."""
+
+
+def _batches(x: list[Tensor], out: list[Tensor], size: int):
+    """``(pieces of x, the same pieces of out)`` of at most ``size`` elements in all; a
+    tensor larger than that is cut into flat slices (the tensors are contiguous)."""
+    src: list[Tensor] = []
+    dst: list[Tensor] = []
+    held = 0
+    for a, b in zip(x, out):
+        if a.numel() <= size:  # whole (no view: nothing per tensor but the list entry)
+            pieces = [(a, b)]
+        else:
+            flat_a, flat_b = a.reshape(-1), b.view(-1)
+            pieces = [
+                (flat_a[i : i + size], flat_b[i : i + size]) for i in range(0, a.numel(), size)
+            ]
+        for piece_a, piece_b in pieces:
+            if held and held + piece_a.numel() > size:
+                yield src, dst
+                src, dst, held = [], [], 0
+            src.append(piece_a)
+            dst.append(piece_b)
+            held += piece_a.numel()
+    if src:
+        yield src, dst
 
 
 def restore_skipped_(apply: Tensor, out: list[Tensor], old: list[Tensor]) -> None:
@@ -281,7 +313,10 @@ def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     peak.copy_(torch.where(torch.isnan(tops), float("inf"), tops))
     if sum_squares:
         u = unscaled_lists(grads, grads, inv, None, None)
-        wide = [torch.empty_like(x, dtype=torch.float64) for x in u]
-        torch._foreach_copy_(wide, u)
-        torch._foreach_mul_(wide, wide)  # the squares, exact in float64
-        sq[0] = torch.stack(torch._foreach_norm(wide, 1)).sum()  # each leaf's sum
+        sums = []
+        for src, _ in _batches(u, u, SQRT_BATCH):  # a bounded float64 temporary
+            wide = [torch.empty_like(x, dtype=torch.float64) for x in src]
+            torch._foreach_copy_(wide, src)
+            torch._foreach_mul_(wide, wide)  # the squares, exact in float64
+            sums += torch._foreach_norm(wide, 1)  # each piece's sum
+        sq[0] = torch.stack(sums).sum()
