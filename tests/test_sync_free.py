@@ -93,3 +93,34 @@ def test_whole_training_step_reads_nothing_back(impl):
             grads, (_, loss) = torch.func.grad_and_value(scaled_loss, has_aux=True)(state.params)
             state = ff.fp16_update(state, grads, loss=loss, impl=impl)
     assert int(state.step) == 3
+
+
+def _every_optimiser():
+    from tests.helpers import optimiser_matrix
+
+    out = dict(optimiser_matrix())
+    out["rmsprop"] = ff.rmsprop(1e-3, momentum=0.9)
+    out["multi_steps_recipe"] = ff.MultiSteps(optimiser_matrix()["recipe"], 2)
+    out["inject_adamw"] = ff.inject_hyperparams(ff.adamw)(learning_rate=1e-3, weight_decay=0.1)
+    return out
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", sorted(_every_optimiser()))
+def test_the_cuda_default_reads_nothing_back_for_every_optimiser(name, donate, monkeypatch):
+    """The path CUDA runs by default (``FUNCTIONAL_FP16_CPU_KERNEL=cuda-default`` runs it on
+    the CPU), for every optimiser, with an overflow and a NaN loss among the steps."""
+    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", "cuda-default")
+    tx = _every_optimiser()[name]
+    state = ff.fp16_init(random_tree(1), tx, ff.DynamicLossScale(2.0**12, growth_interval=2))
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        grads = tree_map(
+            lambda p: (torch.randn(p.shape, generator=g) * 64).to(p.dtype), state.params
+        )
+        if step == 1:
+            grads["scalar"] = torch.tensor(math.inf, dtype=torch.float16)
+        loss = torch.tensor(math.nan if step == 2 else 1.0)
+        with no_host_sync():
+            state = ff.fp16_update(state, grads, donate=donate, loss=loss)
+    assert int(state.step) == 4
