@@ -340,15 +340,25 @@ def test_killed_saves_of_per_epoch_names_leave_no_temporaries(tmp_path):
             os.kill(pid, signal.SIGKILL)
             server.send(f"reap {pid}")
             last_saved = epoch - 1
+            saved_any = False
             while True:
                 line = server.next_line()
                 if line.startswith("saved "):
                     last_saved = int(line.split()[1])
+                    saved_any = True
                 elif line.startswith("reaped "):
                     break
             kills += 1
-            left = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp"))
+            before, left = (
+                left,
+                sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")),
+            )
             assert len(left) <= 1, left
+            if left and not saved_any and left == before:
+                # Killed before its first save began (building the payload on a loaded
+                # machine): nothing was cleaned yet, and the temporary is the last run's.
+                epoch = last_saved + 3
+                continue
             if left:
                 mid_write += 1
                 # The killed save's file: of the epoch after the last one reported
