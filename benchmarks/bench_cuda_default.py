@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_recipe import gpt2_tree  # noqa: E402
+from bench_recipe import Stock, gpt2_tree  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 from functional_fp16._fused import device_kernels, memory  # noqa: E402
@@ -161,23 +161,16 @@ class Ours:
         return _storage_bytes(tree_leaves(self.state))
 
 
-class Torch:
-    """FP32 parameters with their scaled FP32 ``.grad`` (what ``backward()`` leaves),
-    ``GradScaler("cpu")`` and a fused optimiser, as a PyTorch user runs them."""
+class Torch(Stock):
+    """``bench_recipe``'s stock recipe (FP32 parameters, ``GradScaler("cpu")``, a fused
+    optimiser; nanoGPT's loop for AdamW), fed each call the scaled FP32 ``.grad`` that
+    ``backward()`` leaves."""
 
     def __init__(self, params, grads, kind):
-        self.kind = kind
-        self.params = [v.float().requires_grad_() for v in params.values()]
+        super().__init__(params, grads, kind)
         self.scaled = [g.float() for g in grads.values()]
         for p, g in zip(self.params, self.scaled):
             p.grad = g.clone()
-        if kind == "adamw":
-            decay = [p for p in self.params if p.ndim >= 2]
-            other = [p for p in self.params if p.ndim < 2]
-            groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0}]
-            self.opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=True)
-        else:
-            self.opt = torch.optim.SGD(self.params, lr=0.05, momentum=0.9, fused=True)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
         self.scaler.scale(torch.ones(()))  # the scaler creates its state lazily here
         self.path = "torch"
@@ -188,13 +181,7 @@ class Torch:
             p.grad.copy_(g)
 
     def __call__(self):
-        if self.kind == "adamw":
-            for group in self.opt.param_groups:
-                group["lr"] = 6e-4  # nanoGPT sets each group's rate every step
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        super().__call__()
         return None
 
     def state_bytes(self) -> int:
@@ -254,11 +241,16 @@ def count_launches(events) -> tuple[int, int, collections.Counter]:
     return sum(tops.values()), reads, tops
 
 
-def measure_launches(row, calls: int) -> list[tuple[int, int, collections.Counter]]:
-    """Two warm-up calls, then each of ``calls`` calls profiled on its own."""
+def _warm(row) -> None:
+    """Two calls before any is measured (plans, routes and the allocator settle)."""
     for _ in range(2):
         row.prepare()
         row()
+
+
+def measure_launches(row, calls: int) -> list[tuple[int, int, collections.Counter]]:
+    """Two warm-up calls, then each of ``calls`` calls profiled on its own."""
+    _warm(row)
     out = []
     for _ in range(calls):
         row.prepare()
@@ -294,9 +286,7 @@ def _allocations(prof) -> list[tuple[int, int]] | None:
 def measure_growth(row, calls: int) -> list[tuple[int | None, int]]:
     """Per measured call: (peak growth of allocated bytes, bytes of fresh storages in the
     state it returns: 0 when donated), after two warm-up calls."""
-    for _ in range(2):
-        row.prepare()
-        row()
+    _warm(row)
     out = []
     for _ in range(calls):
         row.prepare()

@@ -421,3 +421,23 @@ def count_c_kernel_calls(monkeypatch, calls: list[str]) -> list[str]:
     monkeypatch.setattr(cpu, "call", call)
     monkeypatch.setattr(cpu, "run_op", run_op)
     return calls
+
+
+NO_LAUNCH = ("empty", "view", "reshape", "alias", "as_strided", "detach", "lift", "unsqueeze")
+"""Parts of the names of aten ops that compute nothing (allocations and views)."""
+
+
+def top_level_ops(prof) -> list[str]:
+    """The aten ops a profile ran from Python or from a ``functional_fp16`` op's kernel (not
+    the ones an aten op runs inside itself, as the CPU's foreach ops do per tensor)."""
+    return [
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+
+
+def computing_ops(prof) -> list[str]:
+    """:func:`top_level_ops` that compute (each at least one launch on a GPU)."""
+    return [n for n in top_level_ops(prof) if not any(w in n for w in NO_LAUNCH)]

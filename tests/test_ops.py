@@ -22,7 +22,7 @@ from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._util.tree import tree_leaves, tree_map
-from tests.helpers import bits, count_c_kernel_calls
+from tests.helpers import bits, computing_ops, count_c_kernel_calls, top_level_ops
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler here")
 
@@ -563,9 +563,6 @@ def test_cuda_runs_pytorchs_kernels_and_the_retired_triton_choice_says_so(monkey
         dk.kernel_for(cuda)
 
 
-_NO_LAUNCH = ("empty", "view", "reshape", "alias", "as_strided", "detach", "lift", "unsqueeze")
-
-
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam", "recipe", "lion"])
 def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, monkeypatch):
     """The plain kernel of one group (CUDA's default) is multi-tensor: the number of
@@ -582,15 +579,7 @@ def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, m
         state = ff.fp16_update(state, grads)  # the first call builds the plans
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             ff.fp16_update(state, grads)
-        # The ops called from Python or from the fused op's kernel (not the ones an aten op
-        # runs inside itself, as the CPU's foreach ops do per tensor) that compute
-        # (allocations and views launch nothing), and the foreach ones among them.
-        ran = [
-            e.name
-            for e in prof.events()
-            if e.name.startswith("aten::")
-            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-        ]
-        computing = [n for n in ran if not any(w in n for w in _NO_LAUNCH)]
-        counts.append((len(computing), sum(n.startswith("aten::_foreach") for n in ran)))
+        # The computing ops (allocations and views launch nothing), and the foreach ones.
+        ran = top_level_ops(prof)
+        counts.append((len(computing_ops(prof)), sum(n.startswith("aten::_foreach") for n in ran)))
     assert counts[0] == counts[1] and counts[0][1] > 0, counts

@@ -56,24 +56,29 @@ def _txs():
     ]
 
 
+def _four_steps_without_a_sync(state, **update_kwargs):
+    """Four updates under the host-sync guard: random gradients, an inf in ``scalar`` at the
+    second step, a NaN loss at the third."""
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        grads = tree_map(
+            lambda p: (torch.randn(p.shape, generator=g) * 64).to(p.dtype), state.params
+        )
+        if step == 1:
+            grads["scalar"] = torch.tensor(math.inf, dtype=torch.float16)
+        loss = torch.tensor(math.nan if step == 2 else 1.0)
+        with no_host_sync():
+            state = ff.fp16_update(state, grads, loss=loss, **update_kwargs)
+    return state
+
+
 @pytest.mark.parametrize("tx_index", range(len(_txs())))
 @pytest.mark.parametrize("donate", [False, True])
 def test_update_reads_nothing_back(impl, donate, tx_index):
     tx = _txs()[tx_index]
     for loss_scale in (ff.DynamicLossScale(2.0**12, growth_interval=2), ff.NoOpLossScale()):
         state = ff.fp16_init(random_tree(tx_index), tx, loss_scale)
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            grads = tree_map(
-                lambda p: (torch.randn(p.shape, generator=g) * 64).to(p.dtype), state.params
-            )
-            if step == 1:
-                grads["scalar"] = torch.tensor(math.inf, dtype=torch.float16)
-            loss = torch.tensor(math.nan if step == 2 else 1.0)
-            with no_host_sync():
-                state = ff.fp16_update(
-                    state, grads, impl=impl, donate=donate, loss=loss, agree=lambda f: f & f
-                )
+        state = _four_steps_without_a_sync(state, impl=impl, donate=donate, agree=lambda f: f & f)
         assert int(state.step) == 4
 
 
@@ -113,14 +118,5 @@ def test_the_cuda_default_reads_nothing_back_for_every_optimiser(name, donate, m
     monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", "cuda-default")
     tx = _every_optimiser()[name]
     state = ff.fp16_init(random_tree(1), tx, ff.DynamicLossScale(2.0**12, growth_interval=2))
-    for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        grads = tree_map(
-            lambda p: (torch.randn(p.shape, generator=g) * 64).to(p.dtype), state.params
-        )
-        if step == 1:
-            grads["scalar"] = torch.tensor(math.inf, dtype=torch.float16)
-        loss = torch.tensor(math.nan if step == 2 else 1.0)
-        with no_host_sync():
-            state = ff.fp16_update(state, grads, donate=donate, loss=loss)
+    state = _four_steps_without_a_sync(state, donate=donate)
     assert int(state.step) == 4

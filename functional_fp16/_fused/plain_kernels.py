@@ -23,6 +23,8 @@ import struct
 import torch
 from torch import Tensor
 
+from functional_fp16._util.multi_tensor import by_bit_width
+
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
 __all__ += ["one_group", "unscaled_lists", "skip_flag", "start_from", "fma_step_", "correct_sqrt"]
 __all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params"]
@@ -106,8 +108,6 @@ def stats_generic(grads, inv, groups, members, sum_squares, peak, sq) -> None:
 # ---------------------------------------------------------------------------
 # The multi-tensor form: one group of one member, on flat lists.
 # ---------------------------------------------------------------------------
-
-_SAME_WIDTH_INT = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def one_group(lr: Tensor, members: int) -> bool:
@@ -228,13 +228,7 @@ def restore_skipped_(apply: Tensor, out: list[Tensor], old: list[Tensor]) -> Non
     temporary: on the bit patterns as integers, :math:`o \leftarrow o_{old} + (o - o_{old})\,a`
     with :math:`a \in \{0, 1\}` (integer arithmetic wraps, so it is exact for every
     pattern). ``out`` holds new values the step computed in its own buffers."""
-    if not out:
-        return
-    by_width: dict[int, list[int]] = {}
-    for i, x in enumerate(out):
-        by_width.setdefault(x.element_size(), []).append(i)
-    for width, idx in by_width.items():
-        kind = _SAME_WIDTH_INT[width]
+    for kind, idx in by_bit_width(out):
         o = [out[i].view(kind) for i in idx]
         old_bits = [old[i].view(kind) for i in idx]
         torch._foreach_sub_(o, old_bits)
@@ -254,13 +248,7 @@ def select_into(
     ``old`` (a donated step); every ``new`` is computed before. With ``consume`` the
     ``new`` tensors are the caller's temporaries and are overwritten (no further buffer).
     """
-    if not new:
-        return
-    by_width: dict[int, list[int]] = {}
-    for i, x in enumerate(new):
-        by_width.setdefault(x.element_size(), []).append(i)
-    for width, idx in by_width.items():
-        kind = _SAME_WIDTH_INT[width]
+    for kind, idx in by_bit_width(new):
         a = apply.reshape(()).to(kind)
         keep = 1 - a
         n = [new[i].view(kind) for i in idx]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_batched", "multi_tensor", "peaks", "unscaled", "zero_where"]
+__all__ = ["is_batched", "multi_tensor", "by_bit_width", "peaks", "unscaled", "zero_where"]
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
 _SAME_WIDTH_INT = {4: torch.int32, 2: torch.int16, 1: torch.uint8, 8: torch.int64}
@@ -28,6 +28,16 @@ def is_batched(tensors: list[Any]) -> bool:
 def multi_tensor(tensors: list[torch.Tensor]) -> bool:
     """Whether the multi-tensor form may run on ``tensors``: a non-empty list, none batched."""
     return bool(tensors) and not is_batched(tensors)
+
+
+def by_bit_width(xs: list[torch.Tensor]) -> list[tuple[torch.dtype, list[int]]]:
+    """The positions of ``xs`` grouped by element size, each with the integer dtype of that
+    width: how the bit patterns of a list are handled as integers, one multi-tensor op a
+    group."""
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.element_size(), []).append(i)
+    return [(_SAME_WIDTH_INT[w], idx) for w, idx in groups.items()]
 
 
 def peaks(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -65,12 +75,8 @@ def zero_where(flag: torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]
     0 or 1 where the multi-tensor form may run."""
     if multi_tensor(xs) and not is_batched([flag]) and all(x.is_contiguous() for x in xs):
         keep = torch.logical_not(flag)
-        by_width: dict[int, list[int]] = {}
-        for i, x in enumerate(xs):
-            by_width.setdefault(x.element_size(), []).append(i)
         out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
-        for width, idx in by_width.items():
-            kind = _SAME_WIDTH_INT[width]
+        for kind, idx in by_bit_width(xs):
             kept = torch._foreach_mul([xs[i].view(kind) for i in idx], keep.to(kind))
             for i, k in zip(idx, kept):
                 out[i] = k.view(xs[i].dtype)
