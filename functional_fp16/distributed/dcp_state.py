@@ -165,12 +165,22 @@ def load_dcp_state(
     if not isinstance(in_place, bool):
         raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     path = _path(checkpoint_id)
-    state_to_dcp(like)  # checks like before anything is read
+    expected = _entries(state_to_dcp(like))  # checks like before anything is read
     leaves, spec = tree_flatten(like)
     reader = CheckedReader(path)
-    metadata = _agreed(reader.read_metadata)
-    keys = metadata.state_dict_metadata
-    missing = [f for f in ADDED_FIELDS if not any(k == f or k.startswith(f + ".") for k in keys)]
+
+    def checked() -> list[str]:
+        """The fields the checkpoint predates, after checking it holds every other entry."""
+        metadata = reader.read_metadata()
+        keys = metadata.state_dict_metadata
+        missing = [
+            f for f in ADDED_FIELDS if not any(k == f or k.startswith(f + ".") for k in keys)
+        ]
+        held = {k: v for k, v in expected.items() if k.split(".", 1)[0] not in missing}
+        check_entries(held, metadata, show(path))
+        return missing
+
+    missing = _agreed(checked)  # one agreement: every rank read and checked the directory
     if in_place:
         target = like
     else:
@@ -185,7 +195,6 @@ def load_dcp_state(
                 lambda x, f=field: added_field_value(f, x), getattr(target, field)
             )
             target = target.replace(**{field: value})
-    _agreed(lambda: check_entries(_entries(wanted), metadata, show(path)))
     try:
         with one_process_is_intended():
             dcp.load(wanted, storage_reader=reader, no_dist=not _distributed())
