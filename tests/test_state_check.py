@@ -153,6 +153,16 @@ def test_a_state_seen_before_is_not_checked_again():
         state_check._template = original
 
 
+def test_states_alike_share_one_signature_object():
+    """Two states of one layout get the very signature first checked, so the caches
+    keyed by it find their entries by identity, not by comparing every leaf's metadata."""
+    state_check._good.clear()
+    tx = make_tx("plain")
+    first = state_check.check_state(make_state(tx))
+    again = state_check.check_state(make_state(tx))
+    assert again == first and again is first
+
+
 def test_a_transform_whose_init_needs_values_is_checked_on_real_tensors():
     """``tx.init`` that reads values cannot run on meta tensors; the check builds real ones."""
 

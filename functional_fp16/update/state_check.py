@@ -56,7 +56,7 @@ _KNOWN_SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
 _META = torch.device("meta")
 _CACHE_SIZE = 256
 
-_good: dict[Any, None] = {}  # signatures of states that matched their template (insertion order)
+_good: dict[Any, Any] = {}  # signatures of states that matched their template, to themselves
 
 
 class Signature:
@@ -131,11 +131,14 @@ def check_state(state: FP16State) -> Any:
     if not compiling and state._checked is not None:
         return state._checked
     key = None if compiling else _signature(state)
-    if key is not None and key in _good:
-        return key
+    # The first equal signature is returned, so that the caches keyed by it
+    # find their entries by identity instead of comparing every leaf's metadata.
+    known = None if key is None else _good.get(key)
+    if known is not None:
+        return known
     _compare(state, _template(state))
     if key is not None:
-        remember(_good, key, None, _CACHE_SIZE)
+        remember(_good, key, key, _CACHE_SIZE)
     return key
 
 
