@@ -86,6 +86,8 @@ def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
     clip, l2, adam, decoupled, lr = slots
     if adam is None or lr is None or adam[0].eps_root != 0.0:
         return None
+    if adam[0].mu_format.kind != "float32" or adam[0].nu_format.kind != "float32":
+        return None  # coded moments: the chain runs as written
     spec: AdamSpec = adam[0]
     return AdamPlan(
         max_norm=clip[0].max_norm if clip else None,

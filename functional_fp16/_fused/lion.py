@@ -75,8 +75,8 @@ def _read(parts: list[tuple[Any, Path]]) -> LionPlan | None:
     if LionSpec not in found or LearningRateSpec not in found:
         return None
     lion, lion_path = found[LionSpec]
-    if lion.mode != "hard":
-        return None
+    if lion.mode != "hard" or lion.mu_format.kind != "float32":
+        return None  # coded momentum: the chain runs as written
     clip = found.get(ClipSpec, (None, None))[0]
     decay = found.get(DecaySpec, (None, None))[0]
     lr, lr_path = found[LearningRateSpec]

@@ -70,6 +70,8 @@ class SGDPlan(NamedTuple):
 
 
 def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
+    if any(isinstance(s, TraceSpec) and s.accumulator_format.kind != "float32" for s, _ in parts):
+        return None  # a coded momentum: the chain runs as written
     # Pass-through parts change nothing; drop them.
     parts = [
         (s, p)

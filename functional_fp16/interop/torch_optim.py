@@ -143,6 +143,8 @@ def _spec_recipe(spec: Any) -> _Recipe | None:
         return None
     if kinds == (DecaySpec, TraceSpec, LearningRateSpec):
         decay, trace = parts[0], parts[1]
+        if trace.accumulator_format.kind != "float32":  # torch keeps FP32 buffers only
+            return None
         hyper = {
             "lr": lr.learning_rate,
             "momentum": trace.decay,
@@ -154,7 +156,9 @@ def _spec_recipe(spec: Any) -> _Recipe | None:
     if kinds not in ((AdamSpec, LearningRateSpec), (AdamSpec, DecaySpec, LearningRateSpec)):
         return None
     moments = parts[0]
-    if moments.eps_root != 0.0:
+    if moments.eps_root != 0.0 or "float32" != moments.mu_format.kind or (
+        moments.nu_format.kind != "float32"
+    ):
         return None
     wd = parts[1].weight_decay if len(parts) == 3 else 0.0
     hyper = {

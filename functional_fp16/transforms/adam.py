@@ -24,6 +24,15 @@ import torch
 
 from functional_fp16._util import validate
 from functional_fp16._util.tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+from functional_fp16.precision.moment_storage import (
+    DEFAULT_BLOCK,
+    FLOAT32,
+    MomentFormat,
+    decode,
+    encode,
+    moment_format,
+    zeros_like_moment,
+)
 from functional_fp16.transforms.base import GradientTransformation, chain, saturating_increment
 from functional_fp16.transforms.schedules import Schedule
 from functional_fp16.transforms.sgd import add_decayed_weights, scale_by_learning_rate
@@ -35,8 +44,8 @@ class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam`."""
 
     count: torch.Tensor  # 0-d int32: the number of updates produced (applied steps)
-    mu: PyTree  # first moments, float32, shaped like the parameters
-    nu: PyTree  # second moments, float32, shaped like the parameters
+    mu: PyTree  # first moments shaped like the parameters: float32 (or as mu_dtype stores them)
+    nu: PyTree  # second moments shaped like the parameters: float32 (or as nu_dtype stores them)
 
 
 class AdamSpec(NamedTuple):
@@ -46,6 +55,8 @@ class AdamSpec(NamedTuple):
     b2: float
     eps: float
     eps_root: float
+    mu_format: MomentFormat = FLOAT32
+    nu_format: MomentFormat = FLOAT32
 
 
 def bias_corrections(count: torch.Tensor, b1: float, b2: float):
@@ -81,7 +92,15 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_by_adam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, eps_root: float = 0.0
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    eps_root: float = 0.0,
+    mu_dtype: torch.dtype | str | None = None,
+    nu_dtype: torch.dtype | str | None = None,
+    nu_scale: str | float | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""Rescales updates by Adam's bias-corrected moment estimates.
 
@@ -105,10 +124,19 @@ def scale_by_adam(
       b2: :math:`\beta_2 \in [0, 1)`, the second moment's decay.
       eps: :math:`\epsilon \ge 0`, added to the denominator.
       eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
+      mu_dtype: how the first moments are stored: ``None``/``torch.float32``
+        (the default), ``torch.bfloat16``, ``torch.float16`` or ``"int8"``
+        (8-bit block codes); see :mod:`functional_fp16.precision.moment_storage`.
+        The arithmetic is float32 whatever the storage: each step decodes,
+        updates and encodes.
+      nu_dtype: the same for the second moments; ``torch.float16`` needs ``nu_scale``.
+      nu_scale: for ``nu_dtype=torch.float16``: ``"tensor"`` (a power of two
+        chosen per tensor each step) or a fixed power of two.
+      block_size: elements per block of ``"int8"`` moments (a power of two).
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
-      :class:`ScaleByAdamState` (FP32 moments whatever the updates' dtype).
+      :class:`ScaleByAdamState` (moments as stored, whatever the updates' dtype).
     """
     for name, value in (("b1", b1), ("b2", b2)):
         checked = validate.real(name, value, tensor=True)
@@ -117,25 +145,31 @@ def scale_by_adam(
     b1, b2 = (validate.real(n, v, tensor=True) for n, v in (("b1", b1), ("b2", b2)))
     eps = validate.real("eps", eps, tensor=True)
     eps_root = validate.real("eps_root", eps_root, tensor=True)
+    mu_format = moment_format("mu_dtype", mu_dtype, second=False, block_size=block_size)
+    nu_format = moment_format(
+        "nu_dtype", nu_dtype, second=True, scale=nu_scale, scale_name="nu_scale",
+        block_size=block_size,
+    )  # fmt: skip
 
     def init(params: PyTree) -> ScaleByAdamState:
         leaves, spec = tree_flatten(params)
         device = leaves[0].device if leaves else None
-        zeros = [torch.zeros_like(p, dtype=torch.float32) for p in leaves]
         return ScaleByAdamState(
             count=torch.zeros((), dtype=torch.int32, device=device),
-            mu=tree_unflatten(spec, zeros),
-            nu=tree_unflatten(spec, [z.clone() for z in zeros]),
+            mu=tree_unflatten(spec, [zeros_like_moment(mu_format, p) for p in leaves]),
+            nu=tree_unflatten(spec, [zeros_like_moment(nu_format, p) for p in leaves]),
         )
 
     def update(updates: PyTree, state: ScaleByAdamState, params: PyTree | None = None):
         del params
         g_leaves, spec = tree_flatten(updates)
-        mu = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
-        nu = check_same_structure(updates, state.nu, name="nu", reference_name="updates")
+        stored_mu = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
+        stored_nu = check_same_structure(updates, state.nu, name="nu", reference_name="updates")
         count = saturating_increment(state.count)
         if not g_leaves:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
+        mu = [decode(mu_format, m) for m in stored_mu]
+        nu = [decode(nu_format, v) for v in stored_nu]
         g32 = [g.to(torch.float32) for g in g_leaves]
         new_mu = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(mu, g32)]
         if isinstance(b2, torch.Tensor):  # fma(c2 * g, g, v * b2), as addcmul's value= form
@@ -149,12 +183,15 @@ def scale_by_adam(
             c2 = sqrt_c2.double().square().float()
             out = [m * inv_c1 / (sqrt_rn(v / c2 + eps_root) + eps) for m, v in zip(new_mu, new_nu)]
         out = [u.to(g.dtype) for u, g in zip(out, g_leaves)]
+        new_mu = [encode(mu_format, m, old) for m, old in zip(new_mu, stored_mu)]
+        new_nu = [encode(nu_format, v, old) for v, old in zip(new_nu, stored_nu)]
         new_state = ScaleByAdamState(
             count, tree_unflatten(spec, new_mu), tree_unflatten(spec, new_nu)
         )
         return tree_unflatten(spec, out), new_state
 
-    return GradientTransformation(init, update, AdamSpec(b1, b2, eps, eps_root))
+    spec = AdamSpec(b1, b2, eps, eps_root, mu_format, nu_format)
+    return GradientTransformation(init, update, spec)
 
 
 def adam(
@@ -164,6 +201,10 @@ def adam(
     eps: float = 1e-8,
     *,
     eps_root: float = 0.0,
+    mu_dtype: torch.dtype | str | None = None,
+    nu_dtype: torch.dtype | str | None = None,
+    nu_scale: str | float | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""Adam (Kingma & Ba, 2015) with ``torch.optim.Adam``'s arithmetic.
 
@@ -172,13 +213,17 @@ def adam(
     Args:
       learning_rate: :math:`\eta`, a float >= 0 or a schedule of the applied-step count.
       b1, b2, eps, eps_root: see :func:`scale_by_adam`.
+      mu_dtype, nu_dtype, nu_scale, block_size: how the moments are stored; see
+        :func:`scale_by_adam`.
 
     Returns:
-      ``chain(scale_by_adam(b1, b2, eps, eps_root=eps_root), scale_by_learning_rate(lr))``.
+      ``chain(scale_by_adam(b1, b2, eps, eps_root=eps_root, ...), scale_by_learning_rate(lr))``.
     """
-    return chain(
-        scale_by_adam(b1, b2, eps, eps_root=eps_root), scale_by_learning_rate(learning_rate)
-    )
+    moments = scale_by_adam(
+        b1, b2, eps, eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+        nu_scale=nu_scale, block_size=block_size,
+    )  # fmt: skip
+    return chain(moments, scale_by_learning_rate(learning_rate))
 
 
 def adamw(
@@ -189,6 +234,10 @@ def adamw(
     weight_decay: float = 1e-4,
     *,
     mask=None,
+    mu_dtype: torch.dtype | str | None = None,
+    nu_dtype: torch.dtype | str | None = None,
+    nu_scale: str | float | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay.
 
@@ -206,6 +255,8 @@ def adamw(
       mask: which leaves decay: a pytree of bools shaped like the parameters,
         or a function of the parameters returning one (as optax's ``mask``);
         ``None`` decays every leaf.
+      mu_dtype, nu_dtype, nu_scale, block_size: how the moments are stored; see
+        :func:`scale_by_adam`.
 
     Returns:
       ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
@@ -216,4 +267,8 @@ def adamw(
         if mask is None
         else add_decayed_weights(weight_decay, mask=mask)
     )
-    return chain(scale_by_adam(b1, b2, eps), decay, scale_by_learning_rate(learning_rate))
+    moments = scale_by_adam(
+        b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, nu_scale=nu_scale,
+        block_size=block_size,
+    )  # fmt: skip
+    return chain(moments, decay, scale_by_learning_rate(learning_rate))

@@ -21,6 +21,15 @@ import torch
 
 from functional_fp16._util import validate
 from functional_fp16._util.tree import PyTree, check_same_structure, tree_flatten, tree_unflatten
+from functional_fp16.precision.moment_storage import (
+    DEFAULT_BLOCK,
+    FLOAT32,
+    MomentFormat,
+    decode,
+    encode,
+    moment_format,
+    zeros_like_moment,
+)
 from functional_fp16.transforms.base import GradientTransformation, chain, saturating_increment
 from functional_fp16.transforms.schedules import Schedule
 from functional_fp16.transforms.sgd import add_decayed_weights, scale_by_learning_rate
@@ -34,7 +43,7 @@ class ScaleByLionState(NamedTuple):
     """State of :func:`scale_by_lion`."""
 
     count: torch.Tensor  # 0-d int32: the number of updates produced (applied steps)
-    mu: PyTree  # the momentum, float32, shaped like the parameters
+    mu: PyTree  # the momentum shaped like the parameters: float32 (or as mu_dtype stores it)
 
 
 class LionSpec(NamedTuple):
@@ -44,6 +53,7 @@ class LionSpec(NamedTuple):
     b2: float
     mode: str
     smooth_beta: float
+    mu_format: MomentFormat = FLOAT32
 
 
 def _direction(c: torch.Tensor, mode: str, smooth_beta: float) -> torch.Tensor:
@@ -55,7 +65,13 @@ def _direction(c: torch.Tensor, mode: str, smooth_beta: float) -> torch.Tensor:
 
 
 def scale_by_lion(
-    b1: float = 0.9, b2: float = 0.99, *, mode: str = "hard", smooth_beta: float = 1.0
+    b1: float = 0.9,
+    b2: float = 0.99,
+    *,
+    mode: str = "hard",
+    smooth_beta: float = 1.0,
+    mu_dtype: torch.dtype | str | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""Rescales updates to Lion's sign direction.
 
@@ -75,10 +91,14 @@ def scale_by_lion(
       b2: :math:`\beta_2 \in [0, 1]`, the momentum's decay.
       mode: ``"hard"`` (the sign; the paper's rule), ``"smooth"`` or ``"refined"``, as optax.
       smooth_beta: :math:`\beta_s > 0`, the slope of ``"smooth"``.
+      mu_dtype: how the momentum is stored: ``None``/``torch.float32`` (the
+        default), ``torch.bfloat16``, ``torch.float16`` or ``"int8"``; see
+        :mod:`functional_fp16.precision.moment_storage`. The arithmetic is float32.
+      block_size: elements per block of an ``"int8"`` momentum (a power of two).
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
-      :class:`ScaleByLionState` (an FP32 momentum whatever the updates' dtype).
+      :class:`ScaleByLionState` (the momentum as stored, whatever the updates' dtype).
     """
     b1 = validate.real("b1", b1, upper=1.0, tensor=True)
     b2 = validate.real("b2", b2, upper=1.0, tensor=True)
@@ -86,22 +106,24 @@ def scale_by_lion(
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     smooth_beta = validate.real("smooth_beta", smooth_beta, positive=True)
     c1, c2 = 1.0 - b1, 1.0 - b2
+    mu_format = moment_format("mu_dtype", mu_dtype, second=False, block_size=block_size)
 
     def init(params: PyTree) -> ScaleByLionState:
         leaves, spec = tree_flatten(params)
         device = leaves[0].device if leaves else None
         return ScaleByLionState(
             count=torch.zeros((), dtype=torch.int32, device=device),
-            mu=tree_unflatten(spec, [torch.zeros_like(p, dtype=torch.float32) for p in leaves]),
+            mu=tree_unflatten(spec, [zeros_like_moment(mu_format, p) for p in leaves]),
         )
 
     def update(updates: PyTree, state: ScaleByLionState, params: PyTree | None = None):
         del params
         g_leaves, spec = tree_flatten(updates)
-        mu = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
+        stored = check_same_structure(updates, state.mu, name="mu", reference_name="updates")
         count = saturating_increment(state.count)
         if not g_leaves:
             return updates, ScaleByLionState(count, state.mu)
+        mu = [decode(mu_format, m) for m in stored]
         g32 = [g.to(torch.float32) for g in g_leaves]
         # m * b + g * c: the sum is exact in either order, and the result takes the
         # momentum's layout whatever the updates' strides.
@@ -109,11 +131,12 @@ def scale_by_lion(
             _direction(m * b1 + g * c1, mode, smooth_beta).to(g0.dtype)
             for g, m, g0 in zip(g32, mu, g_leaves)
         ]
-        new_mu = [m * b2 + g * c2 for g, m in zip(g32, mu)]
+        new_mu = [encode(mu_format, m * b2 + g * c2, old) for g, m, old in zip(g32, mu, stored)]
         new_state = ScaleByLionState(count, tree_unflatten(spec, new_mu))
         return tree_unflatten(spec, out), new_state
 
-    return GradientTransformation(init, update, LionSpec(b1, b2, mode, smooth_beta))
+    spec = LionSpec(b1, b2, mode, smooth_beta, mu_format)
+    return GradientTransformation(init, update, spec)
 
 
 def lion(
@@ -123,6 +146,8 @@ def lion(
     weight_decay: float = 1e-3,
     *,
     mask=None,
+    mu_dtype: torch.dtype | str | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""The Lion optimiser: the sign of an interpolated momentum, with decoupled weight decay.
 
@@ -140,6 +165,7 @@ def lion(
       weight_decay: :math:`\lambda \ge 0` (optax's default, 1e-3), multiplied by the
         learning rate as in optax and PyTorch.
       mask: which leaves decay, as in :func:`~functional_fp16.adamw`.
+      mu_dtype, block_size: how the momentum is stored; see :func:`scale_by_lion`.
 
     Returns:
       ``chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
@@ -150,4 +176,5 @@ def lion(
         if mask is None
         else add_decayed_weights(weight_decay, mask=mask)
     )
-    return chain(scale_by_lion(b1, b2), decay, scale_by_learning_rate(learning_rate))
+    moments = scale_by_lion(b1, b2, mu_dtype=mu_dtype, block_size=block_size)
+    return chain(moments, decay, scale_by_learning_rate(learning_rate))

@@ -29,6 +29,15 @@ from functional_fp16._util.tree import (
     tree_map,
     tree_unflatten,
 )
+from functional_fp16.precision.moment_storage import (
+    DEFAULT_BLOCK,
+    FLOAT32,
+    MomentFormat,
+    decode,
+    encode,
+    moment_format,
+    zeros_like_moment,
+)
 from functional_fp16.transforms.base import (
     EmptyState,
     GradientTransformation,
@@ -54,7 +63,7 @@ __all__ = [
 class TraceState(NamedTuple):
     """State of :func:`trace`."""
 
-    trace: PyTree  # momentum buffers, one per parameter, same shape and dtype
+    trace: PyTree  # momentum buffers shaped like the parameters, in their dtype or accumulator_dtype
     initialized: torch.Tensor  # 0-d bool: whether any step has filled `trace` yet
 
 
@@ -76,6 +85,7 @@ class TraceSpec(NamedTuple):
     decay: float
     nesterov: bool
     dampening: float
+    accumulator_format: MomentFormat = FLOAT32
 
 
 class LearningRateSpec(NamedTuple):
@@ -115,7 +125,12 @@ def _scalar(value, like: torch.Tensor) -> torch.Tensor:
 
 @keyword_only("nesterov", "dampening")
 def trace(
-    decay: float, *, nesterov: bool = False, dampening: float = 0.0
+    decay: float,
+    *,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    accumulator_dtype: torch.dtype | str | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""Momentum, with ``torch.optim.SGD``'s first step and dampening.
 
@@ -134,8 +149,17 @@ def trace(
       decay: momentum :math:`\mu \ge 0`.
       nesterov: use Nesterov momentum (needs ``decay > 0`` and ``dampening == 0``).
       dampening: :math:`d \in [0, 1]`.
+      accumulator_dtype: how the buffers are stored (optax's name): ``None``
+        (the updates' dtype, the default), ``torch.float32``, ``torch.bfloat16``,
+        ``torch.float16`` or ``"int8"`` (8-bit block codes); see
+        :mod:`functional_fp16.precision.moment_storage`. The arithmetic is the
+        updates' dtype whatever the storage.
+      block_size: elements per block of an ``"int8"`` buffer (a power of two).
     """
     decay = _check_hyper("momentum", decay)
+    stored = moment_format("accumulator_dtype", accumulator_dtype, second=False,
+                           block_size=block_size)  # fmt: skip
+    coded = accumulator_dtype is not None
     dampening = _check_hyper("dampening", dampening, upper=1.0)
     nesterov = validate.flag("nesterov", nesterov)
     if nesterov and _nesterov_refused(decay, dampening):
@@ -144,8 +168,9 @@ def trace(
     def init(params: PyTree) -> TraceState:
         leaves = tree_flatten(params)[0]
         device = leaves[0].device if leaves else None
+        buffer = (lambda p: zeros_like_moment(stored, p)) if coded else torch.zeros_like
         return TraceState(
-            trace=tree_map(lambda p: torch.zeros_like(p), params),
+            trace=tree_map(buffer, params),
             initialized=torch.tensor(False, device=device),
         )
 
@@ -157,6 +182,9 @@ def trace(
         )
         if not g_leaves or validate.is_zero(decay):
             return updates, state
+        old_b = b_leaves
+        if coded:
+            b_leaves = [decode(stored, b).to(g.dtype) for b, g in zip(old_b, g_leaves)]
         like = g_leaves[0]
         started = state.initialized
         # On the first step the buffer (all zeros) is multiplied by 0 and the
@@ -176,12 +204,15 @@ def trace(
             out = [_add_scaled(g, b, decay) for g, b in zip(g_leaves, new_b)]
         else:
             out = new_b
+        if coded:
+            new_b = [encode(stored, b.float(), old) for b, old in zip(new_b, old_b)]
         new_state = TraceState(
             trace=tree_unflatten(spec, new_b), initialized=torch.ones_like(started)
         )
         return tree_unflatten(spec, out), new_state
 
-    return GradientTransformation(init, update, TraceSpec(decay, bool(nesterov), dampening))
+    spec = TraceSpec(decay, bool(nesterov), dampening, stored)
+    return GradientTransformation(init, update, spec)
 
 
 def scale_by_learning_rate(
@@ -285,6 +316,8 @@ def sgd(
     nesterov: bool = False,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
+    accumulator_dtype: torch.dtype | str | None = None,
+    block_size: int = DEFAULT_BLOCK,
 ) -> GradientTransformation:
     r"""Stochastic gradient descent with ``torch.optim.SGD``'s semantics.
 
@@ -299,6 +332,8 @@ def sgd(
       nesterov: Nesterov momentum.
       dampening: :math:`d \in [0, 1]`.
       weight_decay: :math:`\lambda \ge 0`.
+      accumulator_dtype, block_size: how the momentum buffers are stored; see
+        :func:`trace`.
 
     Returns:
       ``chain(add_decayed_weights(weight_decay), trace(momentum, ...),
@@ -317,6 +352,9 @@ def sgd(
         raise ValueError("nesterov momentum requires momentum > 0 and dampening == 0")
     return chain(
         add_decayed_weights(weight_decay),
-        trace(momentum, nesterov=nesterov, dampening=dampening),
+        trace(
+            momentum, nesterov=nesterov, dampening=dampening,
+            accumulator_dtype=accumulator_dtype, block_size=block_size,
+        ),  # fmt: skip
         scale_by_learning_rate(learning_rate),
     )

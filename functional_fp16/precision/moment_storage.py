@@ -1,0 +1,252 @@
+r"""How an optimiser's moments are stored: FP32, BF16, FP16 or 8-bit block codes.
+
+An optimiser step decodes each stored moment to float32, updates it in float32
+and encodes the result, all inside the step; only the encoded form is state.
+A :class:`MomentFormat` is static configuration (a transform closes over it and
+declares it in its ``spec``), so the fused kernels can tell FP32 moments from
+the others without reading a tensor.
+
+=============  ======================================  ====================================
+format         stored per parameter element            decode (to float32)
+=============  ======================================  ====================================
+``float32``    the value                               itself
+``bfloat16``   :math:`\operatorname{rn}_{bf16}(x)`     exact widening
+``float16``    :math:`\operatorname{rn}_{16}(x / s)`,  :math:`q \cdot s`
+               ``s`` a power of two per tensor
+               (second moments; see below)
+``"int8"``     one byte per element, one float32       :math:`\operatorname{e4m3}(q) \cdot a`
+               scale per block of ``block_size``       (first moments),
+               elements (default 256)                  :math:`(\operatorname{e4m3}(q)\cdot a)^2`
+                                                       (second moments)
+=============  ======================================  ====================================
+
+**FP16 second moments** carry a scale: :math:`v \approx g^2` leaves FP16's
+range (:math:`g = 10^{-4}` gives :math:`10^{-8}`, below its smallest normal
+:math:`6.1\cdot 10^{-5}`). With ``scale="tensor"`` each step picks
+:math:`s = 2^{e - 15}` for :math:`\max v \in [2^{e-1}, 2^e)`, so the largest
+element lands in :math:`[2^{14}, 2^{15})` and dividing by :math:`s` is exact;
+a float ``scale`` fixes :math:`s` (a power of two) instead. First moments in
+FP16 are stored as they are (no scale), like optax's ``mu_dtype``.
+
+**8-bit block codes** ("int8"): the flattened tensor is cut into blocks of
+``block_size`` consecutive elements (the last may be shorter). A block stores
+its absolute maximum :math:`A` as :math:`a = A / 448` in float32 and each
+element as the byte of :math:`\operatorname{rn}_{e4m3}(x / a)`, the FP8 E4M3
+format (one sign bit, four exponent bits, three mantissa bits, largest finite
+value 448). It is a dynamic code: the exponent bits give every block a range of
+:math:`448 / 2^{-9} \approx 2^{18}` between its largest and smallest non-zero
+value, and the three mantissa bits a relative rounding error of at most
+:math:`2^{-4}`. A first moment (signed) is coded as it is; a second moment
+(non-negative, with twice the dynamic range) is coded through its square root,
+:math:`r = \sqrt v`, so the code spans :math:`2^{36}` of :math:`v` and decoding
+squares it. Blocks never straddle tensors, so each DTensor rank's local shard
+has its own blocks. Leaves with fewer than ``min_size`` elements (4096, as
+torchao) keep FP32 moments: their bytes are negligible and their statistics
+(norm weights, biases) the least regular.
+
+The codes are kept as ``uint8`` (bit patterns of ``torch.float8_e4m3fn``), so
+every serialiser and collective handles them as plain bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from functional_fp16._util import validate
+
+__all__ = [
+    "MomentFormat",
+    "BlockCodes",
+    "ScaledHalf",
+    "FLOAT32",
+    "moment_format",
+    "zeros_like_moment",
+    "decode",
+    "encode",
+    "is_stored_moment",
+]
+
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = 448.0
+_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    "int8": "int8",
+}
+DEFAULT_BLOCK = 256
+MIN_SIZE = 4096
+
+
+class MomentFormat(NamedTuple):
+    """Static description of how one optimiser moment is stored."""
+
+    kind: str  # "float32", "bfloat16", "float16" or "int8"
+    root: bool  # int8: code the square root (second moments)
+    scale: str | float | None  # float16 second moments: "tensor" or a fixed power of two
+    block_size: int  # int8: elements per block
+    min_size: int  # int8: leaves with fewer elements stay float32
+
+
+FLOAT32 = MomentFormat("float32", False, None, DEFAULT_BLOCK, MIN_SIZE)
+"""The default: float32 moments, as ``torch.optim`` keeps them."""
+
+
+class BlockCodes(NamedTuple):
+    """An 8-bit block-coded moment (see the module docstring)."""
+
+    codes: torch.Tensor  # uint8, shaped like the parameter: E4M3 bit patterns
+    scales: torch.Tensor  # float32, (ceil(numel / block_size),): each block's max / 448
+
+
+class ScaledHalf(NamedTuple):
+    """A float16 moment with its per-tensor power-of-two scale."""
+
+    values: torch.Tensor  # float16, shaped like the parameter: the moment / scale
+    scale: torch.Tensor  # 0-d float32, a power of two
+
+
+def moment_format(
+    name: str,
+    dtype: Any,
+    *,
+    second: bool,
+    scale: Any = None,
+    scale_name: str = "scale",
+    block_size: int = DEFAULT_BLOCK,
+) -> MomentFormat:
+    """Checks a transform's ``*_dtype`` argument and returns its :class:`MomentFormat`.
+
+    Args:
+      name: the argument's name, for errors (``"nu_dtype"``).
+      dtype: ``None`` or ``torch.float32`` (float32), ``torch.bfloat16``,
+        ``torch.float16`` or ``"int8"``.
+      second: whether the moment is a second moment (non-negative, squared
+        gradients): only those take a ``scale`` and are coded through their root.
+      scale: for a float16 second moment, ``"tensor"`` or a power of two; required
+        there, refused elsewhere.
+      scale_name: the scale argument's name, for errors.
+      block_size: for ``"int8"``, a positive power of two.
+
+    Raises:
+      ValueError or TypeError naming the argument.
+    """
+    if dtype is None:
+        dtype = torch.float32
+    try:
+        kind = _NAMES.get(dtype)
+    except TypeError:  # unhashable
+        kind = None
+    if kind is None:
+        raise ValueError(
+            f"{name} must be torch.float32, torch.bfloat16, torch.float16 or 'int8', got {dtype!r}"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size}")
+    if kind == "float16" and second:
+        if scale is None:
+            raise ValueError(
+                f"{name}=torch.float16 needs {scale_name}: squared gradients leave float16's "
+                f"range, so the moment is stored divided by a power of two; pass "
+                f"{scale_name}='tensor' (one chosen per tensor each step) or a fixed power of two"
+            )
+        if scale != "tensor":
+            value = validate.real(scale_name, scale, positive=True)
+            if math.frexp(value)[0] != 0.5:
+                raise ValueError(f"{scale_name} must be 'tensor' or a power of two, got {scale!r}")
+            scale = value
+    elif scale is not None:
+        raise ValueError(f"{scale_name} applies to {name}=torch.float16 only, got {scale!r}")
+    if kind == "float32":
+        return FLOAT32
+    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_SIZE)
+
+
+def is_stored_moment(x: Any) -> bool:
+    """Whether ``x`` is a tensor or one of the coded forms."""
+    return isinstance(x, (torch.Tensor, BlockCodes, ScaledHalf))
+
+
+def _coded(fmt: MomentFormat, like: torch.Tensor) -> bool:
+    return fmt.kind == "int8" and like.numel() >= fmt.min_size
+
+
+def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
+    """A zero moment for a parameter ``p`` in format ``fmt``."""
+    if fmt.kind == "float32":
+        return torch.zeros_like(p, dtype=torch.float32)
+    if fmt.kind == "bfloat16":
+        return torch.zeros_like(p, dtype=torch.bfloat16)
+    if fmt.kind == "float16":
+        values = torch.zeros_like(p, dtype=torch.float16)
+        if fmt.scale is None:
+            return values
+        return ScaledHalf(values, torch.ones((), dtype=torch.float32, device=p.device))
+    if not _coded(fmt, p):
+        return torch.zeros_like(p, dtype=torch.float32)
+    blocks = -(-p.numel() // fmt.block_size)
+    return BlockCodes(
+        torch.zeros_like(p, dtype=torch.uint8),
+        torch.ones((blocks,), dtype=torch.float32, device=p.device),
+    )
+
+
+def decode(fmt: MomentFormat, stored: Any) -> torch.Tensor:
+    """The float32 value of a moment stored in format ``fmt`` (a new tensor unless it
+    is float32 already)."""
+    if isinstance(stored, BlockCodes):
+        return _decode_blocks(stored, fmt.block_size, fmt.root)
+    if isinstance(stored, ScaledHalf):
+        return stored.values.float() * stored.scale
+    return stored.float()
+
+
+def encode(fmt: MomentFormat, x: torch.Tensor, like: Any) -> Any:
+    """``x`` (float32) stored in format ``fmt``, in the form of ``like`` (the old moment)."""
+    if isinstance(like, BlockCodes):
+        return _encode_blocks(x, fmt.block_size, fmt.root)
+    if isinstance(like, ScaledHalf):
+        return _encode_scaled(fmt, x)
+    return x.to(like.dtype)
+
+
+def _encode_scaled(fmt: MomentFormat, x: torch.Tensor) -> ScaledHalf:
+    if fmt.scale == "tensor":
+        # max v in [2^(e-1), 2^e): s = 2^(e-15) puts it in [2^14, 2^15), inside float16.
+        exponent = torch.frexp(x.amax())[1]
+        scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), exponent - 15)
+    else:
+        scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
+    return ScaledHalf((x / scale).to(torch.float16), scale)
+
+
+def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``flat`` (1-d) as rows of ``block_size``, the last padded with zeros."""
+    pad = -flat.numel() % block_size
+    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block_size)
+
+
+def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
+    n = x.numel()
+    y = x.sqrt() if root else x
+    rows = _as_blocks(y.reshape(-1), block_size)
+    peak = rows.abs().amax(dim=1)
+    scales = torch.where(peak > 0, peak / _E4M3_MAX, torch.ones_like(peak))
+    codes = (rows / scales[:, None]).to(_E4M3).view(torch.uint8).reshape(-1)
+    codes = codes if codes.numel() == n else codes[:n].clone()  # owns exactly its bytes
+    return BlockCodes(codes.view(x.shape), scales)
+
+
+def _decode_blocks(stored: BlockCodes, block_size: int, root: bool) -> torch.Tensor:
+    codes, scales = stored
+    n = codes.numel()
+    values = _as_blocks(codes.reshape(-1).view(_E4M3).float(), block_size)
+    flat = (values * scales[:, None]).reshape(-1)
+    out = (flat if flat.numel() == n else flat[:n]).view(codes.shape)
+    return out.square() if root else out
