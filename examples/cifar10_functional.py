@@ -57,7 +57,7 @@ import cifar10_data  # noqa: E402
 from cifar10_cli import parse_args  # noqa: E402
 from cifar10_loop import fit  # noqa: E402
 from cifar10_outputs import load_resume, plot_metrics, run_config  # noqa: E402
-from run_outputs import counters_of, summary_head, write_summary  # noqa: E402
+from run_outputs import counters_of, state_bytes, summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - ensemble_vmap.py and the benchmarks use it
@@ -186,7 +186,8 @@ def build_state(
     params, buffers = split_module(model)
     params = {k: v.to(device) for k, v in params.items()}
     buffers = {k: v.to(device) for k, v in buffers.items()}
-    tx = ff.sgd(args.lr, momentum=args.momentum)
+    stored = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[getattr(args, "moments", "fp32")]
+    tx = ff.sgd(args.lr, momentum=args.momentum, accumulator_dtype=stored)
     state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
     return state, buffers
 
@@ -300,10 +301,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(
         f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
-        f"{n_params} parameters, compile: {args.compile}",
+        f"{n_params} parameters, compile: {args.compile}, momentum stored as: {args.moments}",
         flush=True,
     )
     print_distributed(info, args.batch_size)
+    stored_bytes = state_bytes(state)
 
     train_step = make_train_step(
         model, policy, distributed=info is not None, shard_master=args.shard_master
@@ -354,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     summary = {
         **summary_head(args, data, device, policy),
         "shard_master": args.shard_master,
+        "moments": args.moments,
+        "state_bytes": stored_bytes,
         "per_rank_batch": args.batch_size // ffd.get_world_size(),
         "epochs": args.epochs,
         "steps": result["global_step"],

@@ -111,7 +111,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     if it had not stopped (the batches it would have drawn are drawn and dropped).
     """
     from gpt_data import sample_batch, val_windows
-    from run_outputs import NONFINITE, SkipReporter
+    from run_outputs import NONFINITE, SkipReporter, state_bytes
 
     if info is None:
         raise SystemExit("--fsdp needs torchrun (or one process with the torchrun variables)")
@@ -128,6 +128,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     shard = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in state.master.values()
     )
+    stored_bytes = state_bytes(state)
     if rank == 0:
         print(
             f"FSDP2 over {world} ranks ({dist.get_backend()}): FP16 parameters sharded per "
@@ -180,6 +181,8 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
         "skipped_steps": [r["step"] for r in rows if r["skipped"]],
         "tokens_per_s": tokens * len(rows) / seconds if rows else 0.0,
         "fp32_master_bytes_per_rank": shard,
+        "moments": getattr(args, "moments", "fp32"),
+        "state_bytes": stored_bytes,
         "checkpoint": str(out_dir / "dcp_final"),
     }
     if rank == 0:

@@ -73,7 +73,7 @@ from gpt_model import (  # noqa: E402
     model_config,
 )
 from gpt_outputs import load_resume, peak_memory, plot_metrics, run_config  # noqa: E402
-from run_outputs import counters_of, summary_head, write_summary  # noqa: E402
+from run_outputs import counters_of, state_bytes, summary_head, write_summary  # noqa: E402
 from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - the benchmarks call it through this module
@@ -160,8 +160,14 @@ def lr_schedule(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.Tens
     )
 
 
+MOMENT_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
+"""``--moments`` -> AdamW's ``mu_dtype`` and ``nu_dtype``."""
+
+
 def build_optimizer(args: argparse.Namespace, mask: dict[str, bool]) -> ff.GradientTransformation:
-    """``clip_by_global_norm`` then AdamW (decay on ``mask`` only), in ``MultiSteps`` if accumulating."""
+    """``clip_by_global_norm`` then AdamW (decay on ``mask`` only, moments stored as
+    ``--moments`` says), in ``MultiSteps`` if accumulating."""
+    stored = MOMENT_DTYPES[getattr(args, "moments", "fp32")]
     adamw = ff.adamw(
         lr_schedule(args),
         b1=args.beta1,
@@ -169,6 +175,8 @@ def build_optimizer(args: argparse.Namespace, mask: dict[str, bool]) -> ff.Gradi
         eps=args.eps,
         weight_decay=args.weight_decay,
         mask=mask,
+        mu_dtype=stored,
+        nu_dtype=stored,
     )
     tx = ff.chain(ff.clip_by_global_norm(args.clip), adamw) if args.clip > 0 else adamw
     return ff.MultiSteps(tx, args.grad_accum) if args.grad_accum > 1 else tx
@@ -375,10 +383,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(
         f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
-        f"compile: {args.compile}",
+        f"compile: {args.compile}, moments: {args.moments}",
         flush=True,
     )
     print_distributed(info, args.batch_size)
+    stored_bytes = state_bytes(state)
 
     schedule = lr_schedule(args)
     train_step = make_train_step(
@@ -410,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         **summary_head(args, data, device, policy),
         "model": cfg._asdict(),
         "parameters": n_params,
+        "moments": args.moments,
+        "state_bytes": stored_bytes,
         "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
         "tokens_per_step": args.batch_size * args.grad_accum * cfg.context,

@@ -61,7 +61,7 @@ import gpt_functional as gpt  # noqa: E402
 import run_cli  # noqa: E402
 from gpt_loop import fit  # noqa: E402
 from gpt_outputs import load_resume, plot_metrics, run_config  # noqa: E402
-from run_outputs import summary_head, write_summary  # noqa: E402
+from run_outputs import state_bytes, summary_head, write_summary  # noqa: E402
 from run_setup import load_data_once, make_out_dir, start_run, synchronize  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
@@ -375,7 +375,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{args.batch_size} x {args.grad_accum} micro-batches",
         flush=True,
     )
-    print(f"device: {device}, policy: {policy}, update path: {ff.update_path(state)}", flush=True)
+    print(
+        f"device: {device}, policy: {policy}, update path: {ff.update_path(state)}, "
+        f"moments: {args.moments}",
+        flush=True,
+    )
+    stored_bytes = state_bytes(state)
     train_loss, eval_sum = make_loss_fns(model, policy, buffers)
     train_step = gpt.make_train_step(
         model, policy, gpt.lr_schedule(args), compiled=args.compile, loss_fn=train_loss
@@ -396,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     val_loss = evals[-1][1] if evals else float("nan")
     skipped_at = [r["step"] for r in result["rows"] if r["skipped"]]
     summary = {
+        "moments": args.moments,
+        "state_bytes": stored_bytes,
         **summary_head(args, data, device, policy),
         "model": cfg._asdict(),
         "parameters": n_params,

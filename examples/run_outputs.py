@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 
 import functional_fp16 as ff
@@ -318,6 +319,23 @@ def summary_head(args: argparse.Namespace, data: Any, device: torch.device, poli
         "compile": args.compile,
         "world_size": ffd.get_world_size(),
     }
+
+
+def state_bytes(state: ff.FP16State) -> dict:
+    """``ff.state_nbytes(state)`` for ``summary.json``: bytes of each part and per parameter
+    (this rank's shards under FSDP); printed at start-up as one line."""
+    counted = ff.state_nbytes(state)
+    leaves = optree.tree_leaves(state.params, namespace=ff.NAMESPACE)
+    n = sum(getattr(p, "_local_tensor", p).numel() for p in leaves)
+    out = {**counted._asdict(), "per_param": counted.per_param(max(n, 1))}
+    per = out["per_param"]
+    if ffd.is_main_process():
+        say(
+            f"state: {counted.total / 2**20:.1f} MiB = params {per['params']:.2f} + master "
+            f"{per['master']:.2f} + optimiser {per['opt_state']:.2f} B/param "
+            f"({per['total']:.2f} B/param in all)"
+        )
+    return out
 
 
 def write_summary(out_dir: Path, summary: dict) -> None:

@@ -115,6 +115,7 @@ from functional_fp16.update import (
     leaf_paths,
     loss_scale_stats,
     nonfinite_leaves,
+    state_nbytes,
     update_path,
 )
 from functional_fp16.update.batching import tree_stack, tree_unstack
@@ -224,6 +225,7 @@ __all__ = [
     "nonfinite_leaves",
     "leaf_paths",
     "fp16_update",
+    "state_nbytes",
     "update_path",
     "tune_malloc",
     # moving a torch.optim + GradScaler job in and out

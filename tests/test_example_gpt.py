@@ -136,6 +136,22 @@ def resumable(out: Path, *extra: str) -> dict:
     )
 
 
+def test_moments_flag_stores_adamw_moments_and_reports_the_bytes(tmp_path, capsys):
+    """``--moments int8`` codes the moments of the matrices (>= 4096 elements) in one byte;
+    the state's bytes are printed at start-up and written to summary.json."""
+    wide = ("--width", "64", "--max-steps", "4", "--eval-interval", "4")
+    fp32 = run(tmp_path / "fp32", *wide)
+    int8 = run(tmp_path / "int8", *wide, "--moments", "int8")
+    assert "state: " in capsys.readouterr().out
+    assert (fp32["moments"], int8["moments"]) == ("fp32", "int8")
+    codes = [x for x in tree_leaves(int8["state"].opt_state) if x.dtype == torch.uint8]
+    assert codes and all(c.numel() >= 4096 for c in codes)
+    a, b = fp32["state_bytes"], int8["state_bytes"]
+    assert a["per_param"]["opt_state"] > 7.9 and b["per_param"]["opt_state"] < 0.5 * 8
+    assert a["master"] == b["master"] and a["total"] - b["total"] == a["opt_state"] - b["opt_state"]
+    assert math.isfinite(int8["val_loss"])
+
+
 def test_resume_is_bit_identical(tmp_path, capsys):
     full = resumable(tmp_path / "full")
     rows = jsonl(tmp_path / "full" / "metrics.jsonl")

@@ -30,8 +30,9 @@ FP16 are stored as they are (no scale), like optax's ``mu_dtype``.
 
 **8-bit block codes** ("int8"): the flattened tensor is cut into blocks of
 ``block_size`` consecutive elements (the last may be shorter). A block stores
-its absolute maximum :math:`A` as :math:`a = A / 448` in float32 and each
-element as the byte of :math:`\operatorname{rn}_{e4m3}(x / a)`, the FP8 E4M3
+its absolute maximum :math:`A` as :math:`a = A / 448` in float32 (1 where that
+is 0) and each element as the byte of :math:`\operatorname{rn}_{e4m3}(x / a)`
+(clamped to :math:`\pm 448`), the FP8 E4M3
 format (one sign bit, four exponent bits, three mantissa bits, largest finite
 value 448). It is a dynamic code: the exponent bits give every block a range of
 :math:`448 / 2^{-9} \approx 2^{18}` between its largest and smallest non-zero
@@ -54,7 +55,6 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from functional_fp16._util import validate
 
@@ -178,15 +178,25 @@ def _coded(fmt: MomentFormat, like: torch.Tensor) -> bool:
 
 
 def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
-    """A zero moment for a parameter ``p`` in format ``fmt``."""
+    """A zero moment for a parameter ``p`` in format ``fmt``.
+
+    Raises:
+      NotImplementedError: a scaled or block-coded format for a DTensor parameter
+        (its scales would have to follow each rank's shard).
+    """
     if fmt.kind == "float32":
         return torch.zeros_like(p, dtype=torch.float32)
     if fmt.kind == "bfloat16":
         return torch.zeros_like(p, dtype=torch.bfloat16)
+    if fmt.kind == "float16" and fmt.scale is None:
+        return torch.zeros_like(p, dtype=torch.float16)
+    if type(p) is not torch.Tensor and hasattr(p, "placements"):
+        raise NotImplementedError(
+            f"{fmt.kind} moments with their own scales are not supported for DTensor "
+            "parameters yet; use torch.bfloat16 (or torch.float32) moments with FSDP2"
+        )
     if fmt.kind == "float16":
         values = torch.zeros_like(p, dtype=torch.float16)
-        if fmt.scale is None:
-            return values
         return ScaledHalf(values, torch.ones((), dtype=torch.float32, device=p.device))
     if not _coded(fmt, p):
         return torch.zeros_like(p, dtype=torch.float32)
@@ -226,27 +236,39 @@ def _encode_scaled(fmt: MomentFormat, x: torch.Tensor) -> ScaledHalf:
     return ScaledHalf((x / scale).to(torch.float16), scale)
 
 
-def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``flat`` (1-d) as rows of ``block_size``, the last padded with zeros."""
-    pad = -flat.numel() % block_size
-    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block_size)
+def _split(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat`` (1-d) as its whole blocks (rows of ``block_size``) and the shorter rest.
+
+    Two views, never a padded copy (Inductor miscompiled a padded copy decoded
+    and encoded in one graph, in torch 2.14).
+    """
+    whole = flat.numel() - flat.numel() % block_size
+    return flat[:whole].view(-1, block_size), flat[whole:]
 
 
 def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
-    n = x.numel()
     y = x.sqrt() if root else x
-    rows = _as_blocks(y.reshape(-1), block_size)
-    peak = rows.abs().amax(dim=1)
-    scales = torch.where(peak > 0, peak / _E4M3_MAX, torch.ones_like(peak))
-    codes = (rows / scales[:, None]).to(_E4M3).view(torch.uint8).reshape(-1)
-    codes = codes if codes.numel() == n else codes[:n].clone()  # owns exactly its bytes
+    rows, rest = _split(y.reshape(-1), block_size)
+    peaks = rows.abs().amax(dim=1)
+    if rest.numel():
+        peaks = torch.cat([peaks, rest.abs().amax().reshape(1)])
+    scales = peaks / _E4M3_MAX
+    # An all-zero block (or one so small that its scale flushes to zero) gets scale 1,
+    # so that 0 / scale is 0, never NaN; the clamp keeps a quotient that rounding (or a
+    # subnormal scale) pushed past 448 from becoming E4M3's NaN.
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quotient = (rows / scales[: rows.shape[0], None]).reshape(-1)
+    if rest.numel():
+        quotient = torch.cat([quotient, rest / scales[-1]])
+    codes = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX).to(_E4M3).view(torch.uint8)
     return BlockCodes(codes.view(x.shape), scales)
 
 
 def _decode_blocks(stored: BlockCodes, block_size: int, root: bool) -> torch.Tensor:
     codes, scales = stored
-    n = codes.numel()
-    values = _as_blocks(codes.reshape(-1).view(_E4M3).float(), block_size)
-    flat = (values * scales[:, None]).reshape(-1)
-    out = (flat if flat.numel() == n else flat[:n]).view(codes.shape)
+    rows, rest = _split(codes.reshape(-1).view(_E4M3), block_size)
+    flat = (rows.float() * scales[: rows.shape[0], None]).reshape(-1)
+    if rest.numel():
+        flat = torch.cat([flat, rest.float() * scales[-1]])
+    out = flat.view(codes.shape)
     return out.square() if root else out

@@ -185,6 +185,17 @@ def masked_transform(
     def update(updates: PyTree, state: MaskedState, params: PyTree | None = None, **extra_args):
         if not isinstance(state, MaskedState):
             raise TypeError(f"masked: state must be a MaskedState, got {type(state).__name__}")
+        if torch.compiler.is_compiling():  # the mask as hidden_in_trace can trace it
+            tree_mask = mask if mask_fn is None else mask_fn(updates)
+            hidden = None if params is None else hidden_in_trace(tree_mask, params)
+            new, inner_state = update_with_extra_args(
+                inner, hidden_in_trace(tree_mask, updates), state.inner_state, hidden,
+                **extra_args,
+            )  # fmt: skip
+            merged = torch_pytree.tree_map(
+                lambda keep, n, u: n if keep else u, tree_mask, new, updates
+            )
+            return merged, MaskedState(inner_state=inner_state)
         flags, spec, tree_mask, shown = resolve(updates, "updates")
         u_parts = split_by(spec, tree_mask, updates, name=shown, tree_name="updates")
         hidden_params = None

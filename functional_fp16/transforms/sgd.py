@@ -160,6 +160,11 @@ def trace(
     stored = moment_format("accumulator_dtype", accumulator_dtype, second=False,
                            block_size=block_size)  # fmt: skip
     coded = accumulator_dtype is not None
+    if coded and not isinstance(decay, torch.Tensor) and decay == 0.0:
+        raise ValueError(
+            f"accumulator_dtype={accumulator_dtype!r} needs momentum > 0: without momentum "
+            "there is no buffer to store"
+        )
     dampening = _check_hyper("dampening", dampening, upper=1.0)
     nesterov = validate.flag("nesterov", nesterov)
     if nesterov and _nesterov_refused(decay, dampening):

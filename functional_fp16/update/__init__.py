@@ -18,7 +18,8 @@ from functional_fp16.update.state import (
     loss_scale_stats,
     nonfinite_leaves,
 )
+from functional_fp16.update.state_bytes import StateBytes, state_nbytes
 from functional_fp16.update.step import fp16_update, update_path
 
 __all__ = ["FP16State", "fp16_init", "fp16_update", "update_path", "tree_stack", "tree_unstack"]
-__all__ += ["loss_scale_stats", "nonfinite_leaves", "leaf_paths"]
+__all__ += ["loss_scale_stats", "nonfinite_leaves", "leaf_paths", "state_nbytes", "StateBytes"]

@@ -1,0 +1,486 @@
+"""Moments in fewer bytes (``mu_dtype``, ``nu_dtype``, ``accumulator_dtype``).
+
+The codec (``functional_fp16.precision.moment_storage``) is pinned by its error
+bound, block by block; the transforms by one step from the same decoded state
+against FP32 moments (the arithmetic is the same float32, so the new master is
+bitwise the FP32 run's and the new codes are the codes of its moments); the
+update by its skip (every byte and block scale unchanged), ``vmap``,
+``torch.compile``, checkpoints and the wrappers (masks, labels, ``MultiSteps``,
+``inject_hyperparams``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functional_fp16 as ff
+from functional_fp16 import NAMESPACE
+from functional_fp16.precision import moment_storage as ms
+from tests.helpers import assert_bitwise_unchanged, assert_states_bitwise_equal, bit_snapshot
+
+MU_BOUND = 2.0**-4  # E4M3's three mantissa bits: half an ulp, relative
+SUB_BOUND = 2.0**-10  # half of E4M3's subnormal step 2^-9, in units of the block's scale
+
+
+def _fmt(kind, second=False, block_size=256, **kw):
+    return ms.moment_format("x", kind, second=second, block_size=block_size, **kw)._replace(
+        min_size=1
+    )
+
+
+def _blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block index."""
+    return torch.arange(x.numel()).view(x.shape) // block
+
+
+# -- the codec ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 1500),
+    block_exp=st.integers(0, 9),
+    log_scale=st.floats(-30, 30),
+    second=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_block_codes_are_within_the_bound_of_their_block(n, block_exp, log_scale, second, seed):
+    """|decoded - x| <= max(2^-4 |x|, 2^-10 a) per element (on sqrt(v) for second
+    moments), a = the block's max / 448; the scales are exactly that."""
+    block = 2**block_exp
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    x = (spread * 10 ** (log_scale / 2)).square() if second else spread * 10**log_scale
+    fmt = _fmt("int8", second=second, block_size=block)
+    stored = ms.encode(fmt, x, ms.zeros_like_moment(fmt, x))
+    assert isinstance(stored, ms.BlockCodes) and stored.codes.dtype == torch.uint8
+    assert stored.scales.shape == (math.ceil(n / block),)
+    y = ms.decode(fmt, stored)
+    assert y.dtype == torch.float32 and y.shape == x.shape and torch.isfinite(y).all()
+    base, got = (x.sqrt(), y.sqrt()) if second else (x, y)
+    peaks = torch.zeros(stored.scales.shape).scatter_reduce(
+        0, _blocks_of(base, block), base.abs(), "amax"
+    )
+    want = torch.where(peaks > 0, peaks / 448.0, torch.ones_like(peaks))
+    want = torch.where(want > 0, want, torch.ones_like(want))
+    assert torch.equal(stored.scales, want)
+    a = stored.scales[_blocks_of(base, block)]
+    bound = torch.maximum(base.abs() * MU_BOUND, a * SUB_BOUND) * (1 + 2.0**-20)
+    # sqrt of the decoded square may sit one float32 ulp off the decoded root
+    slack = base.abs() * 2.0**-22 if second else 0.0
+    assert ((got - base).abs() <= bound + slack).all()
+
+
+def test_a_block_is_coded_from_its_own_elements_only():
+    """Changing one block leaves every other block's codes and scale bitwise as they were,
+    so blocks inside a rank's shard never depend on another rank's elements."""
+    fmt = _fmt("int8", block_size=64)
+    x = torch.randn(64 * 5 + 7)
+    y = x.clone()
+    y[64:128] *= 1e6
+    a, b = (ms.encode(fmt, t, ms.zeros_like_moment(fmt, t)) for t in (x, y))
+    keep = torch.ones(x.numel(), dtype=torch.bool)
+    keep[64:128] = False
+    assert torch.equal(a.codes[keep], b.codes[keep])
+    assert torch.equal(a.scales[[0, 2, 3, 4, 5]], b.scales[[0, 2, 3, 4, 5]])
+    assert not torch.equal(a.scales[1], b.scales[1])
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-45, 3e-40, 1e38, -3e38])
+def test_zero_tiny_and_huge_blocks_stay_finite(value):
+    """An all-zero block decodes to +0.0; subnormal and huge blocks neither overflow nor NaN."""
+    fmt = _fmt("int8", block_size=16)
+    x = torch.full((40,), value)
+    x[3] = value / 2
+    y = ms.decode(fmt, ms.encode(fmt, x, ms.zeros_like_moment(fmt, x)))
+    assert torch.isfinite(y).all()
+    if value == 0.0:
+        assert torch.equal(y.view(torch.int32), torch.zeros(40, dtype=torch.int32))
+    else:
+        assert ((y - x).abs() <= x.abs() * MU_BOUND + 448.0 * 2.0**-149).all()
+
+
+def test_scaled_float16_second_moment_keeps_tiny_values():
+    """v ~ 1e-12 underflows float16 alone; the per-tensor power of two keeps 11 bits."""
+    fmt = ms.moment_format("nu_dtype", torch.float16, second=True, scale="tensor")
+    v = torch.rand(1000) * 1e-12 + 1e-13
+    stored = ms.encode(fmt, v, ms.zeros_like_moment(fmt, v))
+    exponent = math.frexp(float(stored.scale))
+    assert exponent[0] == 0.5  # a power of two
+    assert 2.0**14 <= float(stored.values.float().max()) < 2.0**15
+    assert ((ms.decode(fmt, stored) - v).abs() <= v * 2.0**-11 + float(stored.scale) * 2**-24).all()
+    fixed = ms.moment_format("nu_dtype", torch.float16, second=True, scale=2.0**-40)
+    again = ms.encode(fixed, v, ms.zeros_like_moment(fixed, v))
+    assert float(again.scale) == 2.0**-40
+
+
+def test_small_leaves_stay_float32_and_zeros_decode_to_zero():
+    fmt = ms.moment_format("mu_dtype", "int8", second=False)
+    assert isinstance(ms.zeros_like_moment(fmt, torch.zeros(4095)), torch.Tensor)
+    assert ms.zeros_like_moment(fmt, torch.zeros(4095)).dtype == torch.float32
+    big = ms.zeros_like_moment(fmt, torch.zeros(64, 64))
+    assert isinstance(big, ms.BlockCodes) and big.codes.shape == (64, 64)
+    assert torch.equal(ms.decode(fmt, big), torch.zeros(64, 64))
+    for kind, dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)):
+        f = ms.moment_format("mu_dtype", kind, second=False)
+        assert ms.zeros_like_moment(f, torch.zeros(3)).dtype == dtype
+    assert ms.moment_format("mu_dtype", torch.float32, second=False) is ms.FLOAT32
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: ff.adamw(1e-3, mu_dtype=torch.int16), ValueError, "mu_dtype"),
+        (lambda: ff.adamw(1e-3, nu_dtype="int4"), ValueError, "nu_dtype"),
+        (lambda: ff.adam(1e-3, nu_dtype=torch.float16), ValueError, "nu_scale"),
+        (lambda: ff.adam(1e-3, nu_dtype=torch.bfloat16, nu_scale="tensor"), ValueError, "nu_scale"),
+        (lambda: ff.adam(1e-3, nu_dtype=torch.float16, nu_scale=3.0), ValueError, "power of two"),
+        (lambda: ff.adamw(1e-3, mu_dtype="int8", block_size=96), ValueError, "block_size"),
+        (lambda: ff.adamw(1e-3, mu_dtype="int8", block_size=0), ValueError, "block_size"),
+        (lambda: ff.lion(1e-4, mu_dtype="int8", block_size=True), TypeError, "block_size"),
+        (lambda: ff.lion(1e-4, mu_dtype=[torch.float16]), ValueError, "mu_dtype"),
+        (lambda: ff.sgd(0.1, accumulator_dtype="int8"), ValueError, "accumulator_dtype"),
+        (lambda: ff.sgd(0.1, momentum=0.9, accumulator_dtype="fp8"), ValueError, "accumulator"),
+    ],
+)
+def test_bad_moment_settings_raise_at_construction(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+# -- the transforms, inside fp16_update ---------------------------------------------------
+
+SETTINGS = {
+    "adamw_int8": lambda: ff.adamw(1e-3, weight_decay=0.1, mu_dtype="int8", nu_dtype="int8"),
+    "adamw_bf16": lambda: ff.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+    "adam_fp16": lambda: ff.adam(
+        1e-3, mu_dtype=torch.float16, nu_dtype=torch.float16, nu_scale="tensor"
+    ),
+    "recipe_int8": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.adamw(
+            ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
+            b2=0.95,
+            weight_decay=0.1,
+            mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()},
+            mu_dtype="int8",
+            nu_dtype="int8",
+            block_size=128,
+        ),
+    ),
+    "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1, mu_dtype="int8"),
+    "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="int8"),
+    "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True, accumulator_dtype=torch.bfloat16),
+}
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(96, 64, generator=g) * 0.1,  # 6144 elements: coded
+        "v": torch.randn(4100, generator=g) * 0.1,  # coded, a short last block
+        "b": torch.randn(64, generator=g) * 0.1,  # under 4096: stays FP32
+    }
+
+
+def _updates(seed, like):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(p.shape, generator=g) * 1e-2 for k, p in like.items()}
+
+
+def _map(fn, tree, *rest):
+    is_stored = lambda x: isinstance(x, (ms.BlockCodes, ms.ScaledHalf))
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_stored, namespace=NAMESPACE)
+
+
+# (coded transform, FP32 twin, the state's moment fields and their formats' spec fields)
+TRANSFORMS = {
+    "adam_int8": (
+        lambda: ff.scale_by_adam(mu_dtype="int8", nu_dtype="int8", block_size=128),
+        lambda: ff.scale_by_adam(),
+        {"mu": "mu_format", "nu": "nu_format"},
+    ),
+    "adam_bf16_fp16": (
+        lambda: ff.scale_by_adam(
+            b2=0.95, mu_dtype=torch.bfloat16, nu_dtype=torch.float16, nu_scale="tensor"
+        ),
+        lambda: ff.scale_by_adam(b2=0.95),
+        {"mu": "mu_format", "nu": "nu_format"},
+    ),
+    "lion_int8": (
+        lambda: ff.scale_by_lion(mu_dtype="int8"),
+        lambda: ff.scale_by_lion(),
+        {"mu": "mu_format"},
+    ),
+    "trace_int8": (
+        lambda: ff.trace(0.9, accumulator_dtype="int8"),
+        lambda: ff.trace(0.9),
+        {"trace": "accumulator_format"},
+    ),
+    "trace_fp16_nesterov": (
+        lambda: ff.trace(0.9, nesterov=True, accumulator_dtype=torch.float16),
+        lambda: ff.trace(0.9, nesterov=True),
+        {"trace": "accumulator_format"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_a_step_from_decoded_moments_is_the_fp32_step_then_coded(name):
+    """From moments equal to the decoded ones, the FP32 transform's updates are bitwise the
+    coded transform's, and its new moments coded are bitwise the coded transform's:
+    storage changes the bytes kept between steps, never the float32 arithmetic."""
+    make, make_fp32, fields = TRANSFORMS[name]
+    coded, plain = make(), make_fp32()
+    params = _params()
+    state = coded.init(params)
+    for field, spec_field in fields.items():
+        assert getattr(coded.spec, spec_field).kind != "float32"
+    for seed in range(2):  # two steps: non-zero moments, the trace initialised
+        _, state = coded.update(_updates(seed, params), state, params)
+    twin = state._replace(
+        **{
+            f: _map(lambda m, fmt=getattr(coded.spec, sf): ms.decode(fmt, m), getattr(state, f))
+            for f, sf in fields.items()
+        }
+    )
+    grads = _updates(7, params)
+    u_coded, new_coded = coded.update(grads, state, params)
+    u_plain, new_plain = plain.update(grads, twin, params)
+    assert_states_bitwise_equal(u_coded, u_plain)
+    for field, spec_field in fields.items():
+        fmt = getattr(coded.spec, spec_field)
+        recoded = _map(
+            lambda x, like: ms.encode(fmt, x, like), getattr(new_plain, field),
+            getattr(state, field),
+        )
+        assert_states_bitwise_equal(getattr(new_coded, field), recoded)
+    stored = optree.tree_leaves(state, namespace=NAMESPACE)
+    assert any(x.dtype in (torch.uint8, torch.bfloat16, torch.float16) for x in stored)
+
+
+def _state(make, seed=0, tx=None):
+    params = {k: v.clone() for k, v in _params(seed).items()}
+    return ff.fp16_init(params, tx or make(), ff.DynamicLossScale(2.0**10))
+
+
+def _grads(state, seed, bad=None):
+    g = torch.Generator().manual_seed(seed)
+    s = float(state.loss_scale.loss_scale)
+    out = {
+        k: (torch.randn(p.shape, generator=g) * 1e-2 * s).half() for k, p in state.params.items()
+    }
+    if bad is not None:
+        out["v"][17] = bad
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_skipped_step_leaves_every_byte_and_block_scale(name):
+    state = _state(SETTINGS[name])
+    for seed in range(2):
+        state = ff.fp16_update(state, _grads(state, seed))
+    kinds = {x.dtype for x in optree.tree_leaves(state.opt_state, namespace=NAMESPACE)}
+    assert kinds & {torch.uint8, torch.bfloat16, torch.float16}, kinds
+    before = bit_snapshot((state.master, state.params, state.opt_state))
+    for bad in (float("inf"), float("nan")):
+        skipped = ff.fp16_update(state, _grads(state, 5, bad=bad))
+        assert not bool(skipped.grads_finite)
+        assert_bitwise_unchanged((skipped.master, skipped.params, skipped.opt_state), before)
+    assert_bitwise_unchanged((state.master, state.params, state.opt_state), before)
+
+
+def _loss(master, target):
+    return sum(((master[k] - target[k]) ** 2).sum() for k in master)
+
+
+@pytest.mark.parametrize(
+    "name, slack",
+    [("adamw_int8", 0.05), ("adamw_bf16", 0.02), ("adam_fp16", 0.02), ("lion_int8", 0.05),
+     ("sgd_int8", 0.05), ("sgd_bf16", 0.02), ("recipe_int8", 0.05)],
+)  # fmt: skip
+def test_training_with_stored_moments_tracks_fp32_moments(name, slack):
+    """Fitting a quadratic from noisy gradients for 60 steps: the loss with stored
+    moments ends within ``slack`` (relative) of the loss with FP32 moments, and both fall."""
+    target = {k: v * 0 + 0.05 for k, v in _params(1).items()}
+    finals = []
+    for make in (SETTINGS[name], _FP32[name]):
+        state = _state(make)
+        start = float(_loss(state.master, target))
+        g = torch.Generator().manual_seed(3)
+        for _ in range(60):
+            s = state.loss_scale.loss_scale
+            grads = {
+                k: ((2 * (m - target[k]) + torch.randn(m.shape, generator=g) * 0.05) * s).half()
+                for k, m in state.master.items()
+            }
+            state = ff.fp16_update(state, grads)
+        finals.append(float(_loss(state.master, target)))
+        assert finals[-1] < start
+    coded, plain = finals
+    assert abs(coded - plain) <= slack * plain, (coded, plain)
+
+
+_FP32 = {
+    "adamw_int8": lambda: ff.adamw(1e-3, weight_decay=0.1),
+    "adamw_bf16": lambda: ff.adamw(1e-3),
+    "adam_fp16": lambda: ff.adam(1e-3),
+    "recipe_int8": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.adamw(
+            ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
+            b2=0.95,
+            weight_decay=0.1,
+            mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()},
+        ),
+    ),
+    "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1),
+    "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9),
+    "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True),
+}
+
+
+def test_stored_moments_run_as_written_and_say_so():
+    """The fused plans decline coded moments; update_path names the route that runs."""
+    for name, make in SETTINGS.items():
+        assert ff.update_path(_state(make)) == "foreach", name
+        assert ff.update_path(_state(_FP32[name])) == "fused", name
+
+
+@pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8", "adam_fp16"])
+def test_checkpoint_round_trip_is_bitwise(tmp_path, name):
+    state = _state(SETTINGS[name])
+    for seed in range(2):
+        state = ff.fp16_update(state, _grads(state, seed))
+    ff.save_checkpoint(tmp_path / "s.ckpt", state)
+    loaded = ff.load_checkpoint(tmp_path / "s.ckpt", _state(SETTINGS[name], seed=1))
+    assert_states_bitwise_equal(loaded, state)
+    nxt = ff.fp16_update(loaded, _grads(state, 9))
+    assert_states_bitwise_equal(nxt, ff.fp16_update(state, _grads(state, 9)))
+
+
+@pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8"])
+def test_vmap_steps_each_member_as_alone(name):
+    tx = SETTINGS[name]()
+    members = [_state(None, seed=s, tx=tx) for s in range(2)]
+    grads = [_grads(m, 4 + i) for i, m in enumerate(members)]
+    stacked = ff.tree_stack(members)
+    out = torch.func.vmap(ff.fp16_update)(stacked, ff.tree_stack(grads))
+    for i, (m, g) in enumerate(zip(members, grads)):
+        assert_states_bitwise_equal(ff.tree_unstack(out)[i], ff.fp16_update(m, g))
+
+
+@pytest.mark.parametrize("name", ["recipe_int8", "sgd_bf16"])
+def test_compiles_as_one_graph(name):
+    """``torch.compile(fullgraph=True)`` takes the update whole; its decisions and counters
+    are bitwise eager's, its master within one float32 ulp of the step, its moments
+    decode within the code's bound of eager's."""
+    torch._dynamo.reset()
+    state = _state(SETTINGS[name])
+    state = ff.fp16_update(state, _grads(state, 0))
+    grads = _grads(state, 1)
+    eager = ff.fp16_update(state, grads)
+    compiled = torch.compile(ff.fp16_update, fullgraph=True)(state, grads)
+    assert torch.equal(compiled.loss_scale.loss_scale, eager.loss_scale.loss_scale)
+    assert torch.equal(compiled.step, eager.step)
+    for k in state.master:
+        step = (eager.master[k] - state.master[k]).abs()
+        assert ((compiled.master[k] - eager.master[k]).abs() <= step * 2.0**-20 +
+                eager.master[k].abs() * 2.0**-23).all()  # fmt: skip
+    for a, b in zip(_moments(compiled.opt_state), _moments(eager.opt_state)):
+        assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+        if a.dtype == torch.uint8:  # codes of values within float32 rounding of each other
+            x, y = (t.view(torch.float8_e4m3fn).float() for t in (a, b))
+            assert ((x - y).abs() <= y.abs() * 2.0**-3).all()
+        elif a.dtype == torch.bfloat16:
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7).all()
+
+
+WRAPPED = {
+    "masked": lambda: ff.masked(
+        ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"), lambda t: {k: k != "b" for k in t}
+    ),
+    "labels": lambda: ff.multi_transform(
+        {
+            "matrix": ff.sgd(0.05, momentum=0.9, accumulator_dtype="int8"),
+            "vector": ff.adam(1e-3, mu_dtype=torch.bfloat16, nu_dtype="int8"),
+        },
+        lambda t: {k: "matrix" if v.ndim >= 2 else "vector" for k, v in t.items()},
+    ),
+    "multisteps": lambda: ff.MultiSteps(
+        ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"), every_k_schedule=2
+    ),
+    "inject": lambda: ff.inject_hyperparams(
+        ff.adamw, static_args=("b1", "b2", "eps", "weight_decay", "mu_dtype", "nu_dtype")
+    )(1e-3, mu_dtype="int8", nu_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_wrappers_carry_stored_moments(name):
+    """Masks, labels, MultiSteps and inject_hyperparams keep the stored form; a skip is a
+    bitwise no-op on all of it."""
+    state = _state(WRAPPED[name])
+    for seed in range(4):
+        state = ff.fp16_update(state, _grads(state, seed))
+    moments = _moments(state.opt_state)
+    codes = [x for x in moments if x.dtype == torch.uint8]
+    assert codes and any(bool(c.ne(0).any()) for c in codes)  # moments were written
+    before = bit_snapshot((state.master, moments))
+    skipped = ff.fp16_update(state, _grads(state, 7, bad=float("inf")))
+    assert_bitwise_unchanged((skipped.master, _moments(skipped.opt_state)), before)
+
+
+_MOMENT_STATES = (ff.ScaleByAdamState, ff.ScaleByLionState, ff.TraceState)
+
+
+def _moments(opt_state) -> list[torch.Tensor]:
+    """The tensors of every moment-holding state inside ``opt_state`` (codes, scales,
+    plain moments, counts), in order."""
+    found = optree.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, _MOMENT_STATES), namespace=NAMESPACE
+    )
+    states = [x for x in found if isinstance(x, _MOMENT_STATES)]
+    assert states
+    return optree.tree_leaves(states, namespace=NAMESPACE)
+
+
+def test_state_nbytes_counts_each_part():
+    params = {"w": torch.zeros(128, 64), "b": torch.zeros(64)}  # 8192 + 64 elements
+    fp32 = ff.fp16_init(params, ff.adamw(1e-3))
+    coded = ff.fp16_init(params, ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"))
+    half = ff.fp16_init(params, ff.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16))
+    n = 8192 + 64
+    a, b, c = (ff.state_nbytes(s) for s in (fp32, coded, half))
+    assert (a.params, a.master) == (2 * n, 4 * n) == (b.params, b.master)
+    assert a.opt_state == 8 * n + 4  # two FP32 moments and the int32 count
+    # w: one byte per element and 8192 / 256 scales, twice; b: FP32 (under 4096 elements)
+    assert b.opt_state == 2 * (8192 + 4 * 32) + 2 * 4 * 64 + 4
+    assert c.opt_state == 4 * n + 4
+    assert a.total == a.params + a.master + a.opt_state + a.other
+    assert a.other == sum(x.numel() * x.element_size() for x in optree.tree_leaves(
+        (fp32.loss_scale, fp32.step, fp32.grads_finite, fp32.scale_stats, fp32.leaf_finite),
+        namespace=NAMESPACE,
+    ))  # fmt: skip
+    with pytest.raises(TypeError, match="FP16State"):
+        ff.state_nbytes(params)
+
+
+def test_fp32_moments_are_unchanged_by_default():
+    """The default state is the FP32 layout older checkpoints hold."""
+    state = _state(lambda: ff.adamw(1e-3))
+    assert all(
+        x.dtype == torch.float32
+        for x in optree.tree_leaves(state.opt_state, namespace=NAMESPACE)
+        if x.ndim
+    )
+    assert state.tx.spec.parts[0].mu_format is ms.FLOAT32
