@@ -28,8 +28,10 @@ element lands in :math:`[2^{14}, 2^{15})` and dividing by :math:`s` is exact;
 a float ``scale`` fixes :math:`s` (a power of two) instead. First moments in
 FP16 are stored as they are (no scale), like optax's ``mu_dtype``.
 
-**8-bit block codes** ("int8"): the flattened tensor is cut into blocks of
-``block_size`` consecutive elements (the last may be shorter). A block stores
+**8-bit block codes** ("int8"): each row of the tensor (everything after its
+first dimension; a vector is one row) is cut into blocks of ``block_size``
+consecutive elements (a row's last block may be shorter), so the scales have
+the shape ``(shape[0], blocks per row)``. A block stores
 its absolute maximum :math:`A` as :math:`a = A / 448` in float32 (1 where that
 is 0) and each element as the byte of :math:`\operatorname{rn}_{e4m3}(x / a)`
 (clamped to :math:`\pm 448`), the FP8 E4M3
@@ -40,8 +42,9 @@ value, and the three mantissa bits a relative rounding error of at most
 :math:`2^{-4}`. A first moment (signed) is coded as it is; a second moment
 (non-negative, with twice the dynamic range) is coded through its square root,
 :math:`r = \sqrt v`, so the code spans :math:`2^{36}` of :math:`v` and decoding
-squares it. Blocks never straddle tensors, so each DTensor rank's local shard
-has its own blocks. Leaves with fewer than ``min_size`` elements (4096, as
+squares it. Blocks never straddle rows, so a parameter sharded by rows (FSDP2's
+``Shard(0)``) has its blocks inside each rank's shard, and its scales are a
+DTensor sharded the same way (DCP reshards both by rows). Leaves with fewer than ``min_size`` elements (4096, as
 torchao) keep FP32 moments: their bytes are negligible and their statistics
 (norm weights, biases) the least regular.
 
@@ -190,20 +193,52 @@ def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
         return torch.zeros_like(p, dtype=torch.bfloat16)
     if fmt.kind == "float16" and fmt.scale is None:
         return torch.zeros_like(p, dtype=torch.float16)
-    if type(p) is not torch.Tensor and hasattr(p, "placements"):
-        raise NotImplementedError(
-            f"{fmt.kind} moments with their own scales are not supported for DTensor "
-            "parameters yet; use torch.bfloat16 (or torch.float32) moments with FSDP2"
-        )
     if fmt.kind == "float16":
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                "float16 moments with a per-tensor scale are not supported for DTensor "
+                "parameters (each rank would choose its own scale); use torch.bfloat16 or 'int8'"
+            )
         values = torch.zeros_like(p, dtype=torch.float16)
         return ScaledHalf(values, torch.ones((), dtype=torch.float32, device=p.device))
     if not _coded(fmt, p):
         return torch.zeros_like(p, dtype=torch.float32)
-    blocks = -(-p.numel() // fmt.block_size)
-    return BlockCodes(
-        torch.zeros_like(p, dtype=torch.uint8),
-        torch.ones((blocks,), dtype=torch.float32, device=p.device),
+    codes = torch.zeros_like(p, dtype=torch.uint8)
+    if not _is_dtensor(p):
+        return BlockCodes(codes, torch.ones(scales_shape(p.shape, fmt.block_size), device=p.device))
+    return BlockCodes(codes, _dtensor_scales(p, fmt.block_size))
+
+
+def scales_shape(shape: torch.Size | tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """The shape of the block scales of a tensor of ``shape``: ``(shape[0], blocks per row)``
+    where a row is everything after the first dimension, ``(blocks,)`` for a vector."""
+    if len(shape) >= 2:
+        return (shape[0], -(-math.prod(shape[1:]) // block_size))
+    return (-(-math.prod(shape) // block_size),)
+
+
+def _is_dtensor(p: Any) -> bool:
+    return type(p) is not torch.Tensor and hasattr(p, "placements")
+
+
+def _dtensor_scales(p: Any, block_size: int) -> Any:
+    """Block scales of a DTensor parameter: a DTensor laid out as the parameter, each rank
+    holding the scales of the blocks of its own rows (blocks never straddle shards)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if p.ndim < 2 or not all(
+        isinstance(x, Replicate) or (isinstance(x, Shard) and x.dim == 0) for x in p.placements
+    ):
+        raise NotImplementedError(
+            f"'int8' moments of a DTensor parameter need a matrix sharded by rows (Shard(0), as "
+            f"FSDP2 shards) or replicated, got shape {tuple(p.shape)} with placements "
+            f"{tuple(p.placements)}: its blocks would straddle the shards"
+        )
+    local = p.to_local()
+    ones = torch.ones(scales_shape(local.shape, block_size), device=local.device)
+    shape = scales_shape(p.shape, block_size)
+    return DTensor.from_local(
+        ones, p.device_mesh, p.placements, run_check=False, shape=shape, stride=(shape[1], 1)
     )
 
 
@@ -236,39 +271,51 @@ def _encode_scaled(fmt: MomentFormat, x: torch.Tensor) -> ScaledHalf:
     return ScaledHalf((x / scale).to(torch.float16), scale)
 
 
-def _split(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat`` (1-d) as its whole blocks (rows of ``block_size``) and the shorter rest.
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``(shape[0], rest)`` (a vector as one row): the rows blocks lie in."""
+    return x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
 
-    Two views, never a padded copy (Inductor miscompiled a padded copy decoded
-    and encoded in one graph, in torch 2.14).
+
+def _split(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as its whole blocks ``(rows, blocks, block_size)`` and each row's shorter rest.
+
+    Views where the row length is a multiple of the block size, never a padded
+    copy (Inductor miscompiled a padded copy decoded and encoded in one graph,
+    in torch 2.14).
     """
-    whole = flat.numel() - flat.numel() % block_size
-    return flat[:whole].view(-1, block_size), flat[whole:]
+    length = rows.shape[1]
+    whole = length - length % block_size
+    if whole == length:
+        return rows.view(rows.shape[0], -1, block_size), rows[:, length:]
+    return rows[:, :whole].reshape(rows.shape[0], -1, block_size), rows[:, whole:]
 
 
 def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
     y = x.sqrt() if root else x
-    rows, rest = _split(y.reshape(-1), block_size)
-    peaks = rows.abs().amax(dim=1)
-    if rest.numel():
-        peaks = torch.cat([peaks, rest.abs().amax().reshape(1)])
+    full, rest = _split(_rows(y), block_size)
+    peaks = full.abs().amax(dim=2)
+    if rest.shape[1]:
+        peaks = torch.cat([peaks, rest.abs().amax(dim=1, keepdim=True)], dim=1)
     scales = peaks / _E4M3_MAX
     # An all-zero block (or one so small that its scale flushes to zero) gets scale 1,
     # so that 0 / scale is 0, never NaN; the clamp keeps a quotient that rounding (or a
     # subnormal scale) pushed past 448 from becoming E4M3's NaN.
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quotient = (rows / scales[: rows.shape[0], None]).reshape(-1)
-    if rest.numel():
-        quotient = torch.cat([quotient, rest / scales[-1]])
+    n_full = full.shape[1]
+    quotient = (full / scales[:, :n_full, None]).reshape(full.shape[0], -1)
+    if rest.shape[1]:
+        quotient = torch.cat([quotient, rest / scales[:, n_full:]], dim=1)
     codes = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX).to(_E4M3).view(torch.uint8)
-    return BlockCodes(codes.view(x.shape), scales)
+    return BlockCodes(codes.view(x.shape), scales.view(scales_shape(x.shape, block_size)))
 
 
 def _decode_blocks(stored: BlockCodes, block_size: int, root: bool) -> torch.Tensor:
     codes, scales = stored
-    rows, rest = _split(codes.reshape(-1).view(_E4M3), block_size)
-    flat = (rows.float() * scales[: rows.shape[0], None]).reshape(-1)
-    if rest.numel():
-        flat = torch.cat([flat, rest.float() * scales[-1]])
+    full, rest = _split(_rows(codes).view(_E4M3), block_size)
+    rows = scales.view(full.shape[0], -1)
+    n_full = full.shape[1]
+    flat = (full.float() * rows[:, :n_full, None]).reshape(full.shape[0], -1)
+    if rest.shape[1]:
+        flat = torch.cat([flat, rest.float() * rows[:, n_full:]], dim=1)
     out = flat.view(codes.shape)
     return out.square() if root else out
