@@ -137,7 +137,7 @@ def resumable(out: Path, *extra: str) -> dict:
 
 
 def test_moments_flag_stores_adamw_moments_and_reports_the_bytes(tmp_path, capsys):
-    """``--moments int8`` codes the moments of the matrices (>= 4096 elements) in one byte;
+    """``--moments int8`` codes the moments of the matrices in one byte;
     the state's bytes are printed at start-up and written to summary.json."""
     wide = ("--width", "64", "--max-steps", "4", "--eval-interval", "4")
     fp32 = run(tmp_path / "fp32", *wide)
@@ -145,7 +145,7 @@ def test_moments_flag_stores_adamw_moments_and_reports_the_bytes(tmp_path, capsy
     assert "state: " in capsys.readouterr().out
     assert (fp32["moments"], int8["moments"]) == ("fp32", "int8")
     codes = [x for x in tree_leaves(int8["state"].opt_state) if x.dtype == torch.uint8]
-    assert codes and all(c.numel() >= 4096 for c in codes)
+    assert codes and all(c.ndim == 2 for c in codes)
     a, b = fp32["state_bytes"], int8["state_bytes"]
     assert a["per_param"]["opt_state"] > 7.9 and b["per_param"]["opt_state"] < 0.5 * 8
     assert a["master"] == b["master"] and a["total"] - b["total"] == a["opt_state"] - b["opt_state"]
@@ -587,11 +587,11 @@ def test_two_ranks_train_like_one_process(tmp_path):
         assert (state["master"][name] - master).abs().max() <= 1e-5, name
 
 
-def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], ranks: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(EXAMPLES / "gpt_functional.py"), *args],
+         str(ranks), str(EXAMPLES / "gpt_functional.py"), *args],
         env=env, capture_output=True, text=True,
         timeout=300,  # a bound for a slow shared machine, not a timing assertion
     )  # fmt: skip
@@ -628,6 +628,37 @@ def test_fsdp_trains_checkpoints_on_dcp_and_resumes_bit_identically(tmp_path):
     for step in (1, 2):
         lines = [x for x in storm.stdout.splitlines() if x.startswith(f"step {step}: skipped")]
         assert len(lines) == 1 and "non-finite gradients in" in lines[0], storm.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_with_int8_moments_resumes_on_another_number_of_ranks(tmp_path):
+    """Block codes and their scales are DTensors sharded by rows: DCP saves them at 2 ranks
+    and loads them at 2 or at 1, and the run goes on exactly as it would have."""
+    common = [*TINY, "--width", "64", "--fsdp", "--moments", "int8", "--eval-batches", "2",
+              "--log-every", "1", "--eval-interval", "3", "--max-steps", "6"]  # fmt: skip
+    whole = _torchrun([*common, "--out-dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["moments"] == "int8" and summary["state_bytes"]["per_param"]["opt_state"] < 4
+    rows = jsonl(tmp_path / "whole" / "metrics.jsonl")
+    for ranks in (2, 1):
+        out = tmp_path / f"resumed_{ranks}"
+        rest = _torchrun(
+            [*common, "--resume", str(tmp_path / "whole" / "dcp_step_000003"), "--out-dir",
+             str(out)], ranks=ranks,
+        )  # fmt: skip
+        assert rest.returncode == 0, rest.stdout + rest.stderr
+        resumed = jsonl(out / "metrics.jsonl")
+        end = json.loads((out / "summary.json").read_text())["val_loss"]
+        if ranks == 2:
+            assert resumed == rows[3:] and end == summary["val_loss"]
+        else:  # the loaded state is exact (step 4's loss); one rank sums gradients in
+            # another order, so later steps agree to rounding
+            assert resumed[0] == rows[3]
+            for a, b in zip(resumed, rows[3:], strict=True):
+                assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-4
+            assert abs(end - summary["val_loss"]) < 1e-3
 
 
 def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):

@@ -29,9 +29,10 @@ SUB_BOUND = 2.0**-10  # half of E4M3's subnormal step 2^-9, in units of the bloc
 
 
 def _fmt(kind, second=False, block_size=256, **kw):
-    return ms.moment_format("x", kind, second=second, block_size=block_size, **kw)._replace(
-        min_size=1
-    )
+    return ms.moment_format("x", kind, second=second, block_size=block_size, **kw)
+
+
+_CODED = ms.BlockCodes(torch.empty(0), torch.empty(0))  # encode into block codes, any shape
 
 
 def _blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ def test_block_codes_are_within_the_bound_of_their_block(
     spread = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 3)
     x = (spread * 10 ** (log_scale / 2)).square() if second else spread * 10**log_scale
     fmt = _fmt("int8", second=second, block_size=block)
-    stored = ms.encode(fmt, x, ms.zeros_like_moment(fmt, x))
+    stored = ms.encode(fmt, x, _CODED)
     assert isinstance(stored, ms.BlockCodes) and stored.codes.dtype == torch.uint8
     assert stored.scales.shape == (*shape[:-1], math.ceil(n / block))  # blocks along rows
     y = ms.decode(fmt, stored)
@@ -93,7 +94,7 @@ def test_a_block_is_coded_from_its_own_elements_only():
     x = torch.randn(64 * 5 + 7)
     y = x.clone()
     y[64:128] *= 1e6
-    a, b = (ms.encode(fmt, t, ms.zeros_like_moment(fmt, t)) for t in (x, y))
+    a, b = (ms.encode(fmt, t, _CODED) for t in (x, y))
     keep = torch.ones(x.numel(), dtype=torch.bool)
     keep[64:128] = False
     assert torch.equal(a.codes[keep], b.codes[keep])
@@ -107,7 +108,7 @@ def test_zero_tiny_and_huge_blocks_stay_finite(value):
     fmt = _fmt("int8", block_size=16)
     x = torch.full((40,), value)
     x[3] = value / 2
-    y = ms.decode(fmt, ms.encode(fmt, x, ms.zeros_like_moment(fmt, x)))
+    y = ms.decode(fmt, ms.encode(fmt, x, _CODED))
     assert torch.isfinite(y).all()
     if value == 0.0:
         assert torch.equal(y.view(torch.int32), torch.zeros(40, dtype=torch.int32))
@@ -129,10 +130,11 @@ def test_scaled_float16_second_moment_keeps_tiny_values():
     assert float(again.scale) == 2.0**-40
 
 
-def test_small_leaves_stay_float32_and_zeros_decode_to_zero():
+def test_vectors_and_narrow_matrices_stay_float32_and_zeros_decode_to_zero():
     fmt = ms.moment_format("mu_dtype", "int8", second=False)
-    assert isinstance(ms.zeros_like_moment(fmt, torch.zeros(4095)), torch.Tensor)
-    assert ms.zeros_like_moment(fmt, torch.zeros(4095)).dtype == torch.float32
+    for plain in (torch.zeros(100_000), torch.zeros(4096, 63)):  # a vector; rows under 64
+        kept = ms.zeros_like_moment(fmt, plain)
+        assert type(kept) is torch.Tensor and kept.dtype == torch.float32
     big = ms.zeros_like_moment(fmt, torch.zeros(64, 64))
     assert isinstance(big, ms.BlockCodes) and big.codes.shape == (64, 64)
     assert torch.equal(ms.decode(fmt, big), torch.zeros(64, 64))
@@ -196,8 +198,8 @@ def _params(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(96, 64, generator=g) * 0.1,  # 6144 elements: coded
-        "v": torch.randn(4100, generator=g) * 0.1,  # coded, a short last block
-        "b": torch.randn(64, generator=g) * 0.1,  # under 4096: stays FP32
+        "v": torch.randn(41, 300, generator=g) * 0.1,  # coded: rows of one block and a rest
+        "b": torch.randn(64, generator=g) * 0.1,  # a vector: stays FP32
     }
 
 
@@ -289,7 +291,7 @@ def _grads(state, seed, bad=None):
         k: (torch.randn(p.shape, generator=g) * 1e-2 * s).half() for k, p in state.params.items()
     }
     if bad is not None:
-        out["v"][17] = bad
+        out["v"][17, 3] = bad
     return out
 
 
@@ -473,7 +475,7 @@ def test_state_nbytes_counts_each_part():
     assert (a.params, a.master) == (2 * n, 4 * n) == (b.params, b.master)
     assert a.opt_state == 8 * n + 4  # two FP32 moments and the int32 count
     # w: a byte per element and a scale per block: 128 rows of 64, one block each
-    # (blocks lie along rows), twice; b: FP32 (under 4096 elements)
+    # (blocks lie along rows), twice; b: FP32 (a vector)
     assert b.opt_state == 2 * (8192 + 4 * 128) + 2 * 4 * 64 + 4
     assert c.opt_state == 4 * n + 4
     assert a.total == a.params + a.master + a.opt_state + a.other

@@ -44,9 +44,13 @@ value, and the three mantissa bits a relative rounding error of at most
 :math:`r = \sqrt v`, so the code spans :math:`2^{36}` of :math:`v` and decoding
 squares it. Blocks never straddle rows, so a parameter sharded by rows (FSDP2's
 ``Shard(0)``) has its blocks inside each rank's shard, and its scales are a
-DTensor sharded the same way (DCP reshards both by rows). Leaves with fewer than ``min_size`` elements (4096, as
-torchao) keep FP32 moments: their bytes are negligible and their statistics
-(norm weights, biases) the least regular.
+DTensor sharded the same way (DCP reshards both by rows). Only matrices (two
+or more dimensions) whose rows hold at least ``min_row`` elements (64) are
+coded; vectors (norm weights, biases) and narrower matrices keep FP32 moments:
+their bytes are negligible, their statistics the least regular, and a rule
+that looks at the row length alone gives one answer for a whole tensor and for
+every rank's shard of it (torchao keeps tensors under 4096 elements in FP32,
+by their size).
 
 The codes are kept as ``uint8`` (bit patterns of ``torch.float8_e4m3fn``), so
 every serialiser and collective handles them as plain bytes.
@@ -82,7 +86,7 @@ _NAMES = {
     "int8": "int8",
 }
 DEFAULT_BLOCK = 256
-MIN_SIZE = 4096
+MIN_ROW = 64
 
 
 class MomentFormat(NamedTuple):
@@ -92,10 +96,10 @@ class MomentFormat(NamedTuple):
     root: bool  # int8: code the square root (second moments)
     scale: str | float | None  # float16 second moments: "tensor" or a fixed power of two
     block_size: int  # int8: elements per block
-    min_size: int  # int8: leaves with fewer elements stay float32
+    min_row: int  # int8: matrices with shorter rows (and vectors) stay float32
 
 
-FLOAT32 = MomentFormat("float32", False, None, DEFAULT_BLOCK, MIN_SIZE)
+FLOAT32 = MomentFormat("float32", False, None, DEFAULT_BLOCK, MIN_ROW)
 """The default: float32 moments, as ``torch.optim`` keeps them."""
 
 
@@ -168,7 +172,7 @@ def moment_format(
         raise ValueError(f"{scale_name} applies to {name}=torch.float16 only, got {scale!r}")
     if kind == "float32":
         return FLOAT32
-    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_SIZE)
+    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_ROW)
 
 
 def is_stored_moment(x: Any) -> bool:
@@ -177,7 +181,7 @@ def is_stored_moment(x: Any) -> bool:
 
 
 def _coded(fmt: MomentFormat, like: torch.Tensor) -> bool:
-    return fmt.kind == "int8" and like.numel() >= fmt.min_size
+    return fmt.kind == "int8" and like.ndim >= 2 and math.prod(like.shape[1:]) >= fmt.min_row
 
 
 def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
@@ -226,11 +230,11 @@ def _dtensor_scales(p: Any, block_size: int) -> Any:
     holding the scales of the blocks of its own rows (blocks never straddle shards)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if p.ndim < 2 or not all(
+    if not all(
         isinstance(x, Replicate) or (isinstance(x, Shard) and x.dim == 0) for x in p.placements
     ):
         raise NotImplementedError(
-            f"'int8' moments of a DTensor parameter need a matrix sharded by rows (Shard(0), as "
+            f"'int8' moments of a DTensor parameter need it sharded by rows (Shard(0), as "
             f"FSDP2 shards) or replicated, got shape {tuple(p.shape)} with placements "
             f"{tuple(p.placements)}: its blocks would straddle the shards"
         )
