@@ -186,7 +186,9 @@ def build_state(
     params, buffers = split_module(model)
     params = {k: v.to(device) for k, v in params.items()}
     buffers = {k: v.to(device) for k, v in buffers.items()}
-    stored = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[getattr(args, "moments", "fp32")]
+    stored = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[
+        getattr(args, "moments", "fp32")
+    ]
     tx = ff.sgd(args.lr, momentum=args.momentum, accumulator_dtype=stored)
     state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
     return state, buffers

@@ -160,3 +160,11 @@ def test_cuda_default_benchmark_counts_every_row_on_cudas_default_path(tmp_path)
         assert rows[name]["path"] == "fused (generic)"
         assert rows[name]["pure"]["per_leaf"] == rows[name]["donated"]["per_leaf"] == "no"
     assert res["cpu"] in out and "| torch: GradScaler + SGD(fused, momentum=0.9) |" in out
+
+
+def test_moments_benchmark_counts_state_bytes_and_times_every_format():
+    out = _run("bench_moments.py", "--smoke")
+    for row in ("| fp32 | 2.000 | 4.000 | 8.000", "| bf16 | 2.000 | 4.000 | 4.000", "| int8 |"):
+        assert row in out, out
+    for fmt in ("fp32", "bf16", "fp16 (scaled v)", "int8"):
+        assert f"| recipe, {fmt} moments |" in out

@@ -11,6 +11,7 @@ update by its skip (every byte and block scale unchanged), ``vmap``,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import optree
@@ -254,14 +255,14 @@ def test_a_step_from_decoded_moments_is_the_fp32_step_then_coded(name):
     coded, plain = make(), make_fp32()
     params = _params()
     state = coded.init(params)
-    for field, spec_field in fields.items():
-        assert getattr(coded.spec, spec_field).kind != "float32"
+    formats = {f: getattr(coded.spec, sf) for f, sf in fields.items()}
+    assert all(fmt.kind != "float32" for fmt in formats.values())
     for seed in range(2):  # two steps: non-zero moments, the trace initialised
         _, state = coded.update(_updates(seed, params), state, params)
     twin = state._replace(
         **{
-            f: _map(lambda m, fmt=getattr(coded.spec, sf): ms.decode(fmt, m), getattr(state, f))
-            for f, sf in fields.items()
+            f: _map(functools.partial(ms.decode, fmt), getattr(state, f))
+            for f, fmt in formats.items()
         }
     )
     grads = _updates(7, params)
@@ -271,7 +272,8 @@ def test_a_step_from_decoded_moments_is_the_fp32_step_then_coded(name):
     for field, spec_field in fields.items():
         fmt = getattr(coded.spec, spec_field)
         recoded = _map(
-            lambda x, like: ms.encode(fmt, x, like), getattr(new_plain, field),
+            lambda x, like: ms.encode(fmt, x, like),
+            getattr(new_plain, field),
             getattr(state, field),
         )
         assert_states_bitwise_equal(getattr(new_coded, field), recoded)

@@ -156,8 +156,10 @@ def _spec_recipe(spec: Any) -> _Recipe | None:
     if kinds not in ((AdamSpec, LearningRateSpec), (AdamSpec, DecaySpec, LearningRateSpec)):
         return None
     moments = parts[0]
-    if moments.eps_root != 0.0 or "float32" != moments.mu_format.kind or (
-        moments.nu_format.kind != "float32"
+    if (
+        moments.eps_root != 0.0
+        or "float32" != moments.mu_format.kind
+        or (moments.nu_format.kind != "float32")
     ):
         return None
     wd = parts[1].weight_decay if len(parts) == 3 else 0.0

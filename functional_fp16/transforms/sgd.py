@@ -63,7 +63,9 @@ __all__ = [
 class TraceState(NamedTuple):
     """State of :func:`trace`."""
 
-    trace: PyTree  # momentum buffers shaped like the parameters, in their dtype or accumulator_dtype
+    trace: (
+        PyTree  # momentum buffers shaped like the parameters, in their dtype or accumulator_dtype
+    )
     initialized: torch.Tensor  # 0-d bool: whether any step has filled `trace` yet
 
 
@@ -358,8 +360,11 @@ def sgd(
     return chain(
         add_decayed_weights(weight_decay),
         trace(
-            momentum, nesterov=nesterov, dampening=dampening,
-            accumulator_dtype=accumulator_dtype, block_size=block_size,
+            momentum,
+            nesterov=nesterov,
+            dampening=dampening,
+            accumulator_dtype=accumulator_dtype,
+            block_size=block_size,
         ),  # fmt: skip
         scale_by_learning_rate(learning_rate),
     )
