@@ -381,6 +381,27 @@ def test_checkpoint_round_trip_is_bitwise(tmp_path, name):
     assert_states_bitwise_equal(nxt, ff.fp16_update(state, _grads(state, 9)))
 
 
+@pytest.mark.parametrize(
+    "codes, scales",
+    [
+        (torch.zeros(8, 300, dtype=torch.uint8), torch.ones(8, 4)),  # 4 blocks: no power of 2
+        (torch.zeros(8, 300, dtype=torch.uint8), torch.ones(4, 2)),  # other rows
+        (torch.zeros(8, 300, dtype=torch.uint8), torch.ones(16)),  # not per row
+        (torch.zeros(8, 300, dtype=torch.uint8), torch.ones(8, 2, dtype=torch.float64)),
+        (torch.zeros(8, 300), torch.ones(8, 2)),  # codes of float32
+        (torch.zeros(300, dtype=torch.uint8), torch.ones(0)),
+    ],
+)
+def test_a_checkpoint_whose_block_scales_do_not_fit_is_corrupt(tmp_path, codes, scales):
+    good = {"m": ms.BlockCodes(torch.zeros(8, 300, dtype=torch.uint8), torch.ones(8, 2))}
+    ff.save_checkpoint(tmp_path / "good.ckpt", good)
+    assert torch.equal(ff.load_checkpoint(tmp_path / "good.ckpt", good)["m"].scales, torch.ones(8, 2))
+    ff.save_checkpoint(tmp_path / "bad.ckpt", {"m": ms.BlockCodes(codes, scales)})
+    for like in (None, good):
+        with pytest.raises(ff.CheckpointCorruptError, match=r"\['m'\]: block"):
+            ff.load_checkpoint(tmp_path / "bad.ckpt", like)
+
+
 @pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8"])
 def test_vmap_steps_each_member_as_alone(name):
     tx = SETTINGS[name]()

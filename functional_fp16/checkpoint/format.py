@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 from typing import Any
 
 import optree
@@ -393,6 +394,45 @@ def _node_problem(node: Any, n_leaves: int, used: bytearray) -> str | None:
     return None
 
 
+def _codes_problem(node: Any, leaves: list) -> str | None:
+    """What is wrong with the sizes of a stored ``BlockCodes`` (8-bit moments), or ``None``.
+
+    Its uint8 codes of shape ``S`` need float32 scales of shape ``(S[0], k)`` (``(k,)``
+    for a vector) with ``k = ceil(row / B)`` for some power of two ``B``, ``row`` the
+    elements of a row (see :mod:`functional_fp16.precision.moment_storage`).
+    """
+    if type(node) is not dict or node.get("type") != "BlockCodes" or "leaf" in node:
+        return None
+    children = node.get("children")
+    if node.get("entries") != ["codes", "scales"] or type(children) is not list:
+        return "block codes stored without exactly their codes and scales"
+    records = []
+    for child in children:
+        i = child.get("leaf") if type(child) is dict else None
+        if type(i) is not int or not 0 <= i < len(leaves) or "shape" not in leaves[i]:
+            return "block codes whose codes or scales are not tensors"
+        records.append(leaves[i])
+    codes, scales = records
+    shape, got = list(codes["shape"]), list(scales["shape"])
+    if codes["dtype"] != "torch.uint8" or scales["dtype"] != "torch.float32":
+        return f"block codes of dtypes {show(codes['dtype'])} and {show(scales['dtype'])}"
+    if not all(type(d) is int and d >= 0 for d in [*shape, *got]):
+        return "block codes of malformed shapes"
+    lead = shape[:1] if len(shape) >= 2 else []
+    row = math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
+    fits = len(got) == len(lead) + 1 and got[:-1] == lead
+    if fits:
+        k = got[-1]
+        block = 1 << max(0, (-(-row // k) - 1).bit_length()) if k else 0
+        fits = (k == 0) if row == 0 else (k >= 1 and -(-row // block) == k)
+    if not fits:
+        return (
+            f"block scales of shape {show(got)} do not fit codes of shape {show(shape)} "
+            "(one scale per block of a power-of-two size along each row)"
+        )
+    return None
+
+
 def check_payload(structure: Any, leaves: Any, tensors: Any, file: str) -> None:
     """Validates the structure and the leaf table, without recursion.
 
@@ -420,7 +460,7 @@ def check_payload(structure: Any, leaves: Any, tensors: Any, file: str) -> None:
     while stack:
         node, parent, step = stack.pop()
         seen.append((node, parent, step))
-        problem = _node_problem(node, len(leaves), used_leaves)
+        problem = _node_problem(node, len(leaves), used_leaves) or _codes_problem(node, leaves)
         if problem is not None:
             steps = []
             at = len(seen) - 1
