@@ -13,7 +13,7 @@ import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_fp16 as ff
 from functional_fp16._util.tree import tree_leaves
@@ -151,17 +151,32 @@ def scenario_bad_grads(rank: int, out_dir: str):
     state = ff.fp16_init(distribute(make_params(), mesh), ff.sgd(0.1))
     grads = make_grads(0, world)
     errors = {}
-    for what, g in {
-        "plain": dict(grads),
-        "placement": {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in grads.items()},
-    }.items():
-        try:
-            ff.fp16_update(
-                state, g if what == "placement" else {**distribute(grads, mesh), "wte": g["wte"]}
-            )
-            errors[what] = None
-        except (TypeError, ValueError) as err:
-            errors[what] = f"{type(err).__name__}: {err}"
+    try:
+        ff.fp16_update(state, {**distribute(grads, mesh), "wte": grads["wte"]})
+        errors["plain"] = None
+    except (TypeError, ValueError) as err:
+        errors["plain"] = f"{type(err).__name__}: {err}"
+    # Replicated gradients of sharded parameters are redistributed to the parameters'
+    # placements (a local slice): the update is bitwise the one from placed gradients.
+    placed = ff.fp16_update(state, distribute(grads, mesh))
+    replicated = {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in grads.items()}
+    moved = ff.fp16_update(state, replicated)
+    errors["redistributed_equal"] = all(
+        torch.equal(bits(a.to_local()), bits(b.to_local()))
+        for a, b in zip(placed.master.values(), moved.master.values())
+    )
+    # A Partial sum (rank 0 holds the gradient, the others zeros: an exact sum) is
+    # reduce-scattered to the parameters' shards.
+    partial = {
+        k: DTensor.from_local(v if rank == 0 else torch.zeros_like(v), mesh, [Partial()],
+                              run_check=False)
+        for k, v in grads.items()
+    }  # fmt: skip
+    summed = ff.fp16_update(state, partial)
+    errors["partial_equal"] = all(
+        torch.equal(bits(a.to_local()), bits(b.to_local()))
+        for a, b in zip(placed.master.values(), summed.master.values())
+    )
     return errors
 
 

@@ -142,7 +142,8 @@ def _like(old: DTensor, before: torch.Tensor, local: torch.Tensor) -> DTensor:
 
 
 def _local_grads(state, grads) -> Any:
-    """The gradients' local tensors, after checking they are DTensors placed like the params."""
+    """The gradients' local tensors, after checking they are DTensors on the params' mesh;
+    one placed otherwise there is redistributed to its parameter's placements first."""
     g_leaves, g_spec = tree_flatten(grads)
     p_leaves = tree_flatten(state.params)[0]
     out = []
@@ -152,11 +153,21 @@ def _local_grads(state, grads) -> Any:
                 f"grads{path}: a plain tensor where params holds a DTensor; pass the DTensor "
                 "gradients (FSDP2's p.grad)"
             )
-        if g.device_mesh != p.device_mesh or g.placements != p.placements:
+        if g.device_mesh != p.device_mesh:
             raise ValueError(
                 f"grads{path}: placements {g.placements} on {g.device_mesh}, expected the "
                 f"parameter's {p.placements} on {p.device_mesh}"
             )
+        if g.placements != p.placements:
+            # Placed otherwise on the parameter's mesh (a Replicate gradient of a sharded
+            # embedding, a Partial sum): DTensor moves it to the parameter's placements.
+            try:
+                g = g.redistribute(p.device_mesh, p.placements)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                raise ValueError(
+                    f"grads{path}: placements {g.placements} cannot be redistributed to the "
+                    f"parameter's {p.placements}: {err}"
+                ) from None
         out.append(g.to_local())
     return tree_unflatten(g_spec, out)
 
