@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_recipe import gpt2_tree, is_matrix  # noqa: E402
+from bench_recipe import Ours, _grads, gpt2_tree, is_matrix  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 
@@ -134,16 +134,6 @@ def _subclass_bytes(t) -> int:
     return sum(_subclass_bytes(getattr(t, n)) for n in names)
 
 
-class Ours:
-    def __init__(self, params, grads, tx, donate=False, impl="auto"):
-        self.state = ff.fp16_init(params, tx, ff.DynamicLossScale(init_scale=1.0))
-        self.grads, self.donate, self.impl = grads, donate, impl
-        self.path = ff.update_path(self.state, impl)
-
-    def __call__(self):
-        self.state = ff.fp16_update(self.state, self.grads, donate=self.donate, impl=self.impl)
-
-
 class TorchAO:
     """FP32 parameters, ``GradScaler`` + ``clip_grad_norm_`` + torchao's ``AdamW8bit``."""
 
@@ -164,11 +154,6 @@ class TorchAO:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
         self.scaler.step(self.opt)
         self.scaler.update()
-
-
-def _grads(params, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return {k: (torch.randn(v.shape, generator=g) * 1e-3).half() for k, v in params.items()}
 
 
 def time_table(title, params, reps, warmup) -> list[str]:

@@ -92,16 +92,16 @@ def recipe(peak=6e-4, warmup=10, decay_steps=100_000, end=6e-5):
 class Ours:
     """``fp16_update`` on one state, called again and again on the same gradients."""
 
-    def __init__(self, params, grads, tx, donate=False, compiled=None):
+    def __init__(self, params, grads, tx, donate=False, compiled=None, impl="auto"):
         self.state = ff.fp16_init(params, tx, ff.DynamicLossScale(init_scale=1.0))
-        self.grads, self.donate = grads, donate
-        self.path = ff.update_path(self.state)
+        self.grads, self.donate, self.impl = grads, donate, impl
+        self.path = ff.update_path(self.state, impl)
         self.fn = ff.fp16_update
         if compiled is not None:  # compiled: Inductor's options ({} for its defaults)
             self.fn = torch.compile(ff.fp16_update, fullgraph=True, options=compiled)
 
     def __call__(self):
-        self.state = self.fn(self.state, self.grads, donate=self.donate)
+        self.state = self.fn(self.state, self.grads, donate=self.donate, impl=self.impl)
 
 
 class Stock:

@@ -67,13 +67,7 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--eval-batch-size", type=int, default=1000)
     t.add_argument("--lr", type=float, default=0.001)
     t.add_argument("--momentum", type=float, default=0.9)
-    t.add_argument(
-        "--moments",
-        choices=["fp32", "bf16", "int8"],
-        default="fp32",
-        help="how SGD stores its momentum buffers (accumulator_dtype): FP32, BF16, or 8-bit "
-        "block codes (functional_fp16.precision.moment_storage); the arithmetic is FP32",
-    )
+    run_cli.add_moments_flag(t, "SGD's momentum buffers (accumulator_dtype) are")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--max-steps-per-epoch",

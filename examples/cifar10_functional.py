@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The sibling modules, importable from any working directory.
 import cifar10_data  # noqa: E402
+import run_cli  # noqa: E402
 from cifar10_cli import parse_args  # noqa: E402
 from cifar10_loop import fit  # noqa: E402
 from cifar10_outputs import load_resume, plot_metrics, run_config  # noqa: E402
@@ -186,10 +187,7 @@ def build_state(
     params, buffers = split_module(model)
     params = {k: v.to(device) for k, v in params.items()}
     buffers = {k: v.to(device) for k, v in buffers.items()}
-    stored = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[
-        getattr(args, "moments", "fp32")
-    ]
-    tx = ff.sgd(args.lr, momentum=args.momentum, accumulator_dtype=stored)
+    tx = ff.sgd(args.lr, momentum=args.momentum, accumulator_dtype=run_cli.moment_dtype(args))
     state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
     return state, buffers
 

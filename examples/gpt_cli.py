@@ -125,13 +125,7 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
         default=0.1,
         help="AdamW's decoupled decay, on the linear layers' weight matrices only",
     )
-    t.add_argument(
-        "--moments",
-        choices=["fp32", "bf16", "int8"],
-        default="fp32",
-        help="how AdamW stores its two moments: FP32, BF16, or 8-bit block codes "
-        "(functional_fp16.precision.moment_storage); the arithmetic is FP32 in every case",
-    )
+    run_cli.add_moments_flag(t, "AdamW's two moments are")
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: none)")
     t.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     t.add_argument("--eval-interval", type=int, default=250, help="evaluate every N steps")

@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # run_outputs.py).
 import gpt_data  # noqa: E402
 import gpt_fsdp  # noqa: E402
+import run_cli  # noqa: E402
 from gpt_cli import parse_args  # noqa: E402
 from gpt_loop import fit  # noqa: E402
 from gpt_model import (  # noqa: E402
@@ -160,14 +161,10 @@ def lr_schedule(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.Tens
     )
 
 
-MOMENT_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
-"""``--moments`` -> AdamW's ``mu_dtype`` and ``nu_dtype``."""
-
-
 def build_optimizer(args: argparse.Namespace, mask: dict[str, bool]) -> ff.GradientTransformation:
     """``clip_by_global_norm`` then AdamW (decay on ``mask`` only, moments stored as
     ``--moments`` says), in ``MultiSteps`` if accumulating."""
-    stored = MOMENT_DTYPES[getattr(args, "moments", "fp32")]
+    stored = run_cli.moment_dtype(args)
     adamw = ff.adamw(
         lr_schedule(args),
         b1=args.beta1,

@@ -35,6 +35,26 @@ def add_dtype_flags(m: argparse._ArgumentGroup, cpu: str) -> None:
     )
 
 
+MOMENT_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
+"""``--moments`` -> the optimiser's ``mu_dtype``/``nu_dtype``/``accumulator_dtype``."""
+
+
+def add_moments_flag(t: argparse._ArgumentGroup, what: str) -> None:
+    """``--moments fp32|bf16|int8``: how the optimiser stores ``what`` (see MOMENT_DTYPES)."""
+    t.add_argument(
+        "--moments",
+        choices=sorted(MOMENT_DTYPES),
+        default="fp32",
+        help=f"how {what} stored: FP32, BF16, or 8-bit block codes "
+        "(functional_fp16.precision.moment_storage); the arithmetic is FP32 in every case",
+    )
+
+
+def moment_dtype(args: argparse.Namespace) -> torch.dtype | str | None:
+    """The dtype ``--moments`` names (``None``: FP32, the optimiser's default)."""
+    return MOMENT_DTYPES[getattr(args, "moments", "fp32")]
+
+
 def add_loss_scale_flags(m: argparse._ArgumentGroup) -> None:
     """``--loss-scale`` (which kind) and ``--init-scale`` (where a dynamic scale starts)."""
     m.add_argument(

@@ -171,24 +171,22 @@ def test_bad_moment_settings_raise_at_construction(make, error, words):
 
 # -- the transforms, inside fp16_update ---------------------------------------------------
 
+
+def _recipe(**moments):
+    """The transformer recipe: clip + AdamW (warmup-cosine, decay on matrices)."""
+    schedule = ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4)
+    matrices = lambda t: {k: v.ndim >= 2 for k, v in t.items()}
+    adamw = ff.adamw(schedule, b2=0.95, weight_decay=0.1, mask=matrices, **moments)
+    return ff.chain(ff.clip_by_global_norm(1.0), adamw)
+
+
 SETTINGS = {
     "adamw_int8": lambda: ff.adamw(1e-3, weight_decay=0.1, mu_dtype="int8", nu_dtype="int8"),
     "adamw_bf16": lambda: ff.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
     "adam_fp16": lambda: ff.adam(
         1e-3, mu_dtype=torch.float16, nu_dtype=torch.float16, nu_scale="tensor"
     ),
-    "recipe_int8": lambda: ff.chain(
-        ff.clip_by_global_norm(1.0),
-        ff.adamw(
-            ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
-            b2=0.95,
-            weight_decay=0.1,
-            mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()},
-            mu_dtype="int8",
-            nu_dtype="int8",
-            block_size=128,
-        ),
-    ),
+    "recipe_int8": lambda: _recipe(mu_dtype="int8", nu_dtype="int8", block_size=128),
     "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1, mu_dtype="int8"),
     "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="int8"),
     "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True, accumulator_dtype=torch.bfloat16),
@@ -347,15 +345,7 @@ _FP32 = {
     "adamw_int8": lambda: ff.adamw(1e-3, weight_decay=0.1),
     "adamw_bf16": lambda: ff.adamw(1e-3),
     "adam_fp16": lambda: ff.adam(1e-3),
-    "recipe_int8": lambda: ff.chain(
-        ff.clip_by_global_norm(1.0),
-        ff.adamw(
-            ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
-            b2=0.95,
-            weight_decay=0.1,
-            mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()},
-        ),
-    ),
+    "recipe_int8": _recipe,
     "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1),
     "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9),
     "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True),
@@ -395,7 +385,9 @@ def test_checkpoint_round_trip_is_bitwise(tmp_path, name):
 def test_a_checkpoint_whose_block_scales_do_not_fit_is_corrupt(tmp_path, codes, scales):
     good = {"m": ms.BlockCodes(torch.zeros(8, 300, dtype=torch.uint8), torch.ones(8, 2))}
     ff.save_checkpoint(tmp_path / "good.ckpt", good)
-    assert torch.equal(ff.load_checkpoint(tmp_path / "good.ckpt", good)["m"].scales, torch.ones(8, 2))
+    assert torch.equal(
+        ff.load_checkpoint(tmp_path / "good.ckpt", good)["m"].scales, torch.ones(8, 2)
+    )
     ff.save_checkpoint(tmp_path / "bad.ckpt", {"m": ms.BlockCodes(codes, scales)})
     for like in (None, good):
         with pytest.raises(ff.CheckpointCorruptError, match=r"\['m'\]: block"):

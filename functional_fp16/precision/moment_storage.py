@@ -74,6 +74,8 @@ __all__ = [
     "zeros_like_moment",
     "decode",
     "encode",
+    "decode_all",
+    "encode_all",
     "is_stored_moment",
 ]
 
@@ -254,6 +256,16 @@ def decode(fmt: MomentFormat, stored: Any) -> torch.Tensor:
     if isinstance(stored, ScaledHalf):
         return stored.values.float() * stored.scale
     return stored.float()
+
+
+def decode_all(fmt: MomentFormat, stored: list[Any]) -> list[Any]:
+    """:func:`decode` of each moment; ``stored`` itself for float32 (no call per leaf)."""
+    return stored if fmt is FLOAT32 else [decode(fmt, m) for m in stored]
+
+
+def encode_all(fmt: MomentFormat, xs: list[torch.Tensor], likes: list[Any]) -> list[Any]:
+    """:func:`encode` of each moment in the form of ``likes``; ``xs`` itself for float32."""
+    return xs if fmt is FLOAT32 else [encode(fmt, x, like) for x, like in zip(xs, likes)]
 
 
 def encode(fmt: MomentFormat, x: torch.Tensor, like: Any) -> Any:

@@ -28,8 +28,8 @@ from functional_fp16.precision.moment_storage import (
     DEFAULT_BLOCK,
     FLOAT32,
     MomentFormat,
-    decode,
-    encode,
+    decode_all,
+    encode_all,
     moment_format,
     zeros_like_moment,
 )
@@ -168,8 +168,7 @@ def scale_by_adam(
         count = saturating_increment(state.count)
         if not g_leaves:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
-        mu = [decode(mu_format, m) for m in stored_mu]
-        nu = [decode(nu_format, v) for v in stored_nu]
+        mu, nu = decode_all(mu_format, stored_mu), decode_all(nu_format, stored_nu)
         g32 = [g.to(torch.float32) for g in g_leaves]
         new_mu = [torch.lerp(m, g, 1.0 - b1) for m, g in zip(mu, g32)]
         if isinstance(b2, torch.Tensor):  # fma(c2 * g, g, v * b2), as addcmul's value= form
@@ -183,8 +182,8 @@ def scale_by_adam(
             c2 = sqrt_c2.double().square().float()
             out = [m * inv_c1 / (sqrt_rn(v / c2 + eps_root) + eps) for m, v in zip(new_mu, new_nu)]
         out = [u.to(g.dtype) for u, g in zip(out, g_leaves)]
-        new_mu = [encode(mu_format, m, old) for m, old in zip(new_mu, stored_mu)]
-        new_nu = [encode(nu_format, v, old) for v, old in zip(new_nu, stored_nu)]
+        new_mu = encode_all(mu_format, new_mu, stored_mu)
+        new_nu = encode_all(nu_format, new_nu, stored_nu)
         new_state = ScaleByAdamState(
             count, tree_unflatten(spec, new_mu), tree_unflatten(spec, new_nu)
         )

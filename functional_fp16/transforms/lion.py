@@ -25,8 +25,8 @@ from functional_fp16.precision.moment_storage import (
     DEFAULT_BLOCK,
     FLOAT32,
     MomentFormat,
-    decode,
-    encode,
+    decode_all,
+    encode_all,
     moment_format,
     zeros_like_moment,
 )
@@ -123,7 +123,7 @@ def scale_by_lion(
         count = saturating_increment(state.count)
         if not g_leaves:
             return updates, ScaleByLionState(count, state.mu)
-        mu = [decode(mu_format, m) for m in stored]
+        mu = decode_all(mu_format, stored)
         g32 = [g.to(torch.float32) for g in g_leaves]
         # m * b + g * c: the sum is exact in either order, and the result takes the
         # momentum's layout whatever the updates' strides.
@@ -131,7 +131,7 @@ def scale_by_lion(
             _direction(m * b1 + g * c1, mode, smooth_beta).to(g0.dtype)
             for g, m, g0 in zip(g32, mu, g_leaves)
         ]
-        new_mu = [encode(mu_format, m * b2 + g * c2, old) for g, m, old in zip(g32, mu, stored)]
+        new_mu = encode_all(mu_format, [m * b2 + g * c2 for g, m in zip(g32, mu)], stored)
         new_state = ScaleByLionState(count, tree_unflatten(spec, new_mu))
         return tree_unflatten(spec, out), new_state
 

@@ -63,9 +63,7 @@ __all__ = [
 class TraceState(NamedTuple):
     """State of :func:`trace`."""
 
-    trace: (
-        PyTree  # momentum buffers shaped like the parameters, in their dtype or accumulator_dtype
-    )
+    trace: PyTree  # momentum buffers shaped like the params: their dtype, or accumulator_dtype
     initialized: torch.Tensor  # 0-d bool: whether any step has filled `trace` yet
 
 
