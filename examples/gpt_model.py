@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class GPTConfig(NamedTuple):
@@ -53,22 +54,48 @@ class CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
+class HeadProjection(nn.Module):
+    r"""The fused query, key and value projection, :math:`[Q; K; V] = x W^\top + b`.
+
+    ``weight`` is ``(3, width, width)`` and ``bias`` ``(3, width)``: the
+    ``(3 width, width)`` matrix of one linear layer with its three parts on a
+    dimension of their own, so that sharding the middle dimension gives each
+    tensor-parallel rank whole heads of all three (``gpt_tp.py``); unsharded it
+    is that linear layer, computed as one (``F.linear`` of the flattened weight).
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, width, width))
+        self.bias = nn.Parameter(torch.empty(3, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(b, t, width)`` in, ``(b, t, 3, width)`` out (``width`` this rank's share)."""
+        if isinstance(self.weight, DTensor):  # heads sharded: the product keeps them so
+            return torch.einsum("btc,sdc->btsd", x, self.weight) + self.bias
+        y = F.linear(x, self.weight.flatten(0, 1), self.bias.flatten())
+        return y.unflatten(-1, (3, -1))
+
+
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention: one linear layer for Q, K, V; one for the output."""
+    """Multi-head causal self-attention: one fused projection for Q, K, V; one for the output."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.head_width = cfg.width // cfg.heads
+        self.qkv = HeadProjection(cfg.width)
         self.attend = CausalAttention(cfg.dropout)
         self.proj = nn.Linear(cfg.width, cfg.width)  # a residual projection
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.heads, c // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, t, c / heads)
-        y = self.attend(q, k, v).transpose(1, 2).reshape(b, t, c)
+        b, t = x.shape[:2]
+        qkv = self.qkv(x)
+        if isinstance(qkv, DTensor):  # tensor parallel: this rank's heads
+            qkv = qkv.to_local()
+        qkv = qkv.unflatten(-1, (-1, self.head_width))  # (b, t, 3, heads, width / heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, t, width / heads)
+        y = self.attend(q, k, v).transpose(1, 2).flatten(2)
         return self.drop(self.proj(y))
 
 
@@ -197,5 +224,5 @@ def decay_mask(model: nn.Module) -> dict[str, bool]:
     for name, _ in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(module_name)
-        mask[name] = isinstance(owner, nn.Linear) and leaf == "weight"
+        mask[name] = isinstance(owner, (nn.Linear, HeadProjection)) and leaf == "weight"
     return mask

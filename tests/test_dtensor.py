@@ -68,15 +68,14 @@ def test_multisteps_of_the_recipe_on_dtensors(launch):
         assert r["master_ulps"] <= 1.0 and r["path"] == "fused", r
 
 
-def test_clipping_a_mix_of_replicated_and_sharded_leaves_off_the_fused_path_is_refused(launch):
-    """There the clip may see other values than the unscaled gradients (accumulated, masked,
-    decayed first), so the replicated leaves' surplus copies are not known: it raises before
-    anything is written, even donated."""
+def test_clipping_a_mix_of_replicated_and_sharded_leaves_off_the_fused_path(launch):
+    """There the clip sees accumulated or masked values, not the gradients: each leaf's
+    own sum reaches the mesh's sum, counted on one holder of each shard, so the master
+    stays within one ulp of one process (the norm's float64 sum in another order)."""
     for r in results(launch, "multisteps"):
         for name in ("multisteps", "masked_clip"):
-            assert r["refused"][name] is not None, r["refused"]
-            assert "runs on the fused path only" in r["refused"][name]
-            assert r["refused"][name + "_untouched"]
+            assert r["mixed"][name]["master_ulps"] <= 1.0, (name, r["mixed"])
+            assert r["mixed"][name]["paths"] == (["fused"] if name == "multisteps" else ["foreach"])
 
 
 def test_plain_gradients_raise_and_otherwise_placed_ones_are_redistributed(launch):

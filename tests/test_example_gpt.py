@@ -145,7 +145,7 @@ def test_moments_flag_stores_adamw_moments_and_reports_the_bytes(tmp_path, capsy
     assert "state: " in capsys.readouterr().out
     assert (fp32["moments"], int8["moments"]) == ("fp32", "int8")
     codes = [x for x in tree_leaves(int8["state"].opt_state) if x.dtype == torch.uint8]
-    assert codes and all(c.ndim == 2 for c in codes)
+    assert codes and all(c.ndim >= 2 for c in codes)  # the matrices (qkv: (3, width, width))
     a, b = fp32["state_bytes"], int8["state_bytes"]
     assert a["per_param"]["opt_state"] > 7.9 and b["per_param"]["opt_state"] < 0.5 * 8
     assert a["master"] == b["master"] and a["total"] - b["total"] == a["opt_state"] - b["opt_state"]

@@ -53,7 +53,7 @@ from functional_fp16.precision.loss_scale import (
 )
 from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import saturating_increment
-from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
+from functional_fp16.transforms.clipping import clip_factors, norm_of_leaf_sums, wants_leaf_sums
 from functional_fp16.transforms.hyperparams import InjectHyperparamsState, InjectSpec
 from functional_fp16.transforms.sgd import LearningRateSpec
 
@@ -298,11 +298,14 @@ def _decision_inputs(fp: FusedPlan, g, inv, decision):
         require = decision.require
         return None, None if require is None else _one(require.to(g[0].device)), None, None
     clipping = fp.max_norm is not None
-    peak, sum_sq = call_grad_stats(g, _one(inv), 1, 1, clipping)
+    # A hook that counts leaves differently (a DTensor state's) gets one sum per leaf.
+    groups = len(g) if clipping and wants_leaf_sums(decision.global_sum) else 1
+    inv_groups = None if inv is None else _one(inv).expand(groups).contiguous()
+    peak, sum_sq = call_grad_stats(g, inv_groups, groups, 1, clipping)
     leaves, finite = decision.leaves(finite_from_peak(peak, _one(inv)))
     clip = None
     if clipping:
-        clip = norm_of_sum_of_squares(sum_sq.reshape(()), decision.global_sum)
+        clip = norm_of_leaf_sums(sum_sq, decision.global_sum)
     return _one(finite), None, clip, leaves
 
 

@@ -18,6 +18,9 @@ __all__ = [
     "clip_factors",
     "ClipSpec",
     "norm_of_sum_of_squares",
+    "norm_of_leaf_sums",
+    "LeafSums",
+    "wants_leaf_sums",
 ]
 
 
@@ -32,6 +35,50 @@ def norm_of_sum_of_squares(
     if global_sum is not None:
         sum_sq = global_sum(sum_sq)
     return torch.sqrt(sum_sq).float()
+
+
+class LeafSums:
+    r"""A ``global_sum`` hook that is told each leaf's own sum of squares.
+
+    Where the processes hold the leaves in different ways (a DTensor state with
+    leaves sharded over different mesh dimensions, or replicated beside
+    sharded ones), the whole tree's sum counts each distinct shard once:
+
+    .. math:: S = \sum_l \sum_{r} w_{l,r}\, S_{l,r}
+
+    where :math:`S_{l,r}` is leaf :math:`l`'s sum on process :math:`r` and
+    :math:`w_{l,r} \in \{0, 1\}` is 1 on exactly one holder of each shard.
+    One number per process cannot carry that when the weights differ between
+    the leaves of one process, so such a hook takes the vector of the leaves'
+    sums (:meth:`of_leaves`). ``per_leaf`` says whether it needs them; when it
+    is false the hook is an ordinary one (``hook(partial)``).
+    """
+
+    per_leaf: bool = False
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def of_leaves(self, sums: torch.Tensor, tree: PyTree | None) -> torch.Tensor:
+        """The whole tree's float64 sum from ``sums``, this process's sum of each leaf of
+        ``tree`` (in its flattening order; ``None``: every leaf of the state, in order)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+
+def wants_leaf_sums(global_sum) -> bool:
+    """Whether ``global_sum`` must be given each leaf's sum (a :class:`LeafSums` that says so)."""
+    return isinstance(global_sum, LeafSums) and global_sum.per_leaf
+
+
+def norm_of_leaf_sums(
+    sums: torch.Tensor, global_sum: Callable[[torch.Tensor], torch.Tensor] | None, tree=None
+) -> torch.Tensor:
+    r""":math:`\sqrt{S}` rounded once to float32, from the float64 sums of squares of the
+    leaves of ``tree`` (``None``: all the state's leaves, in order); see :class:`LeafSums`."""
+    if wants_leaf_sums(global_sum):
+        return torch.sqrt(global_sum.of_leaves(sums, tree)).float()
+    total = sums.reshape(()) if sums.shape == (1,) else sums.sum()  # one group: no launch
+    return norm_of_sum_of_squares(total, global_sum)
 
 
 class ClipSpec(NamedTuple):
@@ -56,7 +103,8 @@ def global_norm(
       global_sum: ``None``, or a function from this shard's float64 sum of
         squares to the whole tree's (an all-reduce over the ranks that hold
         the shards, as :func:`~functional_fp16.distributed.sharded_update`
-        passes it).
+        passes it); a :class:`LeafSums` that asks for them gets each leaf's
+        sum and ``tree``.
 
     Returns:
       A 0-d float32 tensor.
@@ -64,10 +112,10 @@ def global_norm(
     leaves = tree_flatten(tree)[0]
     if not leaves:
         if global_sum is not None:  # the other shards may hold leaves
-            return norm_of_sum_of_squares(torch.zeros((), dtype=torch.float64), global_sum)
+            return norm_of_leaf_sums(torch.zeros((0,), dtype=torch.float64), global_sum, tree)
         return torch.zeros((), dtype=torch.float32)
     sq = [torch.sum(torch.square(x.float().double())) for x in leaves]
-    return norm_of_sum_of_squares(torch.stack(sq).sum(), global_sum)
+    return norm_of_leaf_sums(torch.stack(sq), global_sum, tree)
 
 
 def clip_factors(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

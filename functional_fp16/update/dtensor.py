@@ -9,25 +9,27 @@ steps such a state as the same computation on every rank's local shards:
 * every elementwise part (unscale, optimiser, select, cast) runs on
   ``x.to_local()`` through the same implementation a plain state takes (the
   fused op, on the local tensors: no gather and no DTensor dispatch);
-* the reductions that span leaves are completed over the mesh: each leaf's
-  finite flag :math:`\ell_l = \bigwedge_r \ell_{l,r}` by one all-reduce (MIN) of
-  the flags of all leaves, so every rank takes the same decision
-  :math:`f = \bigwedge_l \ell_l` and holds the same ``leaf_finite``, and the sum of squares behind ``clip_by_global_norm``,
-  :math:`S = \sum_r S_r`, by an all-reduce (SUM) over the mesh dimensions on
-  which the leaves are sharded (a replicated dimension holds the same values
-  on every rank and is not summed);
+* the reductions that span leaves are completed over the ranks of the
+  leaves' mesh, by one all-reduce each, whatever the mesh's shape: each leaf's
+  finite flag :math:`\ell_l = \bigwedge_r \ell_{l,r}` by one all-reduce (MIN)
+  of the flags of all leaves, so every rank takes the same decision
+  :math:`f = \bigwedge_l \ell_l` and holds the same ``leaf_finite``; and the
+  sum of squares behind ``clip_by_global_norm`` by one all-reduce (SUM) of
+  :math:`\sum_l w_{l,r} S_{l,r}`, where :math:`w_{l,r}` is 1 on exactly one
+  holder of each distinct shard of leaf :math:`l` (coordinate 0 on the
+  dimensions it is replicated over, and the first slice of a sub-mesh), so
+  every shard is counted once however the leaves are laid out;
 * the new local tensors are wrapped back with their leaf's mesh, placements,
   global shape and stride (``DTensor.from_local``, no communication).
 
 The loss scale, ``step`` and ``grads_finite`` are plain tensors, equal on every
-rank. Leaves must be on one mesh with ``Shard`` or ``Replicate`` placements;
-the sharded parameters must be sharded over the same mesh dimensions (as FSDP2
-and HSDP lay them out), and fully replicated ones may sit beside them (their
-squares are counted once: the sum over the sharded dimensions counts them once
-per rank, and the surplus is subtracted; that is exact on the fused path, where
-the clip comes first and sees the unscaled gradients, and anywhere else such a
-mix raises ``NotImplementedError`` when the optimiser clips). A ``Partial``
-placement or another mix raises, naming the leaf.
+rank. Every leaf is a DTensor with ``Shard`` (FSDP2's strided shards included)
+or ``Replicate`` placements, on one mesh or on sub-meshes sliced from it (a
+2-D ``("dp", "tp")`` mesh of tensor parallelism under FSDP2, with leaves
+sharded over both dimensions, over one, or replicated). A gradient placed
+otherwise on its parameter's mesh (``Replicate``, ``Partial``) is moved to the
+parameter's placements by DTensor's ``redistribute``; a plain leaf, a leaf on
+another mesh, or a ``Partial`` parameter raises, naming the leaf.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+try:  # FSDP2's shards of a tensor-parallel dimension (not a subclass of Shard)
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = Shard
+
 from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
-from functional_fp16.precision.loss_scale import unscale_inverse
-from functional_fp16.update.accumulation import fp16_accumulates
+from functional_fp16.transforms.clipping import LeafSums
 from functional_fp16.update.decision import LeafAgreement
-from functional_fp16.update.dispatch import route
 from functional_fp16.update.state_check import check_state, mark_checked
 
 __all__ = [
@@ -62,38 +67,83 @@ def holds_dtensors(state) -> bool:
     return any(isinstance(x, DTensor) for x in tree_flatten(state.params)[0])
 
 
-def _layout(tree, name: str) -> tuple[Any, tuple[int, ...]]:
-    """The mesh of ``tree``'s DTensors and the mesh dimensions they are sharded over (checked)."""
-    paths = tree_paths(tree)
-    leaves = tree_flatten(tree)[0]
-    mesh, sharded = None, None
-    for path, p in zip(paths, leaves):
+def _replicated(p: DTensor) -> bool:
+    return all(isinstance(x, Replicate) for x in p.placements)
+
+
+def _root(mesh):
+    """The mesh ``mesh`` was sliced from (itself if none): DeviceMesh's ``_get_root_mesh``."""
+    root = getattr(mesh, "_get_root_mesh", None)
+    return mesh if root is None else root()
+
+
+def _ranks(mesh) -> tuple[int, ...]:
+    return tuple(sorted(mesh.mesh.flatten().tolist()))
+
+
+def _counts(p: DTensor, root) -> bool:
+    r"""Whether this rank counts ``p``'s squares in the mesh's sum: :math:`w_{l,r} = 1` on
+    exactly one holder of each distinct shard of ``p`` among the ranks of ``root``.
+
+    On ``p``'s mesh the holders of one shard differ only in their coordinates
+    on the ``Replicate`` dimensions, so the one at coordinate 0 there counts; a
+    sub-mesh of ``root`` is one of the slices that together cover it, each
+    holding the same values, and only the slice that holds ``root``'s first
+    rank counts.
+    """
+    mesh = p.device_mesh
+    coordinate = mesh.get_coordinate()
+    if any(c and isinstance(x, Replicate) for c, x in zip(coordinate, p.placements)):
+        return False
+    return mesh is root or int(root.mesh.flatten()[0]) in mesh.mesh.flatten().tolist()
+
+
+def _whole_mesh_groups(root) -> list:
+    """Process groups whose all-reduces in turn span every rank of ``root``: one group
+    where it is 1-D or spans the default group (``None``), else one per dimension."""
+    if root.ndim == 1:
+        return [root.get_group()]
+    if root.size() == dist.get_world_size() and dist.get_backend(
+        root.get_group(0)
+    ) == dist.get_backend():
+        return [None]
+    return [root.get_group(d) for d in range(root.ndim)]
+
+
+def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
+    r"""``(root, counted, summed)`` of ``tree``'s DTensors, checked: the mesh that every
+    leaf's mesh is (or was sliced from), whether this rank counts each leaf's squares
+    (:func:`_counts`), and whether the sum of squares needs an all-reduce at all (some
+    leaf is sharded, or lies on a sub-mesh)."""
+    roots, counted, summed = [], [], False
+    for path, p in zip(tree_paths(tree), tree_flatten(tree)[0]):
         if not isinstance(p, DTensor):
             raise TypeError(
-                f"{name}{path}: a plain tensor among DTensor parameters; every leaf "
-                "must be a DTensor on one mesh"
+                f"{name}{path}: a plain tensor among DTensor parameters; every leaf must be a "
+                "DTensor (a module left out of a tensor-parallel plan keeps plain parameters: "
+                "give it SequenceParallel, or distribute_tensor(p, mesh, [Replicate()]))"
             )
-        if mesh is None:
-            mesh = p.device_mesh
-        elif p.device_mesh != mesh:
-            raise ValueError(f"{name}{path}: on another device mesh than the first leaf")
-        if not all(isinstance(x, (Shard, Replicate)) for x in p.placements):
+        if not all(isinstance(x, (Shard, _StridedShard, Replicate)) for x in p.placements):
             raise ValueError(
                 f"{name}{path}: placements {p.placements}; only Shard and Replicate are supported"
             )
-        dims = tuple(i for i, x in enumerate(p.placements) if isinstance(x, Shard))
-        if dims and dims != sharded:
-            if sharded is not None:
-                raise ValueError(
-                    f"{name}{path}: sharded over mesh dimensions {dims}, the other "
-                    f"sharded parameters over {sharded}; the global norm needs one layout"
-                )
-            sharded = dims
-    return mesh, sharded or ()
-
-
-def _replicated(p: DTensor) -> bool:
-    return all(isinstance(x, Replicate) for x in p.placements)
+        mesh = p.device_mesh
+        if mesh.get_coordinate() is None:
+            raise ValueError(f"{name}{path}: on a device mesh that does not hold this rank")
+        root = _root(mesh)
+        if not roots:
+            roots.append(root)
+        elif root is not roots[0] and _ranks(root) != _ranks(roots[0]):
+            raise ValueError(
+                f"{name}{path}: on a device mesh over ranks {list(_ranks(root))}, the first "
+                f"leaf's over {list(_ranks(roots[0]))}; every leaf's mesh must span the same "
+                "ranks (the whole mesh, or a sub-mesh sliced from it)"
+            )
+        summed |= mesh is not root or not _replicated(p)
+        counted.append(_counts(p, root))
+    if not summed:  # every leaf whole on every rank: each counts its own copy, no reduction
+        counted = [True] * len(counted)
+    return (roots[0] if roots else None), tuple(counted), summed
 
 
 def local_state(state):
@@ -172,29 +222,17 @@ def _local_grads(state, grads) -> Any:
     return tree_unflatten(g_spec, out)
 
 
-def _sum_of_squares(grads: list[torch.Tensor], loss_scale) -> torch.Tensor:
-    r""":math:`\sum (\operatorname{fl}_{32}(g)\cdot\mathrm{inv})^2` in float64, as the update sums."""
-    inv = unscale_inverse(loss_scale)
-    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    for g in grads:
-        u = g.float() if inv is None else g.float() * inv
-        total = total + u.double().square().sum()
-    return total
-
-
-def _groups(mesh, dims) -> list:
-    return [mesh.get_group(d) for d in dims]
-
-
 class _Plan(NamedTuple):
     """What follows from a DTensor state's signature: computed once per signature."""
 
-    mesh: Any
-    every_dim: list  # the process groups of every mesh dimension (the finite flag)
-    sum_dims: list  # those of the dimensions the parameters are sharded over (the norm)
-    copies: int  # how many ranks hold each replicated leaf within ``sum_dims``
-    replicated: tuple[int, ...]  # the positions of the fully replicated parameters
+    mesh: Any  # the first leaf's mesh (the plan is looked up only for the same object)
+    groups: list  # whose all-reduces in turn span every rank of the leaves' meshes
+    summed: bool  # whether the sum of squares is all-reduced (some leaf sharded)
+    counted: tuple[bool, ...]  # per leaf, whether this rank counts its squares
+    paths: dict  # each leaf's path -> its position (to place the leaves a clip sees)
     placements: tuple  # each parameter's placements (its gradient's must match)
+    meshes: tuple  # each parameter's mesh
+    picks: dict  # (a clip's tree structure, device) -> the positions this rank counts there
 
 
 _PLANS: dict = {}
@@ -206,23 +244,21 @@ def plan(state, signature, field: str = "params") -> _Plan:
     """What follows from the layout of ``state.<field>`` (the leaves that carry the
     placements: ``params``, or a sharded state's ``master``), looked up by ``signature``."""
     tree = getattr(state, field)
+    leaves = tree_flatten(tree)[0]
     found = None if signature is None else _PLANS.get(signature)
     # The same mesh object, not only an equal one: its process groups are the plan's.
-    if found is not None and found.mesh is tree_flatten(tree)[0][0].device_mesh:
+    if found is not None and found.mesh is leaves[0].device_mesh:
         return found
-    mesh, sharded = _layout(tree, f"state.{field}")
-    sum_dims = _groups(mesh, sharded)
-    copies = 1
-    for group in sum_dims:
-        copies *= dist.get_world_size(group)
-    params = tree_flatten(tree)[0]
+    root, counted, summed = _layout(tree, f"state.{field}")
     found = _Plan(
-        mesh,
-        _groups(mesh, range(mesh.ndim)),
-        sum_dims,
-        copies,
-        tuple(i for i, p in enumerate(params) if _replicated(p)),
-        tuple(p.placements for p in params),
+        leaves[0].device_mesh,
+        _whole_mesh_groups(root),
+        summed,
+        counted,
+        {path: i for i, path in enumerate(tree_paths(tree))},
+        tuple(p.placements for p in leaves),
+        tuple(p.device_mesh for p in leaves),
+        {},
     )
     if signature is not None:
         remember(_PLANS, signature, found, _PLANS_KEPT)
@@ -233,8 +269,8 @@ def _grad_locals(plan: _Plan, state, grads) -> Any:
     """The gradients' local tensors; the checks that name a leaf run when a fast one fails."""
     leaves, spec = tree_flatten(grads)
     if all(type(g) is DTensor for g in leaves) and all(
-        g.device_mesh == plan.mesh and g.placements == want
-        for g, want in zip(leaves, plan.placements)
+        g.device_mesh == mesh and g.placements == want
+        for g, mesh, want in zip(leaves, plan.meshes, plan.placements)
     ):
         with torch.no_grad():
             return tree_unflatten(spec, [g.to_local() for g in leaves])
@@ -253,45 +289,81 @@ def checked_locally(local, signature):
     return mark_checked(local, found)
 
 
+def _all_reduce(x: torch.Tensor, op, groups: list) -> torch.Tensor:
+    for group in groups:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class MeshSum(LeafSums):
+    r"""The ``global_sum`` of a DTensor state: :math:`S = \sum_r \sum_l w_{l,r} S_{l,r}` by
+    one all-reduce (SUM) over the ranks of the leaves' mesh, each distinct shard of
+    each leaf counted once (see :func:`_counts`), then ``then`` (a caller's hook).
+
+    A rank whose leaves all count alike takes the plain sum (``per_leaf`` false);
+    otherwise the clip (on the fused path, ``grad_stats`` per leaf) gives each
+    leaf's sum, placed among the state's leaves by its path.
+    """
+
+    def __init__(self, plan: _Plan, then):
+        self.plan = plan
+        self.then = then
+        self.per_leaf = len(set(plan.counted)) > 1
+
+    def _total(self, share: torch.Tensor) -> torch.Tensor:
+        total = share.clone()
+        if self.plan.summed:
+            _all_reduce(total, dist.ReduceOp.SUM, self.plan.groups)
+        return total if self.then is None else self.then(total)
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.per_leaf:
+            raise NotImplementedError(
+                "a global sum over DTensor leaves sharded over different mesh dimensions "
+                "needs each leaf's own sum (LeafSums.of_leaves); this transform passes one"
+            )
+        return self._total(partial if self.plan.counted[0] else torch.zeros_like(partial))
+
+    def of_leaves(self, sums: torch.Tensor, tree) -> torch.Tensor:
+        key = (None if tree is None else tree_flatten(tree)[1], sums.device)
+        picks = self.plan.picks.get(key)
+        if picks is None:
+            if tree is None:
+                where = range(len(self.plan.counted))
+            else:
+                where = [self._position(path) for path in tree_paths(tree)]
+            picks = torch.tensor(
+                [i for i, j in enumerate(where) if self.plan.counted[j]],
+                dtype=torch.long, device=sums.device,
+            )  # fmt: skip
+            self.plan.picks[key] = picks
+        return self._total(sums.index_select(0, picks).sum())
+
+    def _position(self, path: str) -> int:
+        found = self.plan.paths.get(path)
+        if found is None:
+            raise ValueError(
+                f"clip_by_global_norm saw a leaf at {path}, which the parameters do not hold; "
+                "over DTensor leaves it must see the parameters' tree (or a masked part of it)"
+            )
+        return found
+
+
 def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, impl="auto"):
     r"""The ``agree`` and ``global_sum`` hooks that complete a local update's reductions over
-    the mesh: the leaves' finite flags (and the decision from them) by MIN over every mesh
-    dimension (a :class:`~functional_fp16.update.decision.LeafAgreement`), the float64 sum
-    of squares by SUM over the sharded ones, less the surplus copies of the replicated
-    leaves. ``agree`` and ``global_sum``, when given, apply after the mesh's own
-    reductions."""
+    the mesh: the leaves' finite flags (and the decision from them) by one all-reduce (MIN)
+    over every rank of the leaves' mesh (a
+    :class:`~functional_fp16.update.decision.LeafAgreement`), and the float64 sum of
+    squares by one all-reduce (SUM), each distinct shard counted once (:class:`MeshSum`).
+    ``agree`` and ``global_sum``, when given, apply after the mesh's own reductions."""
+    del state, local, local_grads, impl
 
     def mesh_and(finite: torch.Tensor) -> torch.Tensor:
-        flag = finite.to(torch.int32)
-        for group in plan.every_dim:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        flag = _all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN, plan.groups)
         return flag.to(torch.bool).reshape(finite.shape)
 
     # Per leaf: the flags of a leaf's shards on every rank, in the same all-reduce.
-    mesh_agree = LeafAgreement(mesh_and, agree)
-
-    mixed = bool(plan.replicated) and plan.copies > 1
-    # The surplus copies of the replicated leaves are known exactly where the norm is
-    # that of the unscaled gradients themselves: the fused path, clip first, no MultiSteps.
-    exact = not mixed or (not fp16_accumulates(state.tx) and route(local, impl).name == "fused")
-
-    def mesh_sum(partial: torch.Tensor) -> torch.Tensor:
-        if not exact:
-            raise NotImplementedError(
-                "clip_by_global_norm over a mix of replicated and sharded DTensor parameters "
-                "runs on the fused path only (the clip first in the chain, no MultiSteps); "
-                "shard every parameter, or clip first"
-            )
-        total = partial.clone()
-        for group in plan.sum_dims:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        if mixed:  # each rank summed the replicated leaves: keep one copy
-            g = tree_flatten(local_grads)[0]
-            extra = _sum_of_squares([g[i] for i in plan.replicated], state.loss_scale)
-            total = total - (plan.copies - 1) * extra
-        return total if global_sum is None else global_sum(total)
-
-    return mesh_agree, mesh_sum
+    return LeafAgreement(mesh_and, agree), MeshSum(plan, global_sum)
 
 
 _AGREED: dict = {}  # the configurations every rank was seen to hold, by key
