@@ -266,18 +266,23 @@ def fsdp_loss(model, x, y):
     return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def _fsdp_run(model, state, rank, world, sharded, donate, steps=FSDP_STEPS, inject=FSDP_INJECT):
+def _fsdp_run(
+    model, state, rank, world, sharded, donate, steps=FSDP_STEPS, inject=FSDP_INJECT,
+    leaf="blocks.1.mlp.0.weight", batch=fsdp_batch,
+):  # fmt: skip
     """``steps`` steps of the recipe, an overflow at step ``inject``; with ``sharded`` each rank
     takes its rows of the batch. The single process (not ``sharded``) also records each
     step's global norm of the unscaled gradients (``norms``: whether a clip bound), the
-    sharded run its master's placements after the last step (``placements``)."""
+    sharded run its master's placements after the last step (``placements``). ``rank``
+    and ``world`` say which share of the batch this process takes (its data-parallel
+    coordinate and their number); the inf goes into the last process's shard of ``leaf``."""
     out = {"decisions": [], "scales": [], "losses": [], "nonfinite": [], "norms": []}
     out["init"] = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()
     }
     for step in range(steps):
-        x, y = fsdp_batch(step)
+        x, y = batch(step)
         if sharded:
             n = BATCH // world
             x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
@@ -287,8 +292,9 @@ def _fsdp_run(model, state, rank, world, sharded, donate, steps=FSDP_STEPS, inje
         if not sharded:
             out["norms"].append(float(ff.global_norm(state.loss_scale.unscale(grads))))
         if step == inject:  # an overflow in the last rank's shard of one gradient
-            g = grads["blocks.1.mlp.0.weight"]
-            if sharded and rank == world - 1:
+            g = grads[leaf]
+            last = torch.distributed.get_world_size() - 1
+            if sharded and torch.distributed.get_rank() == last:
                 g.to_local()[-1, 0] = math.inf
             elif not sharded:
                 g[-1, 0] = math.inf
@@ -297,9 +303,9 @@ def _fsdp_run(model, state, rank, world, sharded, donate, steps=FSDP_STEPS, inje
             ff.write_params(model, state.params)
         model.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
-        if sharded:
+        if sharded:  # the ranks of one data-parallel share hold the same loss
             torch.distributed.all_reduce(loss)
-            loss = loss / world
+            loss = loss / torch.distributed.get_world_size()
         out["decisions"].append(bool(state.grads_finite))
         out["scales"].append(float(state.loss_scale.loss_scale))
         out["losses"].append(float(loss))
@@ -517,6 +523,90 @@ def scenario_dcp(rank: int, out_dir: str):
     return out
 
 
+# -- tensor parallelism: the GPT example's model and torchtitan's plan ---------------------
+
+TP_STEPS, TP_INJECT, TP_CLIP, TP_BATCH = 8, 3, 0.25, 8
+TP_LEAF = "blocks.1.mlp.fc.weight"  # ColwiseParallel: Shard(0) over "tp" (FSDP2 strides it)
+
+
+def tp_txs() -> dict:
+    """One optimiser of each family, each clipped (the threshold lies below every step's
+    norm of this run, so the norm the mesh completes enters every update)."""
+    from tests.helpers import matrices
+
+    def clip(tx):
+        return ff.chain(ff.clip_by_global_norm(TP_CLIP), tx)
+
+    return {
+        "sgd": clip(ff.sgd(0.05, momentum=0.9)),
+        "recipe": clip(
+            ff.adamw(
+                ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
+                b2=0.95, weight_decay=0.1, mask=matrices,
+            )
+        ),  # fmt: skip
+        "lion": clip(ff.lion(1e-4, weight_decay=0.1)),
+    }
+
+
+def tp_batch(step: int):
+    g = torch.Generator().manual_seed(900 + step)
+    ids = torch.randint(0, 16, (TP_BATCH, 9), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def tp_model():
+    from tests.helpers import load_example
+
+    gpt_model = load_example("gpt_model")
+    cfg = gpt_model.GPTConfig(vocab_size=16, context=8, layers=2, heads=4, width=32)
+    return gpt_model.build_model(cfg, 0).half()
+
+
+def scenario_tp(rank: int, out_dir: str):
+    """The GPT example's model with torchtitan's plan (``examples/gpt_tp.py``): at 2 ranks
+    tensor parallelism alone (a 1-D ``("tp",)`` mesh, every rank the whole batch), at 4
+    ranks a 2 x 2 ``("dp", "tp")`` mesh (the plan on ``mesh["tp"]``, then ``fully_shard``
+    per block and at the root over ``mesh["dp"]``; each data-parallel pair its half of
+    the batch). One optimiser of each family, ``TP_STEPS`` steps, an inf in the last
+    rank's shard of ``TP_LEAF`` at ``TP_INJECT``; beside it, the same model in one process
+    fed the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.helpers import load_example
+
+    gpt_tp = load_example("gpt_tp")
+    world = torch.distributed.get_world_size()
+    results = {}
+    for name, tx in tp_txs().items():
+        model, reference = tp_model(), tp_model()
+        if world == 2:
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            gpt_tp.parallelize(model, mesh)
+            share, shares = 0, 1
+        else:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            gpt_tp.parallelize(model, mesh["tp"])
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            share, shares = mesh.get_coordinate()[0], world // 2
+        loss_scale = ff.DynamicLossScale(2.0**8, growth_interval=2)
+        placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+        ours = _fsdp_run(
+            model, ff.fp16_init(dict(model.named_parameters()), tx, loss_scale), share, shares,
+            sharded=True, donate=False, steps=TP_STEPS, inject=TP_INJECT, leaf=TP_LEAF,
+            batch=tp_batch,
+        )  # fmt: skip
+        ref = _fsdp_run(
+            reference, ff.fp16_init(dict(reference.named_parameters()), tp_txs()[name], loss_scale),
+            share, shares, sharded=False, donate=False, steps=TP_STEPS, inject=TP_INJECT,
+            leaf=TP_LEAF, batch=tp_batch,
+        )  # fmt: skip
+        results[name] = {"ours": ours, "ref": ref, "placements": placements}
+    return results
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
@@ -526,7 +616,9 @@ SCENARIOS = {
     "hsdp": scenario_hsdp,
     "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,
+    "tp": scenario_tp,
 }
 
 if __name__ == "__main__":
     exit_now(run_scenarios(SCENARIOS, sys.argv[1]))
+
