@@ -607,6 +607,58 @@ def scenario_tp(rank: int, out_dir: str):
     return results
 
 
+def scenario_tp_dcp(rank: int, out_dir: str):
+    """At 4 ranks: the recipe trained 3 steps on the GPT model under TP + FSDP2 (2 x 2),
+    saved (``dcp_tp_2x2``); loaded into the same model under FSDP2 alone over 4 ranks
+    (4 x 1), compared with the saved state's full tensors, and saved again
+    (``dcp_tp_4x1``, the test loads it into one process). ``None`` at other sizes."""
+    import os
+
+    from torch.distributed.fsdp import fully_shard
+
+    from functional_fp16 import distributed as ffd
+    from tests.helpers import load_example
+
+    world = torch.distributed.get_world_size()
+    if world != 4:
+        return None
+    gpt_tp = load_example("gpt_tp")
+    shared = os.path.join(out_dir, "dcp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tp_model()
+    gpt_tp.parallelize(model, mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    state = ff.fp16_init(dict(model.named_parameters()), tp_txs()["recipe"])
+    x, y = tp_batch(0)
+    for _ in range(3):
+        loss = fsdp_loss(model, x[mesh.get_coordinate()[0] :: 2], y[mesh.get_coordinate()[0] :: 2])
+        state.loss_scale.scale(loss).backward()
+        state = ff.fp16_update(state, {n: p.grad for n, p in model.named_parameters()})
+        ff.write_params(model, state.params)
+        model.zero_grad(set_to_none=True)
+    ffd.save_dcp_state(state, os.path.join(shared, "dcp_tp_2x2"))
+    truth = _full(state)
+    flat = init_device_mesh("cpu", (world,))
+    other = tp_model()
+    for block in other.blocks:
+        fully_shard(block, mesh=flat)
+    fully_shard(other, mesh=flat)
+    like = ff.fp16_init(dict(other.named_parameters()), tp_txs()["recipe"])
+    loaded = ffd.load_dcp_state(like, os.path.join(shared, "dcp_tp_2x2"))
+    got = _full(loaded)
+    ffd.save_dcp_state(loaded, os.path.join(shared, "dcp_tp_4x1"))
+    if rank == 0:
+        torch.save(truth, os.path.join(shared, "truth_tp.pt"))
+    return {
+        "equal": len(got) == len(truth)
+        and all(a.dtype == b.dtype and torch.equal(bits(a), bits(b)) for a, b in zip(got, truth)),
+        "placements": {k: tuple(map(repr, m.placements)) for k, m in loaded.master.items()},
+        "step": int(loaded.step),
+    }
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
@@ -617,6 +669,7 @@ SCENARIOS = {
     "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,
     "tp": scenario_tp,
+    "tp_dcp": scenario_tp_dcp,
 }
 
 if __name__ == "__main__":

@@ -350,3 +350,27 @@ def test_tensor_parallel_training_decides_and_scales_like_one_process(launch):
         for name, run in other.items():
             for leaf, m in run["ours"]["master"].items():
                 assert torch.equal(m, per_rank[0][name]["ours"]["master"][leaf]), (name, leaf)
+
+
+def test_a_tensor_parallel_state_resumes_at_other_layouts_bitwise(launch):
+    """2 x 2 (TP + FSDP2) -> 4 x 1 (FSDP2 alone) -> one process: DCP reshards every leaf
+    of the state (FP16 parameters, master, AdamW's moments, counters), bitwise."""
+    import torch
+
+    import functional_fp16 as ff
+    from functional_fp16 import distributed as ffd
+    from functional_fp16._util.tree import tree_leaves
+    from tests import _dtensor_workers as W
+
+    if launch.world != 4:
+        pytest.skip("a 2 x 2 mesh takes 4 ranks")
+    for r in results(launch, "tp_dcp"):
+        assert r["equal"] and r["step"] == 3, r
+        assert set(r["placements"].values()) == {("Shard(dim=0)",)}, r["placements"]
+    like = ff.fp16_init(dict(W.tp_model().named_parameters()), W.tp_txs()["recipe"])
+    loaded = ffd.load_dcp_state(like, launch.out / "dcp" / "dcp_tp_4x1")
+    want = torch.load(launch.out / "dcp" / "truth_tp.pt")
+    got = [x for x in tree_leaves(loaded) if isinstance(x, torch.Tensor)]
+    assert len(got) == len(want)
+    assert all(torch.equal(W.bits(a), W.bits(b)) for a, b in zip(got, want))
+    assert int(loaded.step) == 3
