@@ -63,7 +63,9 @@ class HeadParallel(ParallelStyle):
 
 def plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The parallel style of each module of ``model`` (the table in the module docstring)."""
-    to_replicated = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    to_replicated = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
     styles: dict[str, ParallelStyle] = {
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),

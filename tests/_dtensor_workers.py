@@ -161,6 +161,16 @@ def scenario_bad_grads(rank: int, out_dir: str):
         errors["plain"] = None
     except (TypeError, ValueError) as err:
         errors["plain"] = f"{type(err).__name__}: {err}"
+    # A gradient on another mesh (the same ranks, laid out 1 x world): refused, naming it.
+    other = init_device_mesh("cpu", (1, world))
+    try:
+        ff.fp16_update(state, {
+            **distribute(grads, mesh), "wte": distribute_tensor(grads["wte"], other,
+                                                                [Replicate(), Shard(0)]),
+        })  # fmt: skip
+        errors["other_mesh"] = None
+    except (TypeError, ValueError) as err:
+        errors["other_mesh"] = f"{type(err).__name__}: {err}"
     # Replicated gradients of sharded parameters are redistributed to the parameters'
     # placements (a local slice): the update is bitwise the one from placed gradients.
     placed = ff.fp16_update(state, distribute(grads, mesh))
@@ -204,9 +214,39 @@ def scenario_disagree(rank: int, out_dir: str):
         k: distribute_tensor(v, flat, [Replicate(), Shard(0)])
         for k, v in make_grads(0, world).items()
     }
+
+    # Another plan: one leaf sharded on another dimension. Wrapped locally (no scatter,
+    # which would mismatch between the ranks); the values do not matter, the error does.
+    def planned(tree, mesh_, odd_leaf=None):
+        out = {}
+        for k, v in tree.items():
+            (where,) = [Shard(1)] if k == odd_leaf else placements(k)
+            local = v
+            if isinstance(where, Shard):
+                parts = v.chunk(world, where.dim)
+                local = parts[rank] if rank < len(parts) else v.narrow(where.dim, 0, 0)
+            out[k] = DTensor.from_local(
+                local, mesh_, [where], run_check=False, shape=v.shape, stride=v.stride()
+            )
+        return out
+
+    odd_leaf = "mlp.w" if odd else None
+    plan_case = (
+        ff.fp16_init(planned(make_params(), mesh, odd_leaf), ff.sgd(0.1)),
+        planned(make_grads(0, world), mesh, odd_leaf),
+    )
+    # A sub-mesh: the same ranks, sliced from a 2-D mesh on the last rank.
+    sub = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))["b"]
+    on = sub if odd else mesh
+    sub_case = (
+        ff.fp16_init(planned(make_params(), on), ff.sgd(0.1)),
+        planned(make_grads(0, world), on),
+    )
     cases = {
         "grad_placement": (state, odd_grads if odd else grads),
         "mesh": (odd_state, odd_state_grads) if odd else (state, grads),
+        "plan": plan_case,
+        "sub_mesh": sub_case,
     }
     out = {}
     for name, (st, gr) in cases.items():
@@ -542,7 +582,9 @@ def tp_txs() -> dict:
         "recipe": clip(
             ff.adamw(
                 ff.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 20, 1e-4),
-                b2=0.95, weight_decay=0.1, mask=matrices,
+                b2=0.95,
+                weight_decay=0.1,
+                mask=matrices,
             )
         ),  # fmt: skip
         "lion": clip(ff.lion(1e-4, weight_decay=0.1)),
@@ -674,4 +716,3 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     exit_now(run_scenarios(SCENARIOS, sys.argv[1]))
-

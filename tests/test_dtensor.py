@@ -81,13 +81,19 @@ def test_clipping_a_mix_of_replicated_and_sharded_leaves_off_the_fused_path(laun
 def test_plain_gradients_raise_and_otherwise_placed_ones_are_redistributed(launch):
     for r in results(launch, "bad_grads"):
         assert r["plain"] is not None and "grads['wte']: a plain tensor" in r["plain"], r
+        assert r["other_mesh"] is not None and "grads['wte']" in r["other_mesh"], r
         assert r["redistributed_equal"] and r["partial_equal"], r
 
 
 def test_a_rank_with_another_layout_makes_every_rank_raise_promptly(launch):
     world = launch.world
     for r, res in enumerate(results(launch, "disagree")):
-        for case, path in (("grad_placement", "grads['wte']"), ("mesh", "state.params")):
+        for case, path in (
+            ("grad_placement", "grads['wte']"),
+            ("mesh", "state.params"),
+            ("plan", "state.params['mlp.w']"),
+            ("sub_mesh", "sliced from ('a', 'b')"),
+        ):
             message, seconds = res[case]
             assert message is not None, (r, case)
             assert message.startswith("ValueError: fp16_update: the ranks disagree"), message

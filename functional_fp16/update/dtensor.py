@@ -103,9 +103,10 @@ def _whole_mesh_groups(root) -> list:
     where it is 1-D or spans the default group (``None``), else one per dimension."""
     if root.ndim == 1:
         return [root.get_group()]
-    if root.size() == dist.get_world_size() and dist.get_backend(
-        root.get_group(0)
-    ) == dist.get_backend():
+    if (
+        root.size() == dist.get_world_size()
+        and dist.get_backend(root.get_group(0)) == dist.get_backend()
+    ):
         return [None]
     return [root.get_group(d) for d in range(root.ndim)]
 
@@ -369,12 +370,25 @@ def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, imp
 _AGREED: dict = {}  # the configurations every rank was seen to hold, by key
 
 
+def _describe_mesh(mesh) -> str:
+    """The mesh's shape, dimension names and ranks, and the names of the mesh it was sliced
+    from; whether it holds this rank (a leaf's validity depends on nothing else)."""
+    names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
+    text = f"a mesh{names} of shape {tuple(mesh.shape)} over ranks {mesh.mesh.tolist()}"
+    root = _root(mesh)
+    if root is not mesh:
+        parent = "" if root.mesh_dim_names is None else f" {tuple(root.mesh_dim_names)}"
+        text += f" (sliced from{parent} of shape {tuple(root.shape)})"
+    if mesh.get_coordinate() is None:
+        text += " that does not hold this rank"
+    return text
+
+
 def _describe(x) -> str:
     if isinstance(x, DTensor):
-        mesh = x.device_mesh
         return (
-            f"a {x.dtype} DTensor of shape {tuple(x.shape)}, {tuple(x.placements)} on a mesh "
-            f"of shape {tuple(mesh.shape)}"
+            f"a {x.dtype} DTensor of shape {tuple(x.shape)}, {tuple(x.placements)} on "
+            f"{_describe_mesh(x.device_mesh)}"
         )
     if isinstance(x, torch.Tensor):
         return f"a plain {x.dtype} tensor of shape {tuple(x.shape)}"
@@ -385,18 +399,21 @@ def agree_on_layout(state, grads, signature) -> None:
     r"""Raises on every rank if any rank's DTensor layout differs (checked once per layout).
 
     Before the first collective of a layout, each rank describes every leaf of
-    ``state.params`` and ``grads`` (dtype, global shape, placements, mesh shape)
+    ``state.params`` and ``grads`` (dtype, global shape, placements, and the mesh: its
+    shape, dimension names, ranks, the mesh it was sliced from, whether it holds this rank)
     and the ranks of the default process group all-gather a digest of it; only
     if the digests differ are the descriptions gathered, to name the first rank
     and path that differ from rank 0. So a rank with another mesh or another
     gradient placement makes every rank raise instead of leaving the others in
-    an all-reduce. Runs when the mesh spans the whole default group.
+    an all-reduce. Everything a leaf's validity depends on is in its description, so a
+    layout refused on one rank is refused on all. Runs when the mesh (or the one the
+    first leaf's was sliced from) spans the whole default group.
     """
     if not dist.is_initialized():
         return
     g_leaves, g_spec = tree_flatten(grads)
     p0 = tree_flatten(state.params)[0][0]
-    if not isinstance(p0, DTensor) or p0.device_mesh.size() != dist.get_world_size():
+    if not isinstance(p0, DTensor) or _root(p0.device_mesh).size() != dist.get_world_size():
         return
     key = (
         signature,

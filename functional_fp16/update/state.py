@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import (
     PyTree,
@@ -228,9 +229,19 @@ def check_params(params: PyTree, *, name: str = "params") -> list[torch.Tensor]:
     return leaves
 
 
+def _shard(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
 def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None:
-    """Refuses non-finite parameters, warns about ones that overflow ``param_dtype`` (one sync)."""
-    masters, works = tree_leaves(master), tree_leaves(working)
+    """Refuses non-finite parameters, warns about ones that overflow ``param_dtype`` (one sync).
+
+    A DTensor is checked on this rank's shard, with no collective: ranks whose
+    layouts differ reach ``fp16_update``, which names the difference on all of them."""
+    masters, works = (
+        [_shard(x) for x in tree_leaves(master)],
+        [_shard(x) for x in tree_leaves(working)],
+    )
     if masters[0].is_meta:
         return
     ok = torch.stack(
