@@ -252,7 +252,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "torchrun starts, step the DTensor state with fp16_update; --resume then takes the "
         "DCP directory a --fsdp run wrote (its dcp_final)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --fsdp: tensor parallelism over groups of N ranks (torchtitan's plan, "
+        "examples/gpt_tp.py) inside, FSDP2 over the (ranks / N) groups: a 2-D mesh",
+    )
     args = finish(p, argv)
+    if args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}")
+    if args.tp > 1 and not args.fsdp:
+        p.error("--tp needs --fsdp (the 2-D mesh's other dimension)")
     if args.fsdp:
         if args.compile:
             p.error("--compile is not supported together with --fsdp")

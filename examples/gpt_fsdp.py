@@ -24,6 +24,14 @@ single-process run, on PyTorch's own engine:
   writes the state through ``torch.distributed.checkpoint`` (each rank its
   shards), and ``--resume`` of such a directory continues at any world size.
 
+With ``--tp N`` the ranks form a 2-D ``("dp", "tp")`` mesh: ``gpt_tp.py``
+applies torchtitan's tensor-parallel plan over each group of ``N`` ranks
+(heads, MLP columns and vocabulary sharded, norms replicated, the residual
+stream sharded along the sequence) before ``fully_shard`` over ``"dp"``, so
+a parameter is sharded over both dimensions, over one, or replicated; the
+state takes every such layout, and each data-parallel group takes its share
+of the batch.
+
 The whole forward pass runs in FP16 here (FSDP2 gathers one dtype per
 group), where the single-process run keeps LayerNorm, attention softmax and
 the head in FP32 through its module policies. gloo on the CPU, NCCL on CUDA.
@@ -110,16 +118,25 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     ``out_dir/dcp_final``. A ``--resume`` of one of them continues the run as
     if it had not stopped (the batches it would have drawn are drawn and dropped).
     """
+    import gpt_tp
     from gpt_data import sample_batch, val_windows
     from run_outputs import NONFINITE, SkipReporter, state_bytes
 
     if info is None:
         raise SystemExit("--fsdp needs torchrun (or one process with the torchrun variables)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
-    mesh = init_device_mesh(device.type, (world,))
+    world, rank, tp = dist.get_world_size(), dist.get_rank(), args.tp
+    if world % tp:
+        raise SystemExit(f"--tp {tp} must divide the {world} ranks")
+    dp = world // tp
+    if args.batch_size % dp:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {dp} data shares")
     model, tx, loss_scale = build()
+    if tp > 1:  # a 2-D mesh: tensor parallelism inside each group of tp ranks, FSDP2 across
+        mesh2d = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        gpt_tp.parallelize(model.to(device).to(torch.float16), mesh2d["tp"])
+        mesh, share_index = mesh2d["dp"], mesh2d.get_coordinate()[0]
+    else:
+        mesh, share_index = init_device_mesh(device.type, (world,)), rank
     shard_model(model.to(device), mesh, torch.float16)
     state = ff.fp16_init(dict(model.named_parameters()), tx, loss_scale)
     if getattr(args, "resume", None):
@@ -130,14 +147,15 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     )
     stored_bytes = state_bytes(state)
     if rank == 0:
+        layout = f"{dp} x {tp} mesh (FSDP2 x tensor parallel)" if tp > 1 else f"{world} ranks"
         print(
-            f"FSDP2 over {world} ranks ({dist.get_backend()}): FP16 parameters sharded per "
+            f"FSDP2 over {layout} ({dist.get_backend()}): FP16 parameters sharded per "
             f"block; this rank's FP32 master {shard / 2**20:.2f} MiB; update path "
             f"{ff.update_path(state)}",
             flush=True,
         )
     rng = torch.Generator().manual_seed(args.seed)
-    share = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
+    share = slice(share_index * args.batch_size // dp, (share_index + 1) * args.batch_size // dp)
     rows, start, skips = [], int(state.step), SkipReporter()
     for _ in range(start * args.grad_accum):  # a resumed run draws the batches it would have
         sample_batch(data.train, rng, args.batch_size, args.context)
@@ -175,6 +193,7 @@ def run_fsdp(args: argparse.Namespace, data, info, device, out_dir: Path, build)
     summary = {
         "fsdp": True,
         "world_size": world,
+        "tp": tp,
         "steps": args.max_steps,
         "final_train_loss": rows[-1]["loss"] if rows else math.nan,
         "val_loss": val,

@@ -477,6 +477,8 @@ def test_bad_flags_are_rejected(capsys):
         (["--warmup-steps", "10", "--max-steps", "10"], "below --max-steps"),
         (["--grad-accum", "0"], "--grad-accum must be >= 1"),
         (["--min-lr", "1", "--lr", "0.1"], "must not exceed --lr"),
+        (["--tp", "2"], "--tp needs --fsdp"),
+        (["--fsdp", "--tp", "0"], "--tp must be at least 1"),
     ):
         with pytest.raises(SystemExit):
             example.parse_args(argv)
@@ -699,3 +701,37 @@ def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod.urllib.request, "urlopen", offline)
     with pytest.raises(data_mod.DataError, match="--download failed .*no network"):
         data_mod.load_text(download=True, **{**kwargs, "data_dir": tmp_path / "empty"})
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_with_tensor_parallelism_trains_and_resumes_under_another_layout(tmp_path):
+    """``--fsdp --tp 2`` at 4 ranks: a 2 x 2 mesh, torchtitan's plan inside each pair,
+    FSDP2 across; it trains like ``--fsdp`` alone (the same batches: each data-parallel
+    pair takes its half), and its DCP checkpoint resumes under FSDP2 alone at 2 ranks,
+    where step 4's loss (computed from the loaded parameters) agrees to rounding."""
+    common = [*TINY, "--fsdp", "--eval-batches", "2", "--log-every", "1", "--eval-interval",
+              "3", "--max-steps", "6"]  # fmt: skip
+    tp = _torchrun([*common, "--tp", "2", "--out-dir", str(tmp_path / "tp")], ranks=4)
+    assert tp.returncode == 0, tp.stdout + tp.stderr
+    assert "FSDP2 over 2 x 2 mesh (FSDP2 x tensor parallel) (gloo)" in tp.stdout
+    assert "update path fused" in tp.stdout
+    summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
+    assert (summary["world_size"], summary["tp"]) == (4, 2)
+    rows = jsonl(tmp_path / "tp" / "metrics.jsonl")
+    flat = _torchrun([*common, "--out-dir", str(tmp_path / "flat")], ranks=4)
+    assert flat.returncode == 0, flat.stdout + flat.stderr
+    flat_rows = jsonl(tmp_path / "flat" / "metrics.jsonl")
+    assert [r["skipped"] for r in rows] == [r["skipped"] for r in flat_rows]
+    assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in flat_rows]
+    for a, b in zip(rows, flat_rows, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 5e-3, (a, b)
+    rest = _torchrun(
+        [*common, "--resume", str(tmp_path / "tp" / "dcp_step_000003"), "--out-dir",
+         str(tmp_path / "resumed")], ranks=2,
+    )  # fmt: skip
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    resumed = jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert abs(resumed[0]["loss"] - rows[3]["loss"]) < 5e-3
+    assert resumed[0]["loss_scale"] == rows[3]["loss_scale"]
