@@ -168,3 +168,14 @@ def test_moments_benchmark_counts_state_bytes_and_times_every_format():
         assert row in out, out
     for fmt in ("fp32", "bf16", "fp16 (scaled v)", "int8"):
         assert f"| recipe, {fmt} moments |" in out
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_benchmark_times_both_sides_and_counts_two_collectives():
+    """On the 2 x 2 mesh (leaves sharded over both dimensions, over one, strided, replicated),
+    one update of ours runs one all-reduce for the flags and one for the norm: no more."""
+    out = _run("bench_tp.py", "--rounds", "1", "--steps", "1", "--width", "64", "--layers",
+               "2", "--context", "16", "--batch", "8")  # fmt: skip
+    assert "_StridedShard" in out and "(Shard(dim=0), Replicate())" in out
+    assert "on 1 mesh(es)" in out and "ours / stock" in out
+    assert "  ours    2: allreduce_ 2\n" in out, out
