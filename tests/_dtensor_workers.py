@@ -701,6 +701,59 @@ def scenario_tp_dcp(rank: int, out_dir: str):
     }
 
 
+def scenario_submesh(rank: int, out_dir: str):
+    """At 4 ranks, leaves laid out every way at once on a 2 x 2 ``("dp", "tp")`` mesh and
+    its sub-meshes: sharded over both dimensions, over one with the other replicated,
+    replicated over both, and on ``mesh["dp"]`` and ``mesh["tp"]`` alone; clipped SGD and
+    AdamW (the clip binding), an inf in one shard at ``INJECT_STEP``, against one process.
+    ``None`` at other sizes."""
+    world = torch.distributed.get_world_size()
+    if world != 4:
+        return None
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    layout = {
+        "wte": (mesh, [Shard(0), Shard(1)]),
+        "h.attn.w": (mesh, [Shard(0), Replicate()]),
+        "h.attn.b": (mesh["dp"], [Shard(0)]),
+        "ln.w": (mesh["tp"], [Replicate()]),
+        "mlp.w": (mesh, [Replicate(), Shard(0)]),
+    }
+
+    def laid(tree):
+        return {k: distribute_tensor(v, *layout[k]) for k, v in tree.items()}
+
+    out = {}
+    for name, make in {
+        "clip_sgd": lambda: ff.chain(ff.clip_by_global_norm(1e-3), ff.sgd(0.05, momentum=0.9)),
+        "clip_adamw": lambda: ff.chain(ff.clip_by_global_norm(1e-3), ff.adamw(1e-3)),
+        "masked_clip": lambda: ff.chain(
+            ff.masked(ff.clip_by_global_norm(1e-3), lambda t: {k: k != "wte" for k in t}),
+            ff.sgd(0.05),
+        ),
+    }.items():
+        ours = ff.fp16_init(laid(make_params()), make(), ff.DynamicLossScale(2.0**10))
+        ref = ff.fp16_init(make_params(), make(), ff.DynamicLossScale(2.0**10))
+        run = {"decisions": [], "ref_decisions": [], "nonfinite": [], "ref_nonfinite": []}
+        run.update(scales_equal=True, master_ulps=0.0, path=ff.update_path(ours))
+        for step in range(STEPS):
+            grads = make_grads(step, world)
+            ours = ff.fp16_update(ours, laid(grads))
+            ref = ff.fp16_update(ref, grads)
+            run["decisions"].append(bool(ours.grads_finite))
+            run["ref_decisions"].append(bool(ref.grads_finite))
+            run["nonfinite"].append(ff.nonfinite_leaves(ours))
+            run["ref_nonfinite"].append(ff.nonfinite_leaves(ref))
+            run["scales_equal"] &= torch.equal(
+                bits(ours.loss_scale.loss_scale), bits(ref.loss_scale.loss_scale)
+            )
+            for k in SHAPES:
+                run["master_ulps"] = max(
+                    run["master_ulps"], max_ulps(ours.master[k], ref.master[k])
+                )
+        out[name] = run
+    return out
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
@@ -712,6 +765,7 @@ SCENARIOS = {
     "dcp": scenario_dcp,
     "tp": scenario_tp,
     "tp_dcp": scenario_tp_dcp,
+    "submesh": scenario_submesh,
 }
 
 if __name__ == "__main__":

@@ -380,3 +380,25 @@ def test_a_tensor_parallel_state_resumes_at_other_layouts_bitwise(launch):
     assert len(got) == len(want)
     assert all(torch.equal(W.bits(a), W.bits(b)) for a, b in zip(got, want))
     assert int(loaded.step) == 3
+
+
+def test_leaves_on_a_mesh_and_its_sub_meshes_step_like_one_process(launch):
+    """Five leaves, five layouts on a 2 x 2 mesh: ``(Shard(0), Shard(1))``, ``(Shard(0),
+    Replicate())``, ``(Replicate(), Shard(0))``, ``Shard(0)`` on ``mesh["dp"]`` and
+    ``Replicate()`` on ``mesh["tp"]``. Clipped (the clip binding: max_norm 1e-3 against
+    norms near 0.06) SGD, AdamW, and a masked clip off the fused path: decisions, named
+    leaves and scales bitwise against one process; the master within one ulp (the norm's
+    float64 sum in another order). Counting each replica of a leaf would move it by
+    thousands of ulps."""
+    if launch.world != 4:
+        pytest.skip("a 2 x 2 mesh takes 4 ranks")
+    per_rank = results(launch, "submesh")
+    for r in per_rank:
+        for name, run in r.items():
+            assert run["decisions"] == run["ref_decisions"], name
+            assert run["decisions"][INJECT_STEP] is False, name
+            assert run["nonfinite"] == run["ref_nonfinite"], name
+            assert run["scales_equal"], name
+            assert run["master_ulps"] <= 1.0, (name, run["master_ulps"])
+        assert r["masked_clip"]["path"] == "foreach" and r["clip_sgd"]["path"] == "fused"
+    assert all(r == per_rank[0] for r in per_rank)

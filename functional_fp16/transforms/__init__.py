@@ -19,7 +19,7 @@ from functional_fp16.transforms.base import (
     identity,
     update_with_extra_args,
 )
-from functional_fp16.transforms.clipping import clip, clip_by_global_norm, global_norm
+from functional_fp16.transforms.clipping import LeafSums, clip, clip_by_global_norm, global_norm
 from functional_fp16.transforms.combining import MultiTransformState, multi_transform, set_to_zero
 from functional_fp16.transforms.conditionality import ApplyIfFiniteState, apply_if_finite
 from functional_fp16.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
@@ -82,6 +82,7 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "global_norm",
+    "LeafSums",
     "masked",
     "MaskedState",
     "MaskedNode",

@@ -371,14 +371,16 @@ _AGREED: dict = {}  # the configurations every rank was seen to hold, by key
 
 
 def _describe_mesh(mesh) -> str:
-    """The mesh's shape, dimension names and ranks, and the names of the mesh it was sliced
-    from; whether it holds this rank (a leaf's validity depends on nothing else)."""
+    """The mesh's shape and dimension names, the mesh it was sliced from, the ranks of that
+    (or its own), and whether it holds this rank (a leaf's validity depends on nothing
+    else; a slice's own ranks differ between the ranks, legitimately)."""
     names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
-    text = f"a mesh{names} of shape {tuple(mesh.shape)} over ranks {mesh.mesh.tolist()}"
+    text = f"a mesh{names} of shape {tuple(mesh.shape)}"
     root = _root(mesh)
-    if root is not mesh:
+    if root is not mesh:  # its own ranks are this rank's slice: the parent's are common
         parent = "" if root.mesh_dim_names is None else f" {tuple(root.mesh_dim_names)}"
-        text += f" (sliced from{parent} of shape {tuple(root.shape)})"
+        text += f" sliced from{parent} of shape {tuple(root.shape)}"
+    text += f" over ranks {root.mesh.tolist()}"
     if mesh.get_coordinate() is None:
         text += " that does not hold this rank"
     return text
