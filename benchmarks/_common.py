@@ -313,3 +313,60 @@ def init_gloo_rank(rank: int, world: int, port: int) -> None:
         MASTER_PORT=str(port),
     )
     ffd.init_from_env(device="cpu")
+
+
+# -- whole training steps on gloo ranks, two sides interleaved (bench_fsdp, bench_tp) -----
+
+
+def add_step_flags(p, *, width: int = 128, layers: int = 4, context: int = 64) -> None:
+    """The flags of a benchmark that times whole steps of the GPT example's model."""
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--context", type=int, default=context)
+    p.add_argument("--batch", type=int, default=32)
+
+
+def time_step_rounds(sides: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict:
+    """Per side, this rank's mean step in each of ``rounds`` rounds of ``steps`` calls, the
+    sides interleaved round by round, every rank starting and ending a side together."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def gather_to_parent(result, out) -> None:
+    """Sends every rank's ``result`` (rank 0 puts the list on ``out``) and leaves the group."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    if dist.get_rank() == 0:
+        out.put(everyone)
+    dist.destroy_process_group()
+
+
+def run_ranks(worker: Callable[..., None], world: int, args) -> list:
+    """``worker(rank, world, port, args, out)`` on ``world`` fresh gloo processes; the list
+    of their results (:func:`gather_to_parent`)."""
+    out = mp.get_context("spawn").SimpleQueue()
+    spawn_ranks(worker, world, args, out)
+    return out.get()
+
+
+def slowest_rank_medians(ranks: list, sides, rounds: int) -> dict[str, float]:
+    """Per side, the median over rounds of the slowest rank's mean step."""
+    return {
+        side: median([max(r["times"][side][i] for r in ranks) for i in range(rounds)])
+        for side in sides
+    }

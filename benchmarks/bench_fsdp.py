@@ -31,20 +31,24 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-from _common import init_gloo_rank, machine_line, spawn_ranks  # noqa: E402
+from _common import (  # noqa: E402
+    add_step_flags,
+    gather_to_parent,
+    init_gloo_rank,
+    machine_line,
+    run_ranks,
+    slowest_rank_medians,
+    time_step_rounds,
+)
 
 
 def _local_bytes(tensors) -> int:
@@ -130,15 +134,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     for fn in (step_ours, step_stock):  # warm-up: lazy init, optimiser state
         fn()
         fn()
-    times = {"ours": [], "stock": []}
-    for _ in range(args.rounds):
-        for name, fn in (("ours", step_ours), ("stock", step_stock)):
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t) / args.steps)
+    times = time_step_rounds({"ours": step_ours, "stock": step_stock}, args.rounds, args.steps)
     opt_tensors = [v for s in opt.state.values() for v in s.values()]
     ours_fp32 = _local_bytes(
         optree.tree_leaves((state.master, state.opt_state), namespace=ff.NAMESPACE)
@@ -152,33 +148,16 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         "ours_gather_dtype": str(next(model.parameters()).dtype),
         "stock_gather_dtype": str(policy.param_dtype),
     }
-    everyone = [None] * world
-    dist.all_gather_object(everyone, result)
-    if rank == 0:
-        out.put(everyone)
-    dist.destroy_process_group()
+    gather_to_parent(result, out)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
+    add_step_flags(p)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    spawn_ranks(_worker, args.world, args, out)
-    ranks = out.get()
-    # Per round, the slowest rank's mean step; then the median over rounds.
-    per_round = {
-        side: [max(r["times"][side][i] for r in ranks) for i in range(args.rounds)]
-        for side in ("ours", "stock")
-    }
-    ours, stock = (statistics.median(per_round[s]) for s in ("ours", "stock"))
+    ranks = run_ranks(_worker, args.world, args)
+    ours, stock = slowest_rank_medians(ranks, ("ours", "stock"), args.rounds).values()
     r0 = ranks[0]
     print(machine_line())
     print(f"{args.world} gloo ranks; "

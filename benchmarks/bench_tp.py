@@ -34,20 +34,24 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-from _common import init_gloo_rank, machine_line, spawn_ranks  # noqa: E402
+from _common import (  # noqa: E402
+    add_step_flags,
+    gather_to_parent,
+    init_gloo_rank,
+    machine_line,
+    run_ranks,
+    slowest_rank_medians,
+    time_step_rounds,
+)
 
 WORLD = 4
 
@@ -158,15 +162,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     for fn in (step_ours, step_stock):  # warm-up: lazy init, optimiser state, plans
         fn()
         fn()
-    times = {"ours": [], "stock": []}
-    for _ in range(args.rounds):
-        for name, fn in (("ours", step_ours), ("stock", step_stock)):
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t) / args.steps)
+    times = time_step_rounds({"ours": step_ours, "stock": step_stock}, args.rounds, args.steps)
     # The collectives of one update each, the gradients of one backward in place.
     x, y = batch()
     state.loss_scale.scale(loss_of(model, x, y)).backward()
@@ -185,31 +181,15 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         "placements": sorted({str(tuple(p.placements)) for p in model.parameters()}),
         "finite": bool(state.grads_finite),
     }
-    everyone = [None] * world
-    dist.all_gather_object(everyone, result)
-    if rank == 0:
-        out.put(everyone)
-    dist.destroy_process_group()
+    gather_to_parent(result, out)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
+    add_step_flags(p)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    spawn_ranks(_worker, WORLD, args, out)
-    ranks = out.get()
-    per_round = {
-        side: [max(r["times"][side][i] for r in ranks) for i in range(args.rounds)]
-        for side in ("ours", "stock")
-    }
-    ours, stock = (statistics.median(per_round[s]) for s in ("ours", "stock"))
+    ranks = run_ranks(_worker, WORLD, args)
+    ours, stock = slowest_rank_medians(ranks, ("ours", "stock"), args.rounds).values()
     r0 = ranks[0]
     print(machine_line())
     print(f"2 x 2 gloo mesh (dp, tp); {r0['params']:,} parameters in {r0['leaves']} leaves "

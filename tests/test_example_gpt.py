@@ -707,9 +707,10 @@ def test_download_checks_the_file_and_keeps_it_once(tmp_path, monkeypatch):
 @pytest.mark.distributed
 def test_fsdp_with_tensor_parallelism_trains_and_resumes_under_another_layout(tmp_path):
     """``--fsdp --tp 2`` at 4 ranks: a 2 x 2 mesh, torchtitan's plan inside each pair,
-    FSDP2 across; it trains like ``--fsdp`` alone (the same batches: each data-parallel
-    pair takes its half), and its DCP checkpoint resumes under FSDP2 alone at 2 ranks,
-    where step 4's loss (computed from the loaded parameters) agrees to rounding."""
+    FSDP2 across, each data-parallel pair its half of the batch; it trains, and its DCP
+    checkpoint resumes under FSDP2 alone at 2 ranks, where step 4's loss (computed from
+    the loaded parameters) agrees to rounding. (Its numbers against one process are
+    ``tests/test_dtensor.py``'s.)"""
     common = [*TINY, "--fsdp", "--eval-batches", "2", "--log-every", "1", "--eval-interval",
               "3", "--max-steps", "6"]  # fmt: skip
     tp = _torchrun([*common, "--tp", "2", "--out-dir", str(tmp_path / "tp")], ranks=4)
@@ -719,13 +720,8 @@ def test_fsdp_with_tensor_parallelism_trains_and_resumes_under_another_layout(tm
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert (summary["world_size"], summary["tp"]) == (4, 2)
     rows = jsonl(tmp_path / "tp" / "metrics.jsonl")
-    flat = _torchrun([*common, "--out-dir", str(tmp_path / "flat")], ranks=4)
-    assert flat.returncode == 0, flat.stdout + flat.stderr
-    flat_rows = jsonl(tmp_path / "flat" / "metrics.jsonl")
-    assert [r["skipped"] for r in rows] == [r["skipped"] for r in flat_rows]
-    assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in flat_rows]
-    for a, b in zip(rows, flat_rows, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 5e-3, (a, b)
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+    assert math.isfinite(summary["val_loss"])
     rest = _torchrun(
         [*common, "--resume", str(tmp_path / "tp" / "dcp_step_000003"), "--out-dir",
          str(tmp_path / "resumed")], ranks=2,

@@ -300,7 +300,9 @@ def _decision_inputs(fp: FusedPlan, g, inv, decision):
     clipping = fp.max_norm is not None
     # A hook that counts leaves differently (a DTensor state's) gets one sum per leaf.
     groups = len(g) if clipping and wants_leaf_sums(decision.global_sum) else 1
-    inv_groups = None if inv is None else _one(inv).expand(groups).contiguous()
+    inv_groups = _one(inv)
+    if groups > 1 and inv is not None:
+        inv_groups = inv_groups.expand(groups).contiguous()
     peak, sum_sq = call_grad_stats(g, inv_groups, groups, 1, clipping)
     leaves, finite = decision.leaves(finite_from_peak(peak, _one(inv)))
     clip = None

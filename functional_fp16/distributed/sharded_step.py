@@ -150,9 +150,7 @@ def sharded_update(
             pre,
         )
     g_rows = tree_unflatten(p_spec, mean)
-    agree, global_sum = mesh_hooks(
-        found.mesh_plan, state, local, g_rows, agree=None, global_sum=None, impl=impl
-    )
+    agree, global_sum = mesh_hooks(found.mesh_plan, agree=None, global_sum=None)
     stepped = fp16_update(local, g_rows, impl=impl, loss=loss, agree=agree, global_sum=global_sum)
     new_rows = tree_flatten(stepped.params)[0]
     full = gather_rows(new_rows, found.gather_buckets, group, world, rank)

@@ -350,14 +350,13 @@ class MeshSum(LeafSums):
         return found
 
 
-def mesh_hooks(plan: _Plan, state, local, local_grads, *, agree, global_sum, impl="auto"):
+def mesh_hooks(plan: _Plan, *, agree, global_sum):
     r"""The ``agree`` and ``global_sum`` hooks that complete a local update's reductions over
     the mesh: the leaves' finite flags (and the decision from them) by one all-reduce (MIN)
     over every rank of the leaves' mesh (a
     :class:`~functional_fp16.update.decision.LeafAgreement`), and the float64 sum of
     squares by one all-reduce (SUM), each distinct shard counted once (:class:`MeshSum`).
     ``agree`` and ``global_sum``, when given, apply after the mesh's own reductions."""
-    del state, local, local_grads, impl
 
     def mesh_and(finite: torch.Tensor) -> torch.Tensor:
         flag = _all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN, plan.groups)
@@ -466,10 +465,7 @@ def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=N
     local, wrap = local_state(state)
     local = checked_locally(local, signature)
     local_grads = _grad_locals(found, state, grads)
-    mesh_agree, mesh_sum = mesh_hooks(
-        found, state, local, local_grads, agree=agree, global_sum=global_sum,
-        impl=kwargs.get("impl", "auto"),
-    )  # fmt: skip
+    mesh_agree, mesh_sum = mesh_hooks(found, agree=agree, global_sum=global_sum)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
     new = update(local, local_grads, loss=loss, agree=mesh_agree, global_sum=mesh_sum, **kwargs)
