@@ -161,6 +161,14 @@ def scenario_bad_grads(rank: int, out_dir: str):
         errors["plain"] = None
     except (TypeError, ValueError) as err:
         errors["plain"] = f"{type(err).__name__}: {err}"
+    # int8 moments of a leaf sharded along its rows' length: refused at init, naming it.
+    try:
+        wide = {"w": distribute_tensor(torch.zeros(8, 128, dtype=torch.float16), mesh,
+                                       [Shard(1)])}  # fmt: skip
+        ff.fp16_init(wide, ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"))
+        errors["int8_columns"] = None
+    except NotImplementedError as err:
+        errors["int8_columns"] = str(err)
     # A gradient on another mesh (the same ranks, laid out 1 x world): refused, naming it.
     other = init_device_mesh("cpu", (1, world))
     try:

@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._util import validate
+from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
     "MomentFormat",
@@ -72,6 +73,7 @@ __all__ = [
     "FLOAT32",
     "moment_format",
     "zeros_like_moment",
+    "zeros_like_moments",
     "decode",
     "encode",
     "decode_all",
@@ -213,6 +215,19 @@ def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
     if not _is_dtensor(p):
         return BlockCodes(codes, torch.ones(scales_shape(p.shape, fmt.block_size), device=p.device))
     return BlockCodes(codes, _dtensor_scales(p, fmt.block_size))
+
+
+def zeros_like_moments(fmt: MomentFormat, params: Any) -> Any:
+    """:func:`zeros_like_moment` of every leaf of ``params``, with its tree structure; a
+    refused leaf is named by its path (``params['blocks.0.mlp.fc.weight']: ...``)."""
+    leaves, spec = tree_flatten(params)
+    out = []
+    for i, p in enumerate(leaves):
+        try:
+            out.append(zeros_like_moment(fmt, p))
+        except NotImplementedError as err:
+            raise NotImplementedError(f"params{tree_paths(params)[i]}: {err}") from None
+    return tree_unflatten(spec, out)
 
 
 def scales_shape(shape: torch.Size | tuple[int, ...], block_size: int) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from functional_fp16.precision.moment_storage import (
     decode_all,
     encode_all,
     moment_format,
-    zeros_like_moment,
+    zeros_like_moments,
 )
 from functional_fp16.transforms.base import GradientTransformation, chain, saturating_increment
 from functional_fp16.transforms.schedules import Schedule
@@ -152,12 +152,12 @@ def scale_by_adam(
     )  # fmt: skip
 
     def init(params: PyTree) -> ScaleByAdamState:
-        leaves, spec = tree_flatten(params)
+        leaves = tree_flatten(params)[0]
         device = leaves[0].device if leaves else None
         return ScaleByAdamState(
             count=torch.zeros((), dtype=torch.int32, device=device),
-            mu=tree_unflatten(spec, [zeros_like_moment(mu_format, p) for p in leaves]),
-            nu=tree_unflatten(spec, [zeros_like_moment(nu_format, p) for p in leaves]),
+            mu=zeros_like_moments(mu_format, params),
+            nu=zeros_like_moments(nu_format, params),
         )
 
     def update(updates: PyTree, state: ScaleByAdamState, params: PyTree | None = None):

@@ -28,7 +28,7 @@ from functional_fp16.precision.moment_storage import (
     decode_all,
     encode_all,
     moment_format,
-    zeros_like_moment,
+    zeros_like_moments,
 )
 from functional_fp16.transforms.base import GradientTransformation, chain, saturating_increment
 from functional_fp16.transforms.schedules import Schedule
@@ -109,11 +109,11 @@ def scale_by_lion(
     mu_format = moment_format("mu_dtype", mu_dtype, second=False, block_size=block_size)
 
     def init(params: PyTree) -> ScaleByLionState:
-        leaves, spec = tree_flatten(params)
+        leaves = tree_flatten(params)[0]
         device = leaves[0].device if leaves else None
         return ScaleByLionState(
             count=torch.zeros((), dtype=torch.int32, device=device),
-            mu=tree_unflatten(spec, [zeros_like_moment(mu_format, p) for p in leaves]),
+            mu=zeros_like_moments(mu_format, params),
         )
 
     def update(updates: PyTree, state: ScaleByLionState, params: PyTree | None = None):

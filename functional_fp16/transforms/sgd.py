@@ -36,7 +36,7 @@ from functional_fp16.precision.moment_storage import (
     decode,
     encode,
     moment_format,
-    zeros_like_moment,
+    zeros_like_moments,
 )
 from functional_fp16.transforms.base import (
     EmptyState,
@@ -173,9 +173,10 @@ def trace(
     def init(params: PyTree) -> TraceState:
         leaves = tree_flatten(params)[0]
         device = leaves[0].device if leaves else None
-        buffer = (lambda p: zeros_like_moment(stored, p)) if coded else torch.zeros_like
         return TraceState(
-            trace=tree_map(buffer, params),
+            trace=zeros_like_moments(stored, params)
+            if coded
+            else tree_map(torch.zeros_like, params),
             initialized=torch.tensor(False, device=device),
         )
 
