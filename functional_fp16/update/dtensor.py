@@ -116,7 +116,7 @@ def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
     leaf's mesh is (or was sliced from), whether this rank counts each leaf's squares
     (:func:`_counts`), and whether the sum of squares needs an all-reduce at all (some
     leaf is sharded, or lies on a sub-mesh)."""
-    roots, counted, summed = [], [], False
+    first, counted, summed = None, [], False
     for path, p in zip(tree_paths(tree), tree_flatten(tree)[0]):
         if not isinstance(p, DTensor):
             raise TypeError(
@@ -132,19 +132,19 @@ def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
         if mesh.get_coordinate() is None:
             raise ValueError(f"{name}{path}: on a device mesh that does not hold this rank")
         root = _root(mesh)
-        if not roots:
-            roots.append(root)
-        elif root is not roots[0] and _ranks(root) != _ranks(roots[0]):
+        if first is None:
+            first = root
+        elif root is not first and _ranks(root) != _ranks(first):
             raise ValueError(
                 f"{name}{path}: on a device mesh over ranks {list(_ranks(root))}, the first "
-                f"leaf's over {list(_ranks(roots[0]))}; every leaf's mesh must span the same "
+                f"leaf's over {list(_ranks(first))}; every leaf's mesh must span the same "
                 "ranks (the whole mesh, or a sub-mesh sliced from it)"
             )
         summed |= mesh is not root or not _replicated(p)
         counted.append(_counts(p, root))
     if not summed:  # every leaf whole on every rank: each counts its own copy, no reduction
         counted = [True] * len(counted)
-    return (roots[0] if roots else None), tuple(counted), summed
+    return first, tuple(counted), summed
 
 
 def local_state(state):
@@ -230,6 +230,7 @@ class _Plan(NamedTuple):
     groups: list  # whose all-reduces in turn span every rank of the leaves' meshes
     summed: bool  # whether the sum of squares is all-reduced (some leaf sharded)
     counted: tuple[bool, ...]  # per leaf, whether this rank counts its squares
+    mixed: bool  # whether this rank counts some leaves and not others
     paths: dict  # each leaf's path -> its position (to place the leaves a clip sees)
     placements: tuple  # each parameter's placements (its gradient's must match)
     meshes: tuple  # each parameter's mesh
@@ -256,6 +257,7 @@ def plan(state, signature, field: str = "params") -> _Plan:
         _whole_mesh_groups(root),
         summed,
         counted,
+        len(set(counted)) > 1,
         {path: i for i, path in enumerate(tree_paths(tree))},
         tuple(p.placements for p in leaves),
         tuple(p.device_mesh for p in leaves),
@@ -309,7 +311,7 @@ class MeshSum(LeafSums):
     def __init__(self, plan: _Plan, then):
         self.plan = plan
         self.then = then
-        self.per_leaf = len(set(plan.counted)) > 1
+        self.per_leaf = plan.mixed
 
     def _total(self, share: torch.Tensor) -> torch.Tensor:
         total = share.clone()
