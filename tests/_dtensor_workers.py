@@ -161,6 +161,27 @@ def scenario_bad_grads(rank: int, out_dir: str):
         errors["plain"] = None
     except (TypeError, ValueError) as err:
         errors["plain"] = f"{type(err).__name__}: {err}"
+    # An initial parameter with an inf in the last rank's shard: every rank refuses it.
+    bad = make_params()
+    bad["h.attn.w"][-1, 0] = math.inf
+    try:
+        ff.fp16_init(distribute(bad, mesh), ff.sgd(0.1))
+        errors["inf_param"] = None
+    except ValueError as err:
+        errors["inf_param"] = str(err)
+    # A transform of one's own that sums one number over a mixed layout (replicated and
+    # sharded leaves: some ranks count some leaves only): every rank raises, none waits.
+    def one_number(updates, state, params=None, *, global_sum=None):
+        if global_sum is not None:
+            global_sum(torch.zeros((), dtype=torch.float64))
+        return updates, state
+
+    own = ff.chain(ff.GradientTransformation(lambda p: ff.EmptyState(), one_number), ff.sgd(0.1))
+    try:
+        ff.fp16_update(ff.fp16_init(distribute(make_params(), mesh), own), distribute(grads, mesh))
+        errors["one_number"] = None
+    except NotImplementedError as err:
+        errors["one_number"] = str(err)
     # int8 moments of a leaf sharded along its rows' length: refused at init, naming it.
     try:
         wide = {"w": distribute_tensor(torch.zeros(8, 128, dtype=torch.float16), mesh,

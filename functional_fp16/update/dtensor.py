@@ -10,7 +10,9 @@ steps such a state as the same computation on every rank's local shards:
   ``x.to_local()`` through the same implementation a plain state takes (the
   fused op, on the local tensors: no gather and no DTensor dispatch);
 * the reductions that span leaves are completed over the ranks of the
-  leaves' mesh, by one all-reduce each, whatever the mesh's shape: each leaf's
+  leaves' mesh, by one all-reduce each (over the default group when the mesh
+  spans it or the mesh's own when it is 1-D; else one per mesh dimension in
+  turn), however the leaves are laid out: each leaf's
   finite flag :math:`\ell_l = \bigwedge_r \ell_{l,r}` by one all-reduce (MIN)
   of the flags of all leaves, so every rank takes the same decision
   :math:`f = \bigwedge_l \ell_l` and holds the same ``leaf_finite``; and the
@@ -50,6 +52,7 @@ from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.transforms.clipping import LeafSums
 from functional_fp16.update.decision import LeafAgreement
+from functional_fp16.update.mesh_reduce import all_reduce, root_mesh, whole_mesh_groups
 from functional_fp16.update.state_check import check_state, mark_checked
 
 __all__ = [
@@ -67,14 +70,12 @@ def holds_dtensors(state) -> bool:
     return any(isinstance(x, DTensor) for x in tree_flatten(state.params)[0])
 
 
+def _is_replicate(x) -> bool:
+    return isinstance(x, Replicate)
+
+
 def _replicated(p: DTensor) -> bool:
-    return all(isinstance(x, Replicate) for x in p.placements)
-
-
-def _root(mesh):
-    """The mesh ``mesh`` was sliced from (itself if none): DeviceMesh's ``_get_root_mesh``."""
-    root = getattr(mesh, "_get_root_mesh", None)
-    return mesh if root is None else root()
+    return all(map(_is_replicate, p.placements))
 
 
 def _ranks(mesh) -> tuple[int, ...]:
@@ -98,25 +99,13 @@ def _counts(p: DTensor, root) -> bool:
     return mesh is root or int(root.mesh.flatten()[0]) in mesh.mesh.flatten().tolist()
 
 
-def _whole_mesh_groups(root) -> list:
-    """Process groups whose all-reduces in turn span every rank of ``root``: one group
-    where it is 1-D or spans the default group (``None``), else one per dimension."""
-    if root.ndim == 1:
-        return [root.get_group()]
-    if (
-        root.size() == dist.get_world_size()
-        and dist.get_backend(root.get_group(0)) == dist.get_backend()
-    ):
-        return [None]
-    return [root.get_group(d) for d in range(root.ndim)]
-
-
-def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
-    r"""``(root, counted, summed)`` of ``tree``'s DTensors, checked: the mesh that every
-    leaf's mesh is (or was sliced from), whether this rank counts each leaf's squares
-    (:func:`_counts`), and whether the sum of squares needs an all-reduce at all (some
-    leaf is sharded, or lies on a sub-mesh)."""
-    first, counted, summed = None, [], False
+def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool, bool]:
+    r"""``(root, counted, summed, mixed)`` of ``tree``'s DTensors, checked: the mesh that
+    every leaf's mesh is (or was sliced from), whether this rank counts each leaf's squares
+    (:func:`_counts`), whether the sum of squares needs an all-reduce at all (some leaf is
+    sharded, or lies on a sub-mesh), and whether the leaves are laid out unalike, so that
+    some rank counts some and not others (the same answer on every rank)."""
+    first, counted, summed, kinds = None, [], False, set()
     for path, p in zip(tree_paths(tree), tree_flatten(tree)[0]):
         if not isinstance(p, DTensor):
             raise TypeError(
@@ -131,7 +120,7 @@ def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
         mesh = p.device_mesh
         if mesh.get_coordinate() is None:
             raise ValueError(f"{name}{path}: on a device mesh that does not hold this rank")
-        root = _root(mesh)
+        root = root_mesh(mesh)
         if first is None:
             first = root
         elif root is not first and _ranks(root) != _ranks(first):
@@ -142,9 +131,12 @@ def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool]:
             )
         summed |= mesh is not root or not _replicated(p)
         counted.append(_counts(p, root))
+        kinds.add((mesh is root, mesh.mesh_dim_names, tuple(map(_is_replicate, p.placements))))
     if not summed:  # every leaf whole on every rank: each counts its own copy, no reduction
-        counted = [True] * len(counted)
-    return first, tuple(counted), summed
+        counted, kinds = [True] * len(counted), set()
+    # Whether some rank counts some leaves and not others: from the layout alone, so that
+    # every rank takes the same path (and raises, if it must, with the others).
+    return first, tuple(counted), summed, len(kinds) > 1
 
 
 def local_state(state):
@@ -230,7 +222,7 @@ class _Plan(NamedTuple):
     groups: list  # whose all-reduces in turn span every rank of the leaves' meshes
     summed: bool  # whether the sum of squares is all-reduced (some leaf sharded)
     counted: tuple[bool, ...]  # per leaf, whether this rank counts its squares
-    mixed: bool  # whether this rank counts some leaves and not others
+    mixed: bool  # whether some rank counts some leaves and not others (alike on all)
     paths: dict  # each leaf's path -> its position (to place the leaves a clip sees)
     placements: tuple  # each parameter's placements (its gradient's must match)
     meshes: tuple  # each parameter's mesh
@@ -251,13 +243,13 @@ def plan(state, signature, field: str = "params") -> _Plan:
     # The same mesh object, not only an equal one: its process groups are the plan's.
     if found is not None and found.mesh is leaves[0].device_mesh:
         return found
-    root, counted, summed = _layout(tree, f"state.{field}")
+    root, counted, summed, mixed = _layout(tree, f"state.{field}")
     found = _Plan(
         leaves[0].device_mesh,
-        _whole_mesh_groups(root),
+        whole_mesh_groups(root),
         summed,
         counted,
-        len(set(counted)) > 1,
+        mixed,
         {path: i for i, path in enumerate(tree_paths(tree))},
         tuple(p.placements for p in leaves),
         tuple(p.device_mesh for p in leaves),
@@ -292,20 +284,15 @@ def checked_locally(local, signature):
     return mark_checked(local, found)
 
 
-def _all_reduce(x: torch.Tensor, op, groups: list) -> torch.Tensor:
-    for group in groups:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 class MeshSum(LeafSums):
     r"""The ``global_sum`` of a DTensor state: :math:`S = \sum_r \sum_l w_{l,r} S_{l,r}` by
     one all-reduce (SUM) over the ranks of the leaves' mesh, each distinct shard of
     each leaf counted once (see :func:`_counts`), then ``then`` (a caller's hook).
 
-    A rank whose leaves all count alike takes the plain sum (``per_leaf`` false);
-    otherwise the clip (on the fused path, ``grad_stats`` per leaf) gives each
-    leaf's sum, placed among the state's leaves by its path.
+    Where every leaf is laid out alike, every rank counts all its leaves or none,
+    and the plain sum serves (``per_leaf`` false); otherwise, on every rank alike,
+    the clip (on the fused path, ``grad_stats`` per leaf) gives each leaf's sum,
+    placed among the state's leaves by its path.
     """
 
     def __init__(self, plan: _Plan, then):
@@ -316,7 +303,7 @@ class MeshSum(LeafSums):
     def _total(self, share: torch.Tensor) -> torch.Tensor:
         total = share.clone()
         if self.plan.summed:
-            _all_reduce(total, dist.ReduceOp.SUM, self.plan.groups)
+            all_reduce(total, dist.ReduceOp.SUM, self.plan.groups)
         return total if self.then is None else self.then(total)
 
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
@@ -361,7 +348,7 @@ def mesh_hooks(plan: _Plan, *, agree, global_sum):
     ``agree`` and ``global_sum``, when given, apply after the mesh's own reductions."""
 
     def mesh_and(finite: torch.Tensor) -> torch.Tensor:
-        flag = _all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN, plan.groups)
+        flag = all_reduce(finite.to(torch.int32), dist.ReduceOp.MIN, plan.groups)
         return flag.to(torch.bool).reshape(finite.shape)
 
     # Per leaf: the flags of a leaf's shards on every rank, in the same all-reduce.
@@ -377,7 +364,7 @@ def _describe_mesh(mesh) -> str:
     else; a slice's own ranks differ between the ranks, legitimately)."""
     names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
     text = f"a mesh{names} of shape {tuple(mesh.shape)}"
-    root = _root(mesh)
+    root = root_mesh(mesh)
     if root is not mesh:  # its own ranks are this rank's slice: the parent's are common
         parent = "" if root.mesh_dim_names is None else f" {tuple(root.mesh_dim_names)}"
         text += f" sliced from{parent} of shape {tuple(root.shape)}"
@@ -416,7 +403,7 @@ def agree_on_layout(state, grads, signature) -> None:
         return
     g_leaves, g_spec = tree_flatten(grads)
     p0 = tree_flatten(state.params)[0][0]
-    if not isinstance(p0, DTensor) or _root(p0.device_mesh).size() != dist.get_world_size():
+    if not isinstance(p0, DTensor) or root_mesh(p0.device_mesh).size() != dist.get_world_size():
         return
     key = (
         signature,

@@ -44,6 +44,7 @@ from functional_fp16.precision.loss_scale import (
 )
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
+from functional_fp16.update.mesh_reduce import finite_everywhere
 
 __all__ = ["FP16State", "fp16_init", "loss_scale_stats", "nonfinite_leaves", "leaf_paths"]
 __all__ += ["ADDED_FIELDS", "added_field_value", "old_checkpoint_note"]
@@ -236,21 +237,21 @@ def _shard(x):
 def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None:
     """Refuses non-finite parameters, warns about ones that overflow ``param_dtype`` (one sync).
 
-    A DTensor is checked on this rank's shard, with no collective: ranks whose
-    layouts differ reach ``fp16_update``, which names the difference on all of them."""
+    DTensors are checked on this rank's shards, and the master's flags agreed over
+    the ranks (:func:`~functional_fp16.update.mesh_reduce.finite_everywhere`), so every
+    rank refuses a parameter that one rank's shard holds inf or NaN in."""
     masters, works = (
         [_shard(x) for x in tree_leaves(master)],
         [_shard(x) for x in tree_leaves(working)],
     )
     if masters[0].is_meta:
         return
-    ok = torch.stack(
-        [torch.isfinite(m).all() & torch.isfinite(w).all() for m, w in zip(masters, works)]
-    )
+    finite = finite_everywhere(master, torch.stack([torch.isfinite(m).all() for m in masters]))
+    ok = finite & torch.stack([torch.isfinite(w).all() for w in works])
     if bool(ok.all()):
         return
-    for path, m, w in zip(tree_paths(params), masters, works):
-        if not bool(torch.isfinite(m).all()):
+    for path, m, w, fine in zip(tree_paths(params), masters, works, finite.tolist()):
+        if not fine:
             raise ValueError(
                 f"params{path}: contains inf or NaN (in float32); initial parameters must be finite"
             )
