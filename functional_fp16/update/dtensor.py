@@ -52,7 +52,12 @@ from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.transforms.clipping import LeafSums
 from functional_fp16.update.decision import LeafAgreement
-from functional_fp16.update.mesh_reduce import all_reduce, root_mesh, whole_mesh_groups
+from functional_fp16.update.mesh_reduce import (
+    all_reduce,
+    root_mesh,
+    spans_default_group,
+    whole_mesh_groups,
+)
 from functional_fp16.update.state_check import check_state, mark_checked
 
 __all__ = [
@@ -99,14 +104,14 @@ def _counts(p: DTensor, root) -> bool:
     return mesh is root or int(root.mesh.flatten()[0]) in mesh.mesh.flatten().tolist()
 
 
-def _layout(tree, name: str) -> tuple[Any, tuple[bool, ...], bool, bool]:
-    r"""``(root, counted, summed, mixed)`` of ``tree``'s DTensors, checked: the mesh that
-    every leaf's mesh is (or was sliced from), whether this rank counts each leaf's squares
-    (:func:`_counts`), whether the sum of squares needs an all-reduce at all (some leaf is
-    sharded, or lies on a sub-mesh), and whether the leaves are laid out unalike, so that
-    some rank counts some and not others (the same answer on every rank)."""
+def _layout(paths, leaves, name: str) -> tuple[Any, tuple[bool, ...], bool, bool]:
+    r"""``(root, counted, summed, mixed)`` of a tree's DTensor leaves (at ``paths``), checked:
+    the mesh that every leaf's mesh is (or was sliced from), whether this rank counts each
+    leaf's squares (:func:`_counts`), whether the sum of squares needs an all-reduce at all
+    (some leaf is sharded, or lies on a sub-mesh), and whether the leaves are laid out
+    unalike, so that some rank counts some and not others (the same answer on every rank)."""
     first, counted, summed, kinds = None, [], False, set()
-    for path, p in zip(tree_paths(tree), tree_flatten(tree)[0]):
+    for path, p in zip(paths, leaves):
         if not isinstance(p, DTensor):
             raise TypeError(
                 f"{name}{path}: a plain tensor among DTensor parameters; every leaf must be a "
@@ -218,7 +223,6 @@ def _local_grads(state, grads) -> Any:
 class _Plan(NamedTuple):
     """What follows from a DTensor state's signature: computed once per signature."""
 
-    mesh: Any  # the first leaf's mesh (the plan is looked up only for the same object)
     groups: list  # whose all-reduces in turn span every rank of the leaves' meshes
     summed: bool  # whether the sum of squares is all-reduced (some leaf sharded)
     counted: tuple[bool, ...]  # per leaf, whether this rank counts its squares
@@ -227,6 +231,11 @@ class _Plan(NamedTuple):
     placements: tuple  # each parameter's placements (its gradient's must match)
     meshes: tuple  # each parameter's mesh
     picks: dict  # (a clip's tree structure, device) -> the positions this rank counts there
+
+    @property
+    def mesh(self) -> Any:
+        """The first leaf's mesh: the plan is looked up only for the same object."""
+        return self.meshes[0]
 
 
 _PLANS: dict = {}
@@ -243,14 +252,14 @@ def plan(state, signature, field: str = "params") -> _Plan:
     # The same mesh object, not only an equal one: its process groups are the plan's.
     if found is not None and found.mesh is leaves[0].device_mesh:
         return found
-    root, counted, summed, mixed = _layout(tree, f"state.{field}")
+    paths = tree_paths(tree)
+    root, counted, summed, mixed = _layout(paths, leaves, f"state.{field}")
     found = _Plan(
-        leaves[0].device_mesh,
         whole_mesh_groups(root),
         summed,
         counted,
         mixed,
-        {path: i for i, path in enumerate(tree_paths(tree))},
+        {path: i for i, path in enumerate(paths)},
         tuple(p.placements for p in leaves),
         tuple(p.device_mesh for p in leaves),
         {},
@@ -403,7 +412,7 @@ def agree_on_layout(state, grads, signature) -> None:
         return
     g_leaves, g_spec = tree_flatten(grads)
     p0 = tree_flatten(state.params)[0][0]
-    if not isinstance(p0, DTensor) or root_mesh(p0.device_mesh).size() != dist.get_world_size():
+    if not spans_default_group(p0):
         return
     key = (
         signature,

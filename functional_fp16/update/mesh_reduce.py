@@ -12,13 +12,25 @@ from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import tree_flatten
 
-__all__ = ["root_mesh", "whole_mesh_groups", "all_reduce", "finite_everywhere"]
+__all__ = [
+    "root_mesh",
+    "spans_default_group",
+    "whole_mesh_groups",
+    "all_reduce",
+    "finite_everywhere",
+]
 
 
 def root_mesh(mesh):
     """The mesh ``mesh`` was sliced from (itself if none): DeviceMesh's ``_get_root_mesh``."""
     root = getattr(mesh, "_get_root_mesh", None)
     return mesh if root is None else root()
+
+
+def spans_default_group(x) -> bool:
+    """Whether ``x`` is a DTensor whose mesh (or the one it was sliced from) spans every
+    rank of the default process group (which must be initialised)."""
+    return isinstance(x, DTensor) and (root_mesh(x.device_mesh).size() == dist.get_world_size())
 
 
 def whole_mesh_groups(root) -> list:
@@ -48,8 +60,6 @@ def finite_everywhere(tree, flags: torch.Tensor) -> torch.Tensor:
     DTensors on a mesh that spans it; otherwise ``flags`` as they are. So a parameter
     that is not finite on one rank's shard is refused by every rank, naming it."""
     leaves = tree_flatten(tree)[0]
-    if not (dist.is_initialized() and leaves and isinstance(leaves[0], DTensor)):
-        return flags
-    if root_mesh(leaves[0].device_mesh).size() != dist.get_world_size():
+    if not (dist.is_initialized() and leaves and spans_default_group(leaves[0])):
         return flags
     return all_reduce(flags.to(torch.int32), dist.ReduceOp.MIN, [None]).to(torch.bool)
