@@ -39,10 +39,51 @@ _CODED = ms.BlockCodes(torch.empty(0), torch.empty(0))  # encode into block code
 def _blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
     """Each element's block index in the flattened scales: blocks run along each row
     (everything after the first dimension; a vector is one row)."""
-    rows = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
-    per_row = math.ceil(rows.shape[1] / block)
-    index = torch.arange(rows.shape[0])[:, None] * per_row + torch.arange(rows.shape[1]) // block
+    n_rows = x.shape[0] if x.ndim >= 2 else 1
+    row = math.prod(x.shape[1:]) if x.ndim >= 2 else x.numel()
+    per_row = math.ceil(row / block)
+    index = torch.arange(n_rows)[:, None] * per_row + torch.arange(row) // block
     return index.view(x.shape)
+
+
+# -- a reference codec, written apart from the one under test ------------------------------
+# Elementwise by each element's block index (no reshapes into blocks), from the formats'
+# definitions: the expected values of the transform tests never come from the code they test.
+
+
+def _ref_decode(fmt: ms.MomentFormat, stored) -> torch.Tensor:
+    if isinstance(stored, ms.BlockCodes):
+        index = _blocks_of(stored.codes, fmt.block_size)
+        x = stored.codes.view(torch.float8_e4m3fn).float() * stored.scales.reshape(-1)[index]
+        return x.square() if fmt.root else x
+    if isinstance(stored, ms.ScaledHalf):
+        return stored.values.float() * stored.scale
+    return stored.float()
+
+
+def _ref_encode(fmt: ms.MomentFormat, x: torch.Tensor, like):
+    if isinstance(like, ms.BlockCodes):
+        base = x.sqrt() if fmt.root else x
+        index = _blocks_of(base, fmt.block_size)
+        n_rows = base.shape[0] if base.ndim >= 2 else 1
+        per_row = index.numel() and int(index.max()) // n_rows + 1
+        finite = torch.where(torch.isfinite(base), base.abs(), torch.zeros_like(base))
+        peaks = torch.zeros(n_rows * per_row).scatter_reduce(
+            0, index.reshape(-1), finite.reshape(-1), "amax"
+        )
+        scales = peaks / 448.0
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.clamp(base / scales[index], -448.0, 448.0)
+        codes = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        return ms.BlockCodes(codes, scales.view(like.scales.shape))
+    if isinstance(like, ms.ScaledHalf):
+        if fmt.scale == "tensor":
+            s = 2.0 ** (math.frexp(float(x.max()))[1] - 15)
+        else:
+            s = fmt.scale
+        values = torch.clamp(x / s, -65504.0, 65504.0).half()
+        return ms.ScaledHalf(values, torch.tensor(s, dtype=torch.float32))
+    return x.to(like.dtype)
 
 
 # -- the codec ---------------------------------------------------------------------------
@@ -103,18 +144,65 @@ def test_a_block_is_coded_from_its_own_elements_only():
     assert not torch.equal(a.scales[1], b.scales[1])
 
 
-@pytest.mark.parametrize("value", [0.0, 1e-45, 3e-40, 1e38, -3e38])
+@pytest.mark.parametrize("value", [0.0, 1e-45, 1e-43, 3e-40, 1e-33, 1e38, -3e38])
 def test_zero_tiny_and_huge_blocks_stay_finite(value):
-    """An all-zero block decodes to +0.0; subnormal and huge blocks neither overflow nor NaN."""
+    """The documented bound at the ends of float32's range: an all-zero block, and one whose
+    max / 448 rounds to 0, decode to +0.0 exactly; a block whose scale is a normal float32
+    (max >= 448 * 2^-126) is within max(2^-4 |x|, 2^-10 a) of each element, the elements
+    below its range (x[5]) included; one whose scale is a subnormal within that plus
+    448 * 2^-150 (the scale's rounding); none overflows or turns NaN."""
     fmt = _fmt("int8", block_size=16)
     x = torch.full((40,), value)
     x[3] = value / 2
-    y = ms.decode(fmt, ms.encode(fmt, x, _CODED))
+    x[5] = value * 2.0**-20  # below the block's range: 0, or within 2^-10 a
+    stored = ms.encode(fmt, x, _CODED)
+    y = ms.decode(fmt, stored)
     assert torch.isfinite(y).all()
-    if value == 0.0:
+    scales = torch.full((3,), abs(value)) / 448.0  # in float32
+    if not scales.any():  # the scale flushes to 0 (1e-45, 1e-43), or an all-zero block
+        assert torch.equal(stored.scales, torch.ones(3))
         assert torch.equal(y.view(torch.int32), torch.zeros(40, dtype=torch.int32))
+        return
+    assert torch.equal(stored.scales, scales)
+    a = stored.scales[_blocks_of(x, 16)]
+    bound = torch.maximum(x.abs() * MU_BOUND, a * SUB_BOUND) * (1 + 2.0**-20)
+    if abs(value) < 448.0 * 2.0**-126:  # a subnormal scale: rounded to a multiple of 2^-149
+        bound = bound + 448.0 * 2.0**-150
+    assert ((y - x).abs() <= bound).all(), ((y - x).abs() - bound).max()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("second", [False, True])
+def test_a_non_finite_element_leaves_the_rest_of_its_block_coded(bad, second):
+    """An inf or NaN (``tx.update`` called directly; ``fp16_update`` skips such steps) does
+    not enter its block's scale: the block's other elements decode within the bound of
+    their values, a NaN decodes as NaN and an infinity saturates at the block's
+    largest code (448 a), and the other blocks do not change."""
+    fmt = _fmt("int8", second=second, block_size=64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 192, generator=g)
+    x = x.square() if second else x
+    if second and bad < 0:
+        bad = float("inf")  # a second moment is non-negative
+    y = x.clone()
+    y[1, 70] = bad
+    stored = ms.encode(fmt, y, _CODED)
+    out = ms.decode(fmt, stored)
+    clean = ms.encode(fmt, x, _CODED)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[1, 70] = False
+    base, got = (x.sqrt(), out.sqrt()) if second else (x, out)
+    a = stored.scales.reshape(-1)[_blocks_of(x, 64)]
+    bound = torch.maximum(base.abs() * MU_BOUND, a * SUB_BOUND) * (1 + 2.0**-20)
+    slack = base.abs() * 2.0**-22 if second else 0.0
+    assert ((got - base).abs() <= bound + slack)[keep].all()
+    assert torch.equal(stored.codes[keep], clean.codes[keep])
+    assert torch.equal(stored.scales, clean.scales)  # the scales of the finite elements
+    if math.isnan(bad):
+        assert math.isnan(float(out[1, 70]))
     else:
-        assert ((y - x).abs() <= x.abs() * MU_BOUND + 448.0 * 2.0**-149).all()
+        top = a[1, 70] * 448.0  # float32
+        assert torch.equal(out[1, 70], top.square() if second else top.copysign(torch.tensor(bad)))
 
 
 def test_scaled_float16_second_moment_keeps_tiny_values():
@@ -129,6 +217,36 @@ def test_scaled_float16_second_moment_keeps_tiny_values():
     fixed = ms.moment_format("nu_dtype", torch.float16, second=True, scale=2.0**-40)
     again = ms.encode(fixed, v, ms.zeros_like_moment(fixed, v))
     assert float(again.scale) == 2.0**-40
+    # v / 2^-40 lies in [0.1, 1.2]: float16 normals, 11 significant bits
+    assert torch.equal(again.values, (v * 2.0**40).half())
+    assert ((ms.decode(fixed, again) - v).abs() <= v * 2.0**-11).all()
+
+
+def test_a_fixed_scale_saturates_instead_of_overflowing():
+    """nu_scale=2^-30 with gradients of 1: v / s ~ 10^6 passes float16's 65504. The stored
+    value saturates at 65504 s (finite), so the following updates stay non-zero, with
+    the sign of the FP32-moment run's (1) and the size the saturated moment gives,
+    computed here in float64: the moment is under-estimated, never lost."""
+    fixed = ms.moment_format("nu_dtype", torch.float16, second=True, scale=2.0**-30)
+    v = torch.tensor([1e-3, 1.0, float("inf"), 1e-5])
+    stored = ms.encode(fixed, v, ms.zeros_like_moment(fixed, v))
+    assert torch.isfinite(stored.values).all()
+    want = torch.tensor([65504.0, 65504.0, 65504.0, 1e-5 * 2.0**30]).half()
+    assert torch.equal(stored.values, want)
+    coded = ff.scale_by_adam(nu_dtype=torch.float16, nu_scale=2.0**-30)
+    plain = ff.scale_by_adam()
+    params = {"w": torch.zeros(3, 5)}
+    a, b = coded.init(params), plain.init(params)
+    v = 0.0  # the stored second moment, float64
+    for t in range(1, 6):
+        grads = {"w": torch.ones(3, 5)}
+        (ua, a), (ub, b) = coded.update(grads, a, params), plain.update(grads, b, params)
+        v = 0.999 * v + 0.001  # g = 1; m_t / (1 - b1^t) = 1
+        want = 1.0 / (math.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        v = min(v, 65504.0 * 2.0**-30)  # saturates from the first step on
+        assert torch.isfinite(a.nu["w"].values).all() and ((ub["w"] - 1).abs() <= 2.0**-20).all()
+        assert ((ua["w"] - want).abs() <= want * 2.0**-18).all(), (t, ua["w"][0, 0], want)
+    assert float(ua["w"][0, 0]) > 1.5  # the under-estimated moment shows
 
 
 def test_vectors_and_narrow_matrices_stay_float32_and_zeros_decode_to_zero():
@@ -143,6 +261,66 @@ def test_vectors_and_narrow_matrices_stay_float32_and_zeros_decode_to_zero():
         f = ms.moment_format("mu_dtype", kind, second=False)
         assert ms.zeros_like_moment(f, torch.zeros(3)).dtype == dtype
     assert ms.moment_format("mu_dtype", torch.float32, second=False) is ms.FLOAT32
+
+
+EMPTY_SHAPES = [(0, 256), (0, 768), (0, 300), (0, 197, 768)]  # local shards with no rows
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("second", [False, True])
+def test_a_tensor_with_no_rows_is_coded_as_empty(shape, second):
+    """An empty local shard (FSDP2 gives one to a rank past a short first dimension: a
+    ViT's (1, 197, 768) position embedding at 2 ranks) is coded: empty codes, scales
+    (0, blocks per row), decoding to an empty float32 tensor of its shape."""
+    fmt = _fmt("int8", second=second)
+    p = torch.zeros(shape)
+    zero = ms.zeros_like_moment(fmt, p)
+    per_row = math.ceil(math.prod(shape[1:]) / 256)
+    assert isinstance(zero, ms.BlockCodes) and zero.codes.shape == shape
+    assert zero.scales.shape == ms.scales_shape(shape, 256) == (0, per_row)
+    stored = ms.encode(fmt, p, zero)
+    assert stored.codes.shape == shape and stored.scales.shape == (0, per_row)
+    for x in (ms.decode(fmt, zero), ms.decode(fmt, stored)):
+        assert x.dtype == torch.float32 and x.shape == shape
+
+
+def _empty_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "pos": torch.zeros(0, 197, 768),  # a rank's shard of a (1, 197, 768) embedding
+        "qkv": torch.zeros(0, 256),  # of a (3, width, width) weight at 4 ranks, flattened
+        "w": torch.randn(8, 256, generator=g) * 0.1,
+    }
+
+
+def test_a_state_with_empty_shards_updates_saves_and_maps(tmp_path):
+    """fp16_update, state_nbytes, a checkpoint, vmap and torch.compile of a state whose
+    params hold empty leaves with int8 moments (Adam's and Lion's)."""
+    tx = ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8")
+    state = ff.fp16_init(_empty_params(), tx, ff.DynamicLossScale(2.0**10))
+    for k in ("pos", "qkv"):
+        assert isinstance(state.opt_state[0].mu[k], ms.BlockCodes), k
+    grads = {k: torch.ones(p.shape, dtype=torch.float16) for k, p in state.params.items()}
+    nxt = ff.fp16_update(state, grads)
+    assert bool(nxt.grads_finite) and int(nxt.step) == 1
+    assert not torch.equal(nxt.master["w"], state.master["w"])
+    for k, blocks in (("pos", 591), ("qkv", 1)):
+        assert nxt.master[k].shape == state.master[k].shape
+        assert nxt.opt_state[0].nu[k].scales.shape == (0, blocks)
+    n = ff.state_nbytes(nxt)
+    assert n.opt_state == 2 * (8 * 256 + 4 * 8) + 4  # the empty leaves hold no bytes
+    ff.save_checkpoint(tmp_path / "s.ckpt", nxt)  # the load checks the scales' shapes
+    assert_states_bitwise_equal(ff.load_checkpoint(tmp_path / "s.ckpt", state), nxt)
+    members = [ff.fp16_init(_empty_params(s), tx, ff.DynamicLossScale(2.0**10)) for s in range(2)]
+    many = [_grads(m, 4 + i) for i, m in enumerate(members)]
+    out = torch.func.vmap(ff.fp16_update)(ff.tree_stack(members), ff.tree_stack(many))
+    for i, (m, g) in enumerate(zip(members, many)):
+        assert_states_bitwise_equal(ff.tree_unstack(out)[i], ff.fp16_update(m, g))
+    torch._dynamo.reset()
+    lion = ff.fp16_init(_empty_params(), ff.lion(1e-4, mu_dtype="int8"))
+    g = _grads(lion, 5)
+    compiled = torch.compile(ff.fp16_update, fullgraph=True)(lion, g)
+    assert_states_bitwise_equal(compiled, ff.fp16_update(lion, g))
 
 
 # -- bad input ----------------------------------------------------------------------------

@@ -25,7 +25,12 @@ range (:math:`g = 10^{-4}` gives :math:`10^{-8}`, below its smallest normal
 :math:`6.1\cdot 10^{-5}`). With ``scale="tensor"`` each step picks
 :math:`s = 2^{e - 15}` for :math:`\max v \in [2^{e-1}, 2^e)`, so the largest
 element lands in :math:`[2^{14}, 2^{15})` and dividing by :math:`s` is exact;
-a float ``scale`` fixes :math:`s` (a power of two) instead. First moments in
+a float ``scale`` fixes :math:`s` (a power of two) instead. A fixed scale
+*saturates*: an element past :math:`65504\,s` (FP16's largest finite value
+times the scale; an infinity included) is stored as :math:`65504\,s`, so the
+moment stays finite and the step needs no host check, but such elements are
+under-estimated (choose :math:`s \ge \max v / 65504`, or ``"tensor"``); an
+element under :math:`2^{-25} s` flushes to 0. First moments in
 FP16 are stored as they are (no scale), like optax's ``mu_dtype``.
 
 **8-bit block codes** ("int8"): each row of the tensor (everything after its
@@ -42,7 +47,18 @@ value, and the three mantissa bits a relative rounding error of at most
 :math:`2^{-4}`. A first moment (signed) is coded as it is; a second moment
 (non-negative, with twice the dynamic range) is coded through its square root,
 :math:`r = \sqrt v`, so the code spans :math:`2^{36}` of :math:`v` and decoding
-squares it. Blocks never straddle rows, so a parameter sharded by rows (FSDP2's
+squares it. Together: :math:`|\hat x - x| \le \max(2^{-4}|x|, 2^{-10} a)` per
+element (on :math:`r` for second moments) while :math:`a` is a normal float32
+(:math:`A \ge 448 \cdot 2^{-126} \approx 5.3\cdot 10^{-36}`); below that the
+scale is a float32 subnormal, rounded to a multiple of :math:`2^{-149}`, and the
+bound gains :math:`448 \cdot 2^{-150}` absolute; where :math:`A / 448` rounds
+to 0 the block decodes to zeros. A non-finite element does not enter its
+block's scale (:math:`A` is the largest *finite* magnitude): a NaN is coded as
+E4M3's NaN, an infinity saturates to :math:`\pm 448 a`, and the block's other
+elements keep their codes (``fp16_update`` never encodes one: it skips such
+steps). A tensor with no rows (an empty local shard, FSDP2's on a rank past a
+short first dimension) has empty codes and scales of shape
+``(0, blocks per row)``. Blocks never straddle rows, so a parameter sharded by rows (FSDP2's
 ``Shard(0)``) has its blocks inside each rank's shard, and its scales are a
 DTensor sharded the same way (DCP reshards both by rows). Only matrices (two
 or more dimensions) whose rows hold at least ``min_row`` elements (64) are
@@ -83,6 +99,7 @@ __all__ = [
 
 _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
+_F16_MAX = 65504.0
 _NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
@@ -111,7 +128,10 @@ class BlockCodes(NamedTuple):
     """An 8-bit block-coded moment (see the module docstring)."""
 
     codes: torch.Tensor  # uint8, shaped like the parameter: E4M3 bit patterns
-    scales: torch.Tensor  # float32, (ceil(numel / block_size),): each block's max / 448
+    # float32, scales_shape(shape, block_size): (shape[0], ceil(row / block_size)), row the
+    # elements after the first dimension ((ceil(numel / block_size),) for a vector):
+    # each block's largest finite magnitude / 448 (1 where that is 0)
+    scales: torch.Tensor
 
 
 class ScaledHalf(NamedTuple):
@@ -297,14 +317,22 @@ def _encode_scaled(fmt: MomentFormat, x: torch.Tensor) -> ScaledHalf:
         # max v in [2^(e-1), 2^e): s = 2^(e-15) puts it in [2^14, 2^15), inside float16.
         exponent = torch.frexp(x.amax())[1]
         scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), exponent - 15)
-    else:
-        scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
-    return ScaledHalf((x / scale).to(torch.float16), scale)
+        return ScaledHalf((x / scale).to(torch.float16), scale)
+    # A fixed scale saturates at float16's largest finite value (no host check, no inf).
+    scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
+    values = torch.clamp(x / scale, -_F16_MAX, _F16_MAX).to(torch.float16)
+    return ScaledHalf(values, scale)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``(shape[0], rest)`` (a vector as one row): the rows blocks lie in."""
-    return x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
+    """``x`` as ``(shape[0], rest)`` (a vector as one row): the rows blocks lie in.
+
+    Sizes are spelt out, never ``-1``, which a tensor of no elements (no rows)
+    cannot resolve.
+    """
+    if x.ndim >= 2:
+        return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+    return x.reshape(1, x.numel())
 
 
 def _split(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,37 +343,46 @@ def _split(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Ten
     in torch 2.14).
     """
     length = rows.shape[1]
-    whole = length - length % block_size
+    n = length // block_size
+    whole = n * block_size
     if whole == length:
-        return rows.view(rows.shape[0], -1, block_size), rows[:, length:]
-    return rows[:, :whole].reshape(rows.shape[0], -1, block_size), rows[:, whole:]
+        return rows.view(rows.shape[0], n, block_size), rows[:, length:]
+    return rows[:, :whole].reshape(rows.shape[0], n, block_size), rows[:, whole:]
 
 
 def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
     y = x.sqrt() if root else x
     full, rest = _split(_rows(y), block_size)
-    peaks = full.abs().amax(dim=2)
+    # The largest finite magnitude: an inf or NaN leaves its block's scale (and so the
+    # other elements' codes) as the finite elements make it.
+    peaks = _finite_abs(full).amax(dim=2)
     if rest.shape[1]:
-        peaks = torch.cat([peaks, rest.abs().amax(dim=1, keepdim=True)], dim=1)
+        peaks = torch.cat([peaks, _finite_abs(rest).amax(dim=1, keepdim=True)], dim=1)
     scales = peaks / _E4M3_MAX
     # An all-zero block (or one so small that its scale flushes to zero) gets scale 1,
     # so that 0 / scale is 0, never NaN; the clamp keeps a quotient that rounding (or a
-    # subnormal scale) pushed past 448 from becoming E4M3's NaN.
+    # subnormal scale) pushed past 448 from becoming E4M3's NaN, and saturates an
+    # infinity; a NaN stays NaN.
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     n_full = full.shape[1]
-    quotient = (full / scales[:, :n_full, None]).reshape(full.shape[0], -1)
+    quotient = (full / scales[:, :n_full, None]).reshape(full.shape[0], n_full * block_size)
     if rest.shape[1]:
         quotient = torch.cat([quotient, rest / scales[:, n_full:]], dim=1)
     codes = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX).to(_E4M3).view(torch.uint8)
     return BlockCodes(codes.view(x.shape), scales.view(scales_shape(x.shape, block_size)))
 
 
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` with every inf and NaN as 0."""
+    return torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0)
+
+
 def _decode_blocks(stored: BlockCodes, block_size: int, root: bool) -> torch.Tensor:
     codes, scales = stored
     full, rest = _split(_rows(codes).view(_E4M3), block_size)
-    rows = scales.view(full.shape[0], -1)
+    rows = scales.view(full.shape[0], scales.shape[-1])
     n_full = full.shape[1]
-    flat = (full.float() * rows[:, :n_full, None]).reshape(full.shape[0], -1)
+    flat = (full.float() * rows[:, :n_full, None]).reshape(full.shape[0], n_full * block_size)
     if rest.shape[1]:
         flat = torch.cat([flat, rest.float() * rows[:, n_full:]], dim=1)
     out = flat.view(codes.shape)
