@@ -335,6 +335,70 @@ def test_pieces_keep_their_parameters_number_of_dimensions(one_process_group):
         assert state.master[k].ndim == p.ndim and state.master[k].numel() == p.numel(), k
 
 
+def _stored_params(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 64, generator=g) * 0.1, "b": torch.randn(8, generator=g) * 0.1}
+
+
+@pytest.mark.parametrize(
+    "tx, where, words",
+    [
+        (ff.adam(1e-3, nu_dtype=torch.float16, nu_scale="tensor"), r"\[0\]\.nu\['b'\]",
+         "float16 moments with a per-tensor scale"),
+        (ff.adam(1e-3, nu_dtype=torch.float16, nu_scale=2.0**-20), r"\[0\]\.nu\['b'\]",
+         "float16 moments with a per-tensor scale"),
+        (ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'int8' moments"),
+        (ff.lion(1e-4, mu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'int8' moments"),
+        (ff.sgd(0.1, momentum=0.9, accumulator_dtype="int8"), r"\[1\]\.trace\['w'\]",
+         "'int8' moments"),
+    ],
+    ids=["fp16-tensor-scale", "fp16-fixed-scale", "adamw-int8", "lion-int8", "sgd-int8"],
+)  # fmt: skip
+def test_moments_stored_with_scales_are_refused_naming_the_leaf(
+    one_process_group, tx, where, words
+):
+    # A per-tensor scale would stay a plain tensor that each rank picks from its own rows
+    # (after a DCP save and load, one rank's scale for all); block scales are not shaped
+    # like their parameter. shard_state refuses both, naming the first such leaf.
+    state = ff.fp16_init(_stored_params(0), tx)
+    with pytest.raises(ValueError, match=rf"state\.opt_state{where}: {words}.*shard_state"):
+        ffd.shard_state(state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ff.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+        lambda: ff.adam(1e-3, mu_dtype=torch.float16, nu_dtype=torch.bfloat16),
+        lambda: ff.sgd(0.1, momentum=0.9, accumulator_dtype=torch.float16),
+    ],
+    ids=["adamw-bf16", "adam-fp16-mu", "sgd-fp16"],
+)
+def test_moments_without_scales_shard_step_and_round_trip_through_dcp(
+    one_process_group, tmp_path, make
+):
+    # bfloat16 and unscaled float16 moments are plain tensors shaped like their
+    # parameters: sharded like FP32 ones, stepped bitwise as the plain update (one rank),
+    # and saved and loaded through DCP bitwise.
+    plain = ff.fp16_init(_stored_params(0), make())
+    sharded = ffd.shard_state(plain)
+    kinds = {x.dtype for x in optree.tree_leaves(sharded.opt_state, namespace=ff.NAMESPACE)}
+    assert kinds & {torch.bfloat16, torch.float16}, kinds
+    for step in range(3):
+        grads = {k: (torch.randn(p.shape) * 1e-2).half() for k, p in plain.params.items()}
+        plain = ff.fp16_update(plain, grads)
+        sharded = ffd.sharded_update(sharded, grads)
+        got = W.full_snapshot(ffd.unshard_state(sharded))
+        assert_same_state(got, W.full_snapshot(plain), f"step {step}", exact=True)
+    ffd.save_dcp_state(sharded, tmp_path / "dcp")
+    loaded = ffd.load_dcp_state(
+        ffd.shard_state(ff.fp16_init(_stored_params(1), make())), tmp_path / "dcp"
+    )
+    assert_same_state(
+        W.full_snapshot(ffd.unshard_state(loaded)), W.full_snapshot(plain), "dcp", exact=True
+    )
+
+
 # -- one process: the optimiser-state probe, and calls without a group -----------------
 
 

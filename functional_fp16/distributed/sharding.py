@@ -36,6 +36,7 @@ from functional_fp16._util.tree import (
     NAMESPACE,
     PyTree,
     describe_tensor,
+    format_path,
     tree_flatten,
     tree_paths,
     tree_unflatten,
@@ -44,6 +45,7 @@ from functional_fp16.distributed.all_reduce import AllReduceSpec
 from functional_fp16.distributed.process_group import require_group
 from functional_fp16.distributed.replicas import check_same_tree
 from functional_fp16.distributed.row_shards import gather_rows, plan_buckets, rows
+from functional_fp16.precision.moment_storage import BlockCodes, ScaledHalf
 from functional_fp16.transforms.accumulation import MultiStepsSpec
 from functional_fp16.transforms.base import ChainSpec
 from functional_fp16.update import FP16State
@@ -102,6 +104,47 @@ def refuse_replicated_steps(tx: Any) -> None:
             "parameters across the ranks; sharded_update averages the gradients itself "
             "(reduce-scatter), so build the optimiser without it"
         )
+
+
+_STORED = {
+    ScaledHalf: (
+        "float16 moments with a per-tensor scale (nu_dtype=torch.float16 with nu_scale)",
+        "the scale belongs to the whole tensor, and each rank would pick its own from its "
+        "rows (a checkpoint would then hold one rank's scale for all); store them as "
+        "torch.bfloat16 or float32, which shard_state shards",
+    ),
+    BlockCodes: (
+        "'int8' moments (8-bit block codes)",
+        "their block scales are not shaped like their parameter; use FSDP2 (fully_shard), "
+        "which shards the codes and scales by rows, or torch.bfloat16 moments with shard_state",
+    ),
+}
+
+
+def refuse_stored_moments(opt_state: PyTree) -> None:
+    """Refuses moments stored with scales (:mod:`~functional_fp16.precision.moment_storage`),
+    naming the first one's path.
+
+    ``shard_state`` splits by rows the leaves shaped like their parameter and keeps every
+    other leaf whole; a per-tensor float16 scale or a tensor of block scales is neither.
+    Moments without a scale (float32, bfloat16, unscaled float16) are plain tensors
+    shaped like their parameters and shard like them.
+    """
+
+    def stored(x: Any) -> bool:
+        return isinstance(x, (ScaledHalf, BlockCodes))
+
+    nodes = optree.tree_leaves(opt_state, is_leaf=stored, namespace=NAMESPACE)
+    if not any(stored(x) for x in nodes):
+        return
+    accessors = optree.tree_accessors(opt_state, is_leaf=stored, namespace=NAMESPACE)
+    for accessor, node in zip(accessors, nodes, strict=True):
+        if stored(node):
+            what, why = _STORED[type(node)]
+            raise ValueError(
+                f"state.opt_state{format_path(accessor)}: {what} cannot be sharded by "
+                f"shard_state: {why}"
+            )
 
 
 def owners(state: FP16State) -> list[int | None]:
@@ -207,8 +250,10 @@ def shard_state(state: FP16State, *, mesh: DeviceMesh | None = None) -> FP16Stat
 
     Raises:
       ValueError: for a state that is already sharded or holds DTensor
-        parameters, a mesh that is not 1-D, or an optimiser state whose
-        per-parameter tensors are not shaped like their parameters.
+        parameters, a mesh that is not 1-D, an optimiser state whose
+        per-parameter tensors are not shaped like their parameters, or
+        moments stored with scales (float16 with ``nu_scale``, ``"int8"``;
+        float32, bfloat16 and unscaled float16 moments shard), naming the leaf.
     """
     require_group("shard_state")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -226,6 +271,7 @@ def shard_state(state: FP16State, *, mesh: DeviceMesh | None = None) -> FP16Stat
             "shard_state takes a full state of plain tensors"
         )
     refuse_replicated_steps(state.tx)
+    refuse_stored_moments(state.opt_state)
     owner = owners(state)
     _check_full(state, owner)
     p_leaves, p_spec = tree_flatten(state.params)

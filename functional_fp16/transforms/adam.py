@@ -10,7 +10,9 @@
 as optax composes them. ``torch.optim.Adam(weight_decay=wd)`` (L2 decay,
 added to the gradient) is ``chain(add_decayed_weights(wd), adam(lr))``.
 
-The moments are FP32 and the step count is the number of *applied* steps:
+The moments are FP32 by default (``mu_dtype``/``nu_dtype`` store them in
+fewer bytes, :mod:`~functional_fp16.precision.moment_storage`; the arithmetic
+is float32 either way), and the step count is the number of *applied* steps:
 inside :func:`~functional_fp16.fp16_update` a skipped step leaves the whole
 state, count included, bitwise as it was, so the bias correction stays in
 step with an uninterrupted run.
@@ -131,7 +133,10 @@ def scale_by_adam(
         updates and encodes.
       nu_dtype: the same for the second moments; ``torch.float16`` needs ``nu_scale``.
       nu_scale: for ``nu_dtype=torch.float16``: ``"tensor"`` (a power of two
-        chosen per tensor each step) or a fixed power of two.
+        chosen per tensor each step) or a fixed power of two :math:`s`. A fixed
+        scale saturates: an element above :math:`65504\,s` is stored as
+        :math:`65504\,s` (never inf, and no host check), under-estimating that
+        element's moment; choose :math:`s \ge \max v / 65504`.
       block_size: elements per block of ``"int8"`` moments (a power of two).
 
     Returns:

@@ -6,11 +6,13 @@ r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms") as
                                  add_decayed_weights(wd, mask),   # u <- u + wd * p
                                  scale_by_learning_rate(lr))      # u <- -lr * u
 
-as optax composes it. The momentum is FP32 whatever the updates' dtype, and
-the state's count is the number of *applied* steps (inside
+as optax composes it. By default the momentum is FP32 whatever the updates'
+dtype (``mu_dtype`` stores it in fewer bytes,
+:mod:`~functional_fp16.precision.moment_storage`; the arithmetic is float32
+either way), and the state's count is the number of *applied* steps (inside
 :func:`~functional_fp16.fp16_update` a skipped step leaves the whole state as
 it was). The chain declares its hyperparameters, so ``fp16_update`` runs it as
-one fused kernel (:mod:`functional_fp16._fused.lion`).
+one fused kernel (:mod:`functional_fp16._fused.lion`) where the momentum is FP32.
 """
 
 from __future__ import annotations
