@@ -169,6 +169,7 @@ def scenario_bad_grads(rank: int, out_dir: str):
         errors["inf_param"] = None
     except ValueError as err:
         errors["inf_param"] = str(err)
+
     # A transform of one's own that sums one number over a mixed layout (replicated and
     # sharded leaves: some ranks count some leaves only): every rank raises, none waits.
     def one_number(updates, state, params=None, *, global_sum=None):
@@ -271,21 +272,42 @@ def scenario_disagree(rank: int, out_dir: str):
         ff.fp16_init(planned(make_params(), on), ff.sgd(0.1)),
         planned(make_grads(0, world), on),
     )
+    # What only the odd rank's own checks would refuse, or what changes its collectives:
+    # a float32 gradient, a missing gradient leaf, another implementation, another
+    # optimiser, a loss passed on one rank only, a state whose master is not float32.
+    other_tx = ff.fp16_init(distribute(make_params(), mesh), ff.sgd(0.2))
+    float32_grads = {**grads, "mlp.w": grads["mlp.w"].float()}
+    missing = {k: v for k, v in grads.items() if k != "h.attn.b"}
+    bad_master = state.replace(master={**state.master, "ln.w": state.master["ln.w"].double()})
+    loss = torch.tensor(1.0)
     cases = {
-        "grad_placement": (state, odd_grads if odd else grads),
-        "mesh": (odd_state, odd_state_grads) if odd else (state, grads),
-        "plan": plan_case,
-        "sub_mesh": sub_case,
+        "grad_placement": (state, odd_grads if odd else grads, {}),
+        "mesh": (*((odd_state, odd_state_grads) if odd else (state, grads)), {}),
+        "plan": (*plan_case, {}),
+        "sub_mesh": (*sub_case, {}),
+        "grad_dtype": (state, float32_grads if odd else grads, {}),
+        "missing_leaf": (state, missing if odd else grads, {}),
+        "impl": (state, grads, {"impl": "reference"} if odd else {}),
+        "tx": (other_tx if odd else state, grads, {}),
+        "loss": (state, grads, {"loss": loss} if odd else {}),
+        "master_dtype": (bad_master if odd else state, grads, {}),
     }
     out = {}
-    for name, (st, gr) in cases.items():
+    for name, (st, gr, kwargs) in cases.items():
         start = time.monotonic()
         try:
-            ff.fp16_update(st, gr)
+            ff.fp16_update(st, gr, **kwargs)
             out[name] = (None, time.monotonic() - start)
         except (TypeError, ValueError) as err:
             out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
-    ff.fp16_update(state, grads)  # the group still works
+    stepped = ff.fp16_update(state, grads)  # the group still works
+    # Every rank refuses alike what every rank gets wrong alike: its own error, no hang.
+    start = time.monotonic()
+    try:
+        ff.fp16_update(stepped, float32_grads)
+        out["all_float32"] = (None, time.monotonic() - start)
+    except (TypeError, ValueError) as err:
+        out["all_float32"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
     return out
 
 
@@ -381,6 +403,7 @@ def _fsdp_run(
         out["nonfinite"].append(ff.nonfinite_leaves(state))
     if sharded:
         out["placements"] = {n: tuple(m.placements) for n, m in state.master.items()}
+        out["local"] = {n: m.to_local().clone() for n, m in state.master.items()}
     full = {
         n: (m.full_tensor() if isinstance(m, DTensor) else m).clone()
         for n, m in state.master.items()
@@ -783,6 +806,169 @@ def scenario_submesh(rank: int, out_dir: str):
     return out
 
 
+# -- Counting shards once, whatever the meshes ----------------------------------------------
+
+
+def _comm_counts(fn) -> dict[str, int]:
+    """The collectives ``fn()`` runs, by op name (DTensor's ``CommDebugMode``, which sees
+    ``torch.distributed``'s collectives too)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        fn()
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
+
+
+CLIP_MAX = 1e-3  # well under the gradients' norm (about 0.06): the clip binds
+
+
+def clip_factor(state, grads_full: dict, lr: float) -> tuple[float, float]:
+    r"""``(ours, expected)``: the factor :math:`c / \lVert g \rVert` by which one clipped SGD
+    step (``lr``, from a zero master) scaled the gradients, read from the new master as
+    :math:`-\sum m' g / (\mathrm{lr} \sum g^2)`, and the one an independent norm gives:
+    ``torch.linalg.vector_norm`` of the gathered whole gradients in float64, unscaled."""
+    scale = float(state.loss_scale.loss_scale)  # before the step: a power of two
+    g = {k: v.double() / scale for k, v in grads_full.items()}
+    norm = float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in g.values()])))
+    num = sum(float((bits_full(state, k).double() * g[k]).sum()) for k in g)
+    den = sum(float(g[k].square().sum()) for k in g)
+    return -num / (lr * den), CLIP_MAX / norm
+
+
+def bits_full(state, k):
+    m = state.master[k]
+    return m.full_tensor() if isinstance(m, DTensor) else m
+
+
+def _zeros():
+    return {k: torch.zeros(s, dtype=torch.float16) for k, s in SHAPES.items()}
+
+
+def scenario_two_roots(rank: int, out_dir: str):
+    """At 4 ranks, two 2 x 2 meshes over the same ranks, made apart with their dimensions in
+    the other order (``("dp", "tp")`` and ``("tp", "dp")``), leaves ``Shard(0)`` on each
+    one's ``"dp"`` sub-mesh: the clipped step's factor against an independent norm of the
+    gathered gradients, and decisions against one process. ``None`` at other sizes."""
+    if torch.distributed.get_world_size() != 4:
+        return None
+    a = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    b = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    layout = {
+        "wte": (a["dp"], [Shard(0)]),
+        "h.attn.b": (a["dp"], [Shard(0)]),
+        "h.attn.w": (b["dp"], [Shard(0)]),
+        "mlp.w": (b["dp"], [Shard(0)]),
+        "ln.w": (b["dp"], [Shard(0)]),
+    }
+
+    def laid(tree):
+        return {k: distribute_tensor(v, *layout[k]) for k, v in tree.items()}
+
+    tx = ff.chain(ff.clip_by_global_norm(CLIP_MAX), ff.sgd(1.0))
+    state = ff.fp16_init(laid(_zeros()), tx)
+    grads = make_grads(0, 4)
+    new = ff.fp16_update(state, laid(grads))
+    ours, expected = clip_factor(new.replace(loss_scale=state.loss_scale), grads, 1.0)
+    ref = ff.fp16_init(make_params(), tx)
+    mine = ff.fp16_init(laid(make_params()), tx)
+    decisions = []
+    for step in range(STEPS):
+        g = make_grads(step, 4)
+        ref, mine = ff.fp16_update(ref, g), ff.fp16_update(mine, laid(g))
+        decisions.append((bool(mine.grads_finite), bool(ref.grads_finite)))
+    worst = max(max_ulps(mine.master[k], ref.master[k]) for k in SHAPES)
+    return {"factor": (ours, expected), "decisions": decisions, "master_ulps": worst}
+
+
+def scenario_own_mesh(rank: int, out_dir: str):
+    """At 4 ranks, two 1 x 2 meshes ``("dp", "tp")`` that each span half of the world
+    (ranks 0-1 and 2-3): the mesh's reductions and its agreement run over its own groups,
+    one per dimension. An inf in rank 1's shard at ``fp16_init``: refused by ranks 0 and 1
+    alike, naming the leaf; rank 1 alone passing a float32 gradient at the first call:
+    ranks 0 and 1 raise, naming it; clipped AdamW against one process (an inf in rank 1's
+    shard at ``INJECT_STEP``); the collectives of one update. ``None`` at other sizes."""
+    import time
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if torch.distributed.get_world_size() != 4:
+        return None
+    meshes = [DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("dp", "tp")),
+              DeviceMesh("cpu", [[2, 3]], mesh_dim_names=("dp", "tp"))]  # fmt: skip
+    mesh = meshes[rank // 2]
+    out = {}
+    bad = make_params()
+    if rank // 2 == 0:
+        bad["h.attn.w"][-1, 0] = math.inf  # in rank 1's shard
+    try:
+        ff.fp16_init(distribute(bad, mesh["tp"]), ff.sgd(0.1))
+        out["inf_param"] = None
+    except ValueError as err:
+        out["inf_param"] = str(err)
+    tx = ff.chain(ff.clip_by_global_norm(CLIP_MAX), ff.adamw(1e-3))
+
+    def laid_out(tree):
+        return {k: distribute_tensor(v, mesh, [Replicate(), placements(k)[0]])
+                for k, v in tree.items()}  # fmt: skip
+
+    ours = ff.fp16_init(laid_out(make_params()), tx)
+    # Before the configuration is agreed (its first call): rank 1 alone passes a float32
+    # gradient; ranks 0 and 1 raise, naming it, and ranks 2 and 3 step.
+    laid = laid_out(make_grads(0, 2))
+    odd = {**laid, "mlp.w": laid["mlp.w"].float()} if rank == 1 else laid
+    start = time.monotonic()
+    try:
+        ff.fp16_update(ours, odd)
+        out["float32_grad"] = (None, time.monotonic() - start)
+    except (TypeError, ValueError) as err:
+        out["float32_grad"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+    ref = ff.fp16_init(make_params(), tx)
+    run = {"decisions": [], "ref_decisions": [], "nonfinite": [], "ref_nonfinite": []}
+    for step in range(STEPS):
+        g = make_grads(step, 2)
+        laid = laid_out(g)
+        ours, ref = ff.fp16_update(ours, laid), ff.fp16_update(ref, g)
+        run["decisions"].append(bool(ours.grads_finite))
+        run["ref_decisions"].append(bool(ref.grads_finite))
+        run["nonfinite"].append(ff.nonfinite_leaves(ours))
+        run["ref_nonfinite"].append(ff.nonfinite_leaves(ref))
+    run["master_ulps"] = max(max_ulps(ours.master[k], ref.master[k]) for k in SHAPES)
+    run["comms"] = _comm_counts(lambda: ff.fp16_update(ours, laid))
+    out["run"] = run
+    return out
+
+
+def scenario_collectives(rank: int, out_dir: str):
+    """The collectives of one update of an agreed configuration, by kind, on the 1-D mesh
+    (and at 4 ranks the 2 x 2 mesh): clipped AdamW, unclipped SGD, and a ``MultiSteps`` of
+    the clipped chain (a micro-batch inside a window, and the one that closes it)."""
+    world = torch.distributed.get_world_size()
+    meshes = {"1d": init_device_mesh("cpu", (world,))}
+    if world == 4:
+        meshes["2x2"] = init_device_mesh("cpu", (2, 2))
+    clipped = ff.chain(ff.clip_by_global_norm(CLIP_MAX), ff.adamw(1e-3))
+    out = {}
+    for name, mesh in meshes.items():
+
+        def laid(tree):
+            if mesh.ndim == 1:
+                return distribute(tree, mesh)
+            return {k: distribute_tensor(v, mesh, [Shard(0), Replicate()]) for k, v in tree.items()}
+
+        for tx_name, tx in {"clipped": clipped, "sgd": ff.sgd(0.1),
+                            "multisteps": ff.MultiSteps(clipped, 2)}.items():  # fmt: skip
+            state = ff.fp16_init(laid(make_params()), tx)
+            grads = laid(make_grads(0, world))
+            state = ff.fp16_update(state, grads)  # agreed here, once
+            counts = [_comm_counts(lambda: ff.fp16_update(state, grads))]
+            if tx_name == "multisteps":  # the window's closing micro-batch too
+                state = ff.fp16_update(state, grads)
+                counts.append(_comm_counts(lambda: ff.fp16_update(state, grads)))
+            out[(name, tx_name)] = counts
+    return out
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
@@ -795,6 +981,9 @@ SCENARIOS = {
     "tp": scenario_tp,
     "tp_dcp": scenario_tp_dcp,
     "submesh": scenario_submesh,
+    "two_roots": scenario_two_roots,
+    "own_mesh": scenario_own_mesh,
+    "collectives": scenario_collectives,
 }
 
 if __name__ == "__main__":

@@ -159,7 +159,8 @@ def run_scenarios(
 ) -> int:
     """A worker's main: joins the process group, runs every scenario, saves each result or traceback.
 
-    A failing scenario does not stop the others. After :func:`functional_fp16.distributed.shutdown`
+    A failing scenario does not stop the others. ``TEST_SCENARIOS`` in the environment
+    (names, comma-separated) runs only those: for working on one scenario. After :func:`functional_fp16.distributed.shutdown`
     the names of the threads still running are saved as the ``after_shutdown`` result.
     Returns the exit status (1 if any failed).
     """
@@ -170,6 +171,9 @@ def run_scenarios(
     if on_init is not None:
         on_init(info)
     failed = 0
+    chosen = os.environ.get("TEST_SCENARIOS")
+    if chosen:
+        scenarios = {k: v for k, v in scenarios.items() if k in chosen.split(",")}
     try:
         for name, fn in scenarios.items():
             try:

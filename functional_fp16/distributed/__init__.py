@@ -64,7 +64,7 @@ FSDP2 states (DTensor ``params``, from ``fully_shard``) need none of this:
 The package's modules, one job each: :mod:`.process_group` (set-up under
 torchrun, rank queries), :mod:`.all_reduce` (averaging and the agreed finite
 flag), :mod:`.replicas` (identical trees on every rank),
-:mod:`.fingerprint` (the ranks' agreement on a configuration before they
+:mod:`functional_fp16.update.fingerprint` (the ranks' agreement on a configuration before they
 communicate), :mod:`.checkpoints` (rank-0 writes, broadcast resumes),
 :mod:`.dcp_state` (DTensor states through ``torch.distributed.checkpoint``),
 and for ZeRO-1 :mod:`.row_shards` (DTensor's ``Shard(0)`` rows and the

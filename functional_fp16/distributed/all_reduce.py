@@ -17,7 +17,7 @@ from functional_fp16._util.tree import (
     tree_unflatten,
 )
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
-from functional_fp16.distributed.fingerprint import (
+from functional_fp16.update.fingerprint import (
     agree_once,
     describe_arguments,
     describe_tree,
@@ -111,7 +111,7 @@ def tree_all_reduce_mean(
     The first call with a configuration (the tree's structure, leaf dtypes,
     shapes and devices, the arguments below, the world size) checks that
     every rank passes the same one (one small all-gather,
-    :func:`~functional_fp16.distributed.fingerprint.agree_once`), so a rank
+    :func:`~functional_fp16.update.fingerprint.agree_once`), so a rank
     with another shape, dtype or bucket size raises on every rank, naming
     the rank and the difference, instead of hanging in the all-reduce.
     Later calls with that configuration communicate nothing more.

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from functional_fp16._util.deprecation import keyword_only
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
-from functional_fp16.distributed.fingerprint import agree, describe_tree
+from functional_fp16.update.fingerprint import agree, describe_tree
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 
 __all__ = ["check_same_tree", "broadcast_state"]
@@ -19,7 +19,7 @@ __all__ = ["check_same_tree", "broadcast_state"]
 def check_same_tree(tree: PyTree, group: ProcessGroup = None, *, name: str = "tree") -> None:
     """Checks that every rank holds a tree of the same structure, configuration, shapes and dtypes.
 
-    Compared (:func:`~functional_fp16.distributed.fingerprint.describe_tree`):
+    Compared (:func:`~functional_fp16.update.fingerprint.describe_tree`):
     every node's type and path; the static configuration of the library's
     nodes (an :class:`~functional_fp16.FP16State`'s ``tx.spec``, e.g. its
     learning rate, and shard layout less the rank; a loss scale's settings);

@@ -17,7 +17,7 @@ from functional_fp16.distributed.all_reduce import (
     check_predivide,
     default_predivide,
 )
-from functional_fp16.distributed.fingerprint import (
+from functional_fp16.update.fingerprint import (
     agree_once,
     describe_arguments,
     describe_leaf,
@@ -233,14 +233,14 @@ def _group_of(state: Any) -> ProcessGroup:
 def _agree_on_configuration(
     state: Any, grads: PyTree, group: ProcessGroup, *, loss: Any, **arguments: Any
 ) -> None:
-    """:func:`~functional_fp16.distributed.fingerprint.agree_once` on one step's configuration.
+    """:func:`~functional_fp16.update.fingerprint.agree_once` on one step's configuration.
 
     The key (a few tuples per call) stands for the configuration: the state's
     ``tx``, layout (the parameters' sizes and dtype groups), loss-scale
     settings and parameter structure; the gradients' structure and dtypes;
     the arguments; the kind of ``loss``. Its description (on the first call of
     a configuration only) is the state's and the gradients'
-    :func:`~functional_fp16.distributed.fingerprint.describe_tree`, the
+    :func:`~functional_fp16.update.fingerprint.describe_tree`, the
     arguments and the world size. Nothing here refuses anything: malformed
     inputs are described as they are and refused after the agreement.
     """

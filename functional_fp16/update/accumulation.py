@@ -26,6 +26,7 @@ from functional_fp16.transforms.accumulation import (
     window_size,
 )
 from functional_fp16.transforms.base import ChainSpec, GradientTransformation
+from functional_fp16.update.decision import Carry, LeafAgreement
 
 __all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
 
@@ -109,26 +110,36 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
             f"opt_state.acc_grads has a different tree structure than master: "
             f"expected {m_spec}, got {acc_spec}"
         )
-    flags, finite = decide.leaves(leaves_finite(g32, None))
-    window_ok = ms.acc_finite & finite
-    # Per leaf, finite in every micro-batch of the window so far (a window opens afresh).
-    window_leaves = torch.where(ms.mini_step == 0, flags, state.leaf_finite & flags)
+    local = leaves_finite(g32, None)
     acc = torch._foreach_add(acc_leaves, g32)
     k = window_size(spec.every_k_schedule, ms.gradient_step)
     emit = window_closes(ms, k)
-    apply = emit & window_ok
-    handed = hand_over(acc, k, spec.use_grad_mean)
+    handed = tree_unflatten(m_spec, hand_over(acc, k, spec.use_grad_mean))
     # The inner update skips unless this is a window's last micro-batch and
-    # all of it was finite; it also checks the mean itself. It may reuse the
-    # memory of what it is handed only where that is not the accumulator.
-    stepped = impl(
-        inner,
-        tree_unflatten(m_spec, handed),
-        # The mean's own check is agreed too, so that ranks that each hold a
-        # slice of it (a sharded state) decide alike.
-        decide.with_require(apply),
-        donate and spec.use_grad_mean,
-    )
+    # all of it was finite; it also checks the mean itself, agreed too, so that
+    # ranks that each hold a slice of it (a sharded state) decide alike. It may
+    # reuse the memory of what it is handed only where that is not the accumulator.
+    reuse = donate and spec.use_grad_mean
+    agree = decide.agree
+    if isinstance(agree, LeafAgreement) and agree.then is None:
+        # One reduction agrees both this micro-batch's flags (carried) and the mean's:
+        # AND over the processes of (emit & acc_finite & r & all local flags) is the
+        # agreed apply, since emit, acc_finite and r are alike on every process.
+        carry = Carry(local, [])
+        ok = decide.require
+        ok = local.all() if ok is None else ok.to(local.device) & local.all()
+        stepped = impl(inner, handed, decide._replace(require=emit & ms.acc_finite & ok,
+                                                      carry=carry), reuse)  # fmt: skip
+        flags = carry.agreed[0]
+        finite = (
+            flags.all() if decide.require is None else flags.all() & decide.require.to(flags.device)
+        )
+    else:
+        flags, finite = decide.leaves(local)
+        stepped = impl(inner, handed, decide.with_require(emit & ms.acc_finite & finite), reuse)
+    window_ok = ms.acc_finite & finite
+    # Per leaf, finite in every micro-batch of the window so far (a window opens afresh).
+    window_leaves = torch.where(ms.mini_step == 0, flags, state.leaf_finite & flags)
     applied = stepped.grads_finite
     mini_step, gradient_step = next_counters(ms, emit, applied)
     opt_state = MultiStepsState(

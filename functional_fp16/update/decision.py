@@ -10,7 +10,7 @@ import torch
 
 from functional_fp16._util.tree import describe_tensor
 
-__all__ = ["Decision", "FiniteHook", "SumHook", "LeafAgreement"]
+__all__ = ["Decision", "FiniteHook", "SumHook", "LeafAgreement", "Carry"]
 
 FiniteHook = Callable[[torch.Tensor], torch.Tensor]
 SumHook = Callable[[torch.Tensor], torch.Tensor]
@@ -37,6 +37,17 @@ class LeafAgreement(NamedTuple):
         return out if self.then is None else self.then(out)
 
 
+class Carry(NamedTuple):
+    """Flags of this process that ride in a :class:`LeafAgreement`'s reduction of a step's
+    leaves, so that one collective agrees both: ``local`` (a 1-d bool tensor) goes in, and
+    the agreed flags are appended to ``agreed`` (an empty list the caller reads after the
+    step). A :func:`~functional_fp16.MultiSteps` micro-batch's flags ride with its inner
+    step's."""
+
+    local: torch.Tensor
+    agreed: list
+
+
 class Decision(NamedTuple):
     r"""The decision rule of one step, applied to the local all-finite flag :math:`f`:
 
@@ -53,11 +64,16 @@ class Decision(NamedTuple):
     argument (:func:`~functional_fp16.transforms.clip_by_global_norm` sums
     its squares with it). It travels with the decision because both are how
     one step hears from the other processes.
+
+    ``carry``: ``None``, or a :class:`Carry` of flags that an ``agree`` hook
+    which is a :class:`LeafAgreement` reduces in the same collective as the
+    step's own.
     """
 
     require: torch.Tensor | None = None
     agree: FiniteHook | None = None
     global_sum: SumHook | None = None
+    carry: Carry | None = None
 
     def __call__(self, finite: torch.Tensor) -> torch.Tensor:
         if self.require is not None:
@@ -79,14 +95,17 @@ class Decision(NamedTuple):
         agree = self.agree
         if not isinstance(agree, LeafAgreement):
             return flags, self(flags.all())
-        require = self.require
-        if require is None:
-            flags = agree.reduce(flags)
-            finite = flags.all()
-        else:
-            both = agree.reduce(torch.cat([flags, require.to(flags.device).reshape(1)]))
-            flags = both[:-1]
-            finite = flags.all() & both[-1]
+        n = flags.shape[0]
+        parts = [flags]
+        if self.require is not None:
+            parts.append(self.require.to(flags.device).reshape(1))
+        if self.carry is not None:
+            parts.append(self.carry.local.to(flags.device))
+        reduced = agree.reduce(torch.cat(parts) if len(parts) > 1 else flags)
+        flags = reduced[:n]
+        finite = flags.all() if self.require is None else flags.all() & reduced[n]
+        if self.carry is not None:
+            self.carry.agreed.append(reduced[n + (self.require is not None) :])
         return flags, (finite if agree.then is None else _agreed(agree.then, finite))
 
     def with_require(self, require: torch.Tensor | None) -> Decision:

@@ -36,7 +36,6 @@ another mesh, or a ``Partial`` parameter raises, naming the leaf.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, NamedTuple
 
 import torch
@@ -52,10 +51,17 @@ from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.transforms.clipping import LeafSums
 from functional_fp16.update.decision import LeafAgreement
+from functional_fp16.update.fingerprint import (
+    agree,
+    agree_once,
+    describe_leaf,
+    describe_static,
+    describe_tree,
+)
 from functional_fp16.update.mesh_reduce import (
+    agreement_groups,
     all_reduce,
     root_mesh,
-    spans_default_group,
     whole_mesh_groups,
 )
 from functional_fp16.update.state_check import check_state, mark_checked
@@ -136,7 +142,12 @@ def _layout(paths, leaves, name: str) -> tuple[Any, tuple[bool, ...], bool, bool
             )
         summed |= mesh is not root or not _replicated(p)
         counted.append(_counts(p, root))
-        kinds.add((mesh is root, mesh.mesh_dim_names, tuple(map(_is_replicate, p.placements))))
+        # Two roots over the same ranks (meshes made apart, their dimensions in another
+        # order) slice alike-named sub-meshes differently: the root is part of the kind.
+        kinds.add((
+            mesh is root, mesh.mesh_dim_names, tuple(map(_is_replicate, p.placements)),
+            root.mesh_dim_names, tuple(root.mesh.flatten().tolist()), tuple(root.shape),
+        ))  # fmt: skip
     if not summed:  # every leaf whole on every rank: each counts its own copy, no reduction
         counted, kinds = [True] * len(counted), set()
     # Whether some rank counts some leaves and not others: from the layout alone, so that
@@ -189,23 +200,34 @@ def _like(old: DTensor, before: torch.Tensor, local: torch.Tensor) -> DTensor:
     )  # fmt: skip
 
 
-def _local_grads(state, grads) -> Any:
-    """The gradients' local tensors, after checking they are DTensors on the params' mesh;
-    one placed otherwise there is redistributed to its parameter's placements first."""
-    g_leaves, g_spec = tree_flatten(grads)
-    p_leaves = tree_flatten(state.params)[0]
-    out = []
-    for path, g, p in zip(tree_paths(grads), g_leaves, p_leaves):
+def _check_grads(plan: _Plan, grads) -> None:
+    """Refuses a gradient that is not a DTensor on its parameter's mesh, naming it (local:
+    no communication). Their structure, shapes and dtypes are the caller's checks."""
+    g_leaves = tree_flatten(grads)[0]
+    if all(type(g) is DTensor for g in g_leaves) and all(
+        g.device_mesh == mesh for g, mesh in zip(g_leaves, plan.meshes)
+    ):
+        return
+    for path, g, mesh, want in zip(tree_paths(grads), g_leaves, plan.meshes, plan.placements):
         if not isinstance(g, DTensor):
             raise TypeError(
                 f"grads{path}: a plain tensor where params holds a DTensor; pass the DTensor "
                 "gradients (FSDP2's p.grad)"
             )
-        if g.device_mesh != p.device_mesh:
+        if g.device_mesh != mesh:
             raise ValueError(
                 f"grads{path}: placements {g.placements} on {g.device_mesh}, expected the "
-                f"parameter's {p.placements} on {p.device_mesh}"
+                f"parameter's {want} on {mesh}"
             )
+
+
+def _local_grads(state, grads) -> Any:
+    """The gradients' local tensors (checked by :func:`_check_grads`); one placed otherwise
+    on its parameter's mesh is redistributed to the parameter's placements first."""
+    g_leaves, g_spec = tree_flatten(grads)
+    p_leaves = tree_flatten(state.params)[0]
+    out = []
+    for path, g, p in zip(tree_paths(grads), g_leaves, p_leaves):
         if g.placements != p.placements:
             # Placed otherwise on the parameter's mesh (a Replicate gradient of a sharded
             # embedding, a Partial sum): DTensor moves it to the parameter's placements.
@@ -364,107 +386,123 @@ def mesh_hooks(plan: _Plan, *, agree, global_sum):
     return LeafAgreement(mesh_and, agree), MeshSum(plan, global_sum)
 
 
-_AGREED: dict = {}  # the configurations every rank was seen to hold, by key
+_AGREED_KEPT = 64
 
 
-def _describe_mesh(mesh) -> str:
-    """The mesh's shape and dimension names, the mesh it was sliced from, the ranks of that
-    (or its own), and whether it holds this rank (a leaf's validity depends on nothing
-    else; a slice's own ranks differ between the ranks, legitimately)."""
-    names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
-    text = f"a mesh{names} of shape {tuple(mesh.shape)}"
-    root = root_mesh(mesh)
-    if root is not mesh:  # its own ranks are this rank's slice: the parent's are common
-        parent = "" if root.mesh_dim_names is None else f" {tuple(root.mesh_dim_names)}"
-        text += f" sliced from{parent} of shape {tuple(root.shape)}"
-    text += f" over ranks {root.mesh.tolist()}"
-    if mesh.get_coordinate() is None:
-        text += " that does not hold this rank"
-    return text
+def _first_root(state):
+    """The mesh the first DTensor parameter's mesh is (or was sliced from)."""
+    first = next(x for x in tree_flatten(state.params)[0] if isinstance(x, DTensor))
+    return root_mesh(first.device_mesh)
 
 
-def _describe(x) -> str:
-    if isinstance(x, DTensor):
-        return (
-            f"a {x.dtype} DTensor of shape {tuple(x.shape)}, {tuple(x.placements)} on "
-            f"{_describe_mesh(x.device_mesh)}"
-        )
-    if isinstance(x, torch.Tensor):
-        return f"a plain {x.dtype} tensor of shape {tuple(x.shape)}"
-    return f"a {type(x).__name__}"
+def _describe_call(state, grads, arguments: dict, error: BaseException | None) -> list:
+    """What every rank must hold alike before the update's first collective: every node
+    and leaf of the state (``tx``'s declared configuration and the loss scale's settings
+    included) and of ``grads``, the call's arguments, and whether this rank's own checks
+    passed (a refusal that only some ranks reach is a disagreement)."""
+    entries = [(f"state{p}", d) for p, d in describe_tree(state)]
+    entries += [(f"grads{p}", d) for p, d in describe_tree(grads)]
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            entries.append((f"argument {name}", describe_leaf(value)))
+        else:
+            entries += describe_static(value, f"argument {name}")
+    outcome = "passed" if error is None else f"refused ({type(error).__name__}: {error})"
+    entries.append(("the checks of this call", outcome))
+    return entries
 
 
-def agree_on_layout(state, grads, signature) -> None:
-    r"""Raises on every rank if any rank's DTensor layout differs (checked once per layout).
+def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | None) -> None:
+    r"""Raises on every rank if any rank's call differs (agreed once per ``key``).
 
-    Before the first collective of a layout, each rank describes every leaf of
-    ``state.params`` and ``grads`` (dtype, global shape, placements, and the mesh: its
-    shape, dimension names, ranks, the mesh it was sliced from, whether it holds this rank)
-    and the ranks of the default process group all-gather a digest of it; only
-    if the digests differ are the descriptions gathered, to name the first rank
-    and path that differ from rank 0. So a rank with another mesh or another
-    gradient placement makes every rank raise instead of leaving the others in
-    an all-reduce. Everything a leaf's validity depends on is in its description, so a
-    layout refused on one rank is refused on all. Runs when the mesh (or the one the
-    first leaf's was sliced from) spans the whole default group.
+    Before the update's first collective, each rank describes its call
+    (:func:`_describe_call`: the state's and the gradients' trees, their leaves'
+    dtypes, global shapes, placements and meshes, ``tx``, the arguments, and
+    the outcome of its own checks) and the ranks of the leaves' mesh compare
+    digests of it (:func:`~functional_fp16.update.fingerprint.agree`, over the
+    default group when the mesh spans it, else over each of its dimensions in
+    turn); only if they differ are the descriptions gathered, to name the first
+    rank and path that differ from the lowest rank. So a rank with another
+    mesh, placement, dtype, tree, optimiser or argument, or one whose checks
+    refuse the call, makes every rank raise instead of leaving the others in a
+    collective. ``key`` (the state's signature with the gradients' metadata
+    and the arguments) is remembered once agreed, so a later call with the same
+    one communicates nothing; a call whose checks failed (``error``) always
+    agrees, and is never remembered.
     """
     if not dist.is_initialized():
         return
+    groups = agreement_groups(_first_root(state))
+    what = "fp16_update: the ranks disagree"
+
+    def describe():
+        return _describe_call(state, grads, arguments, error)
+
+    if error is not None or key is None:
+        agree(describe(), groups, name="", what=what)
+    else:
+        agree_once(key, describe, groups, name="", what=what)
+
+
+def _call_key(signature, grads, arguments: dict):
+    """A local, hashable stand-in for a call: the state's signature, the gradients' tree and
+    leaf metadata (placements and meshes included), the arguments' kinds."""
     g_leaves, g_spec = tree_flatten(grads)
-    p0 = tree_flatten(state.params)[0][0]
-    if not spans_default_group(p0):
-        return
-    key = (
-        signature,
-        g_spec,
-        tuple(
-            (type(g), g.dtype, g.shape, tuple(g.placements) if isinstance(g, DTensor) else None)
-            if isinstance(g, torch.Tensor)
-            else type(g)
-            for g in g_leaves
-        ),
+    described = []
+    for g in g_leaves:
+        if isinstance(g, DTensor):
+            described.append((DTensor, g.dtype, g.shape, g.placements, g.device_mesh))
+        elif isinstance(g, torch.Tensor):
+            described.append((type(g), g.dtype, g.shape, g.device))
+        else:
+            described.append(type(g))
+    args = tuple(
+        (k, describe_leaf(v) if isinstance(v, torch.Tensor) else v) for k, v in arguments.items()
     )
-    if signature is not None and key in _AGREED:
-        return
-    entries = [
-        (f"state.params{p}", _describe(x))
-        for p, x in zip(tree_paths(state.params), tree_flatten(state.params)[0])
-    ]
-    entries += [(f"grads{p}", _describe(g)) for p, g in zip(tree_paths(grads), g_leaves)]
-    digest = hashlib.sha256(repr(entries).encode()).hexdigest()
-    world = dist.get_world_size()
-    digests: list = [None] * world
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) > 1:
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, entries)
-        r = next(i for i, d in enumerate(digests) if d != digests[0])
-        ref, other = dict(everyone[0]), dict(everyone[r])
-        for path in list(ref) + [p for p in other if p not in ref]:
-            if ref.get(path) != other.get(path):
-                raise ValueError(
-                    f"fp16_update: the ranks disagree: {path} is {ref.get(path, 'absent')} on "
-                    f"rank 0 but {other.get(path, 'absent')} on rank {r}"
-                )
-    if signature is not None:
-        remember(_AGREED, key, True, _PLANS_KEPT)
+    return (signature, g_spec, tuple(described), args)
 
 
-def dtensor_update(state, grads, update, *, loss, agree, global_sum, signature=None, **kwargs):
+def dtensor_update(
+    state, grads, update, *, loss, agree, global_sum, signature=None, error=None, check=None,
+    impl="auto", donate=False,
+):  # fmt: skip
     r"""``update`` (``fp16_update``) of a DTensor state, run on the local shards.
 
-    See the module docstring. ``agree`` and ``global_sum``, when given, apply
-    after the mesh's own reductions. ``signature`` (the state's, from
-    ``check_state``) lets what follows from the layout be looked up. Returns
-    the state with its DTensor leaves.
+    See the module docstring. Every check that can differ between the ranks
+    runs first, and its outcome is agreed (:func:`agree_on_layout`) before
+    anything communicates: ``error`` is a refusal the caller's own checks
+    already reached (the state's), ``check()`` runs the rest (the arguments,
+    the gradients against the parameters, the layout). ``agree`` and
+    ``global_sum``, when given, apply after the mesh's own reductions.
+    ``signature`` (the state's, from ``check_state``) lets what follows from
+    the layout be looked up. Returns the state with its DTensor leaves.
     """
-    agree_on_layout(state, grads, signature)  # before anything that may raise on one rank
-    found = plan(state, signature)
+    arguments = {
+        "impl": impl, "loss": loss, "donate": donate,
+        "agree": None if agree is None else "given",
+        "global_sum": None if global_sum is None else "given",
+    }  # fmt: skip
+    found = None
+    if error is None:
+        try:
+            if check is not None:
+                check()
+            found = plan(state, signature)
+            _check_grads(found, grads)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            error = err
+    key = None if error is not None else _call_key(signature, grads, arguments)
+    agree_on_layout(state, grads, key, arguments, error)
+    if error is not None:
+        raise error
     local, wrap = local_state(state)
     local = checked_locally(local, signature)
     local_grads = _grad_locals(found, state, grads)
     mesh_agree, mesh_sum = mesh_hooks(found, agree=agree, global_sum=global_sum)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    new = update(local, local_grads, loss=loss, agree=mesh_agree, global_sum=mesh_sum, **kwargs)
+    new = update(
+        local, local_grads, loss=loss, agree=mesh_agree, global_sum=mesh_sum, impl=impl,
+        donate=donate,
+    )  # fmt: skip
     return wrap(new)

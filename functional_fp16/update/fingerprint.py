@@ -46,9 +46,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps
-from functional_fp16.distributed.process_group import ProcessGroup
 from functional_fp16.transforms.base import GradientTransformation
-from functional_fp16.update import FP16State
+from functional_fp16.update.mesh_reduce import describe_mesh
+from functional_fp16.update.state import FP16State
+
+ProcessGroup = Any  # a ``torch.distributed.ProcessGroup``, or ``None`` for the default group
 
 __all__ = ["describe_tree", "describe_static", "agree", "agree_once"]
 
@@ -169,13 +171,12 @@ def _composite(value: Any, path: str, out: Entries, depth: int, active: set[int]
 def describe_leaf(x: Any) -> str:
     """A leaf's description: ``a float32 tensor of shape (3, 4) on cpu``, ``an int``; a DTensor's
     global shape, placements and mesh (``a float16 DTensor of shape (8, 4) on cpu,
-    (Shard(dim=0),) on a mesh of shape (2,)``), what every rank holds alike."""
+    (Shard(dim=0),) on a mesh ('dp',) of shape (2,) over ranks [0, 1]``: see
+    :func:`~functional_fp16.update.mesh_reduce.describe_mesh`), what every rank holds alike."""
     if isinstance(x, DTensor):
-        mesh = x.device_mesh
-        names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
         return (
             f"a {x.dtype} DTensor of shape {tuple(x.shape)} on {x.device.type}, "
-            f"{tuple(x.placements)} on a mesh of shape {tuple(mesh.shape)}{names}"
+            f"{tuple(x.placements)} on {describe_mesh(x.device_mesh)}"
         )
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device.type}"
@@ -271,26 +272,43 @@ def digest(entries: Entries) -> str:
     return hashlib.sha256(repr(entries).encode("utf-8", "backslashreplace")).hexdigest()
 
 
-def agree(entries: Entries, group: ProcessGroup, *, name: str, what: str) -> None:
-    """Raises on every rank unless every rank of ``group`` passes the same ``entries``.
+def _groups(groups) -> list:
+    return list(groups) if isinstance(groups, (list, tuple)) else [groups]
 
-    One ``all_gather_object`` of a 64-character digest; on a difference a
-    second one of the entries, so that the error can name the first rank
-    that differs from rank 0 (by its rank in ``group``) and the first entry
-    where it does: ``"<what>: <name><path> is <this> on rank 0 but <that> on rank 2"``.
+
+def gather_everywhere(obj: Any, groups) -> list[tuple[int, Any]]:
+    """``(global rank, obj)`` of every rank that the process groups ``groups`` span together,
+    on every one of them, ordered by rank: one ``all_gather_object`` over each group in
+    turn (the ranks of a mesh, gathered over each of its dimensions, span all of it)."""
+    items = [(dist.get_rank(), obj)]
+    for group in _groups(groups):
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, items, group=group)
+        items = [item for part in parts for item in part]
+    return sorted(items, key=lambda item: item[0])
+
+
+def agree(entries: Entries, groups, *, name: str, what: str) -> None:
+    """Raises on every rank unless every rank of ``groups`` passes the same ``entries``.
+
+    ``groups``: one process group (``None``: the default group), or a list of
+    groups whose ranks, gathered over each in turn, span every rank concerned
+    (a mesh's dimensions). Gathers a 64-character digest (one
+    ``all_gather_object`` per group); on a difference the entries themselves,
+    so that the error can name the first rank that differs from the lowest
+    one and the first entry where it does: ``"<what>: <name><path> is <this>
+    on rank 0 but <that> on rank 2"`` (global ranks).
 
     Raises:
       ValueError: on every rank, with the same message, if the entries differ.
     """
-    world = dist.get_world_size(group)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest(entries), group=group)
-    if all(d == digests[0] for d in digests):
+    digests = gather_everywhere(digest(entries), groups)
+    if all(d == digests[0][1] for _, d in digests):
         return
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, entries, group=group)
-    rank = next(r for r in range(world) if digests[r] != digests[0])
-    raise ValueError(f"{what}: " + first_difference(name, gathered[0], 0, gathered[rank], rank))
+    gathered = gather_everywhere(entries, groups)
+    first, ref = gathered[0]
+    rank, other = next((r, e) for (r, e), (_, d) in zip(gathered, digests) if d != digests[0][1])
+    raise ValueError(f"{what}: " + first_difference(name, ref, first, other, rank))
 
 
 _AGREED: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Hashable, None]] = (
@@ -301,21 +319,24 @@ _AGREED: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Hashable, None]]
 def agree_once(
     key: Hashable,
     describe: Callable[[], Entries],
-    group: ProcessGroup,
+    groups,
     *,
     name: str,
     what: str,
 ) -> None:
-    """:func:`agree` on ``describe()``, once per ``key`` and process group.
+    """:func:`agree` on ``describe()``, once per ``key`` and process group(s).
 
     ``key`` is a local, hashable stand-in for the configuration (tree
     structures, leaf dtypes and shapes, arguments): equal keys must describe
-    equal configurations. A key seen before in ``group`` returns at once, with
-    no communication; the last 256 keys are kept per group, and a group's keys
-    are dropped with the group (weakly referenced). An unhashable key falls
-    back to the digest of ``describe()``, computed locally on every call.
+    equal configurations. A key seen before in ``groups`` returns at once,
+    with no communication; the last 256 keys are kept per (first) group, and a
+    group's keys are dropped with the group (weakly referenced). An unhashable
+    key falls back to the digest of ``describe()``, computed locally on every
+    call.
     """
-    pg = dist.group.WORLD if group is None else group
+    listed = _groups(groups)
+    pg = dist.group.WORLD if listed[0] is None else listed[0]
+    key = (len(listed), key)
     seen = _AGREED.get(pg)
     try:
         hash(key)
@@ -328,7 +349,7 @@ def agree_once(
         key = ("digest", digest(entries))
         if seen is not None and key in seen:
             return
-    agree(entries, group, name=name, what=what)
+    agree(entries, groups, name=name, what=what)
     if seen is None:
         seen = _AGREED.setdefault(pg, collections.OrderedDict())
     seen[key] = None

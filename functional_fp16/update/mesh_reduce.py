@@ -14,8 +14,9 @@ from functional_fp16._util.tree import tree_flatten
 
 __all__ = [
     "root_mesh",
-    "spans_default_group",
+    "describe_mesh",
     "whole_mesh_groups",
+    "agreement_groups",
     "all_reduce",
     "finite_everywhere",
 ]
@@ -27,10 +28,21 @@ def root_mesh(mesh):
     return mesh if root is None else root()
 
 
-def spans_default_group(x) -> bool:
-    """Whether ``x`` is a DTensor whose mesh (or the one it was sliced from) spans every
-    rank of the default process group (which must be initialised)."""
-    return isinstance(x, DTensor) and (root_mesh(x.device_mesh).size() == dist.get_world_size())
+def describe_mesh(mesh) -> str:
+    """The mesh's dimension names and shape, the mesh it was sliced from, the ranks of that
+    (or its own), and whether it holds this rank: ``a mesh ('dp',) of shape (2,) sliced from
+    ('dp', 'tp') of shape (2, 2) over ranks [[0, 1], [2, 3]]``. A leaf's validity depends
+    on nothing else; a slice's own ranks differ between the ranks, legitimately."""
+    names = "" if mesh.mesh_dim_names is None else f" {tuple(mesh.mesh_dim_names)}"
+    text = f"a mesh{names} of shape {tuple(mesh.shape)}"
+    root = root_mesh(mesh)
+    if root is not mesh:  # its own ranks are this rank's slice: the parent's are common
+        parent = "" if root.mesh_dim_names is None else f" {tuple(root.mesh_dim_names)}"
+        text += f" sliced from{parent} of shape {tuple(root.shape)}"
+    text += f" over ranks {root.mesh.tolist()}"
+    if mesh.get_coordinate() is None:
+        text += " that does not hold this rank"
+    return text
 
 
 def whole_mesh_groups(root) -> list:
@@ -46,6 +58,14 @@ def whole_mesh_groups(root) -> list:
     return [root.get_group(d) for d in range(root.ndim)]
 
 
+def agreement_groups(root) -> list:
+    """The process groups that the ranks of ``root`` agree over before they communicate:
+    the default group (``[None]``) when ``root`` spans it, else :func:`whole_mesh_groups`."""
+    if root.size() == dist.get_world_size():
+        return [None]
+    return whole_mesh_groups(root)
+
+
 def all_reduce(x: torch.Tensor, op, groups: list) -> torch.Tensor:
     """``x`` all-reduced in place by ``op`` over each of ``groups`` in turn (``None``: the
     default group); returns ``x``."""
@@ -56,10 +76,12 @@ def all_reduce(x: torch.Tensor, op, groups: list) -> torch.Tensor:
 
 def finite_everywhere(tree, flags: torch.Tensor) -> torch.Tensor:
     """``flags`` (one bool per leaf of ``tree``, from this rank's shards) ANDed over every
-    rank, by one all-reduce (MIN) over the default group, when ``tree``'s leaves are
-    DTensors on a mesh that spans it; otherwise ``flags`` as they are. So a parameter
-    that is not finite on one rank's shard is refused by every rank, naming it."""
+    rank of the first leaf's mesh (or the mesh it was sliced from), by one all-reduce (MIN)
+    over each of :func:`agreement_groups`, when ``tree``'s leaves are DTensors; otherwise
+    ``flags`` as they are. So a parameter that is not finite on one rank's shard is refused
+    by every rank of the mesh, naming it, whether or not the mesh spans the default group."""
     leaves = tree_flatten(tree)[0]
-    if not (dist.is_initialized() and leaves and spans_default_group(leaves[0])):
+    if not (dist.is_initialized() and leaves and isinstance(leaves[0], DTensor)):
         return flags
-    return all_reduce(flags.to(torch.int32), dist.ReduceOp.MIN, [None]).to(torch.bool)
+    groups = agreement_groups(root_mesh(leaves[0].device_mesh))
+    return all_reduce(flags.to(torch.int32), dist.ReduceOp.MIN, groups).to(torch.bool)

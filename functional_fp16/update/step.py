@@ -94,24 +94,26 @@ def fp16_update(
     Returns:
       The next :class:`FP16State`; ``grads_finite`` says whether it was applied.
     """
-    signature = _check_state(state)
-    if impl not in ("auto", *IMPLEMENTATIONS):
-        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-    g_leaves = _grad_leaves(state, grads, signature)
+    try:
+        signature = _check_state(state)
+    except (TypeError, ValueError) as err:
+        if not (isinstance(state, FP16State) and holds_dtensors(state)):
+            raise
+        # On a mesh, a refusal that only some ranks reach is agreed on first.
+        dtensor_update(
+            state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
+            error=err, impl=impl, donate=donate,
+        )  # fmt: skip
+        raise  # pragma: no cover - dtensor_update raises
     if _holds_dtensors(state, signature):  # the same update on the local shards
         new = dtensor_update(
             state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
             signature=signature, impl=impl, donate=donate,
+            check=lambda: _check_call(state, grads, signature, impl, loss, agree, global_sum,
+                                      donate),
         )  # fmt: skip
         return mark_checked(new, signature)
-    if loss is not None and not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
-    if agree is not None and not callable(agree):
-        raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
-    if global_sum is not None and not callable(global_sum):
-        raise TypeError(f"global_sum must be a callable or None, got {type(global_sum).__name__}")
-    if not isinstance(donate, bool):
-        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    g_leaves = _check_call(state, grads, signature, impl, loss, agree, global_sum, donate)
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if _any_requires_grad(g_leaves):
@@ -134,6 +136,24 @@ def fp16_update(
 
 
 _DTENSOR_STATES: dict = {}  # signature -> whether its params are DTensors
+
+
+def _check_call(state, grads, signature, impl, loss, agree, global_sum, donate) -> list:
+    """Refuses a call's arguments (naming the argument or the gradient's path); returns the
+    gradients' leaves. Reads metadata only: on a mesh, every rank reaches the same answer
+    for the same call, and the ranks agree on the calls before they communicate."""
+    if impl not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    g_leaves = _grad_leaves(state, grads, signature)
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
+    if agree is not None and not callable(agree):
+        raise TypeError(f"agree must be a callable or None, got {type(agree).__name__}")
+    if global_sum is not None and not callable(global_sum):
+        raise TypeError(f"global_sum must be a callable or None, got {type(global_sum).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    return g_leaves
 
 
 def _holds_dtensors(state: FP16State, signature) -> bool:
