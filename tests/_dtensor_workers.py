@@ -969,6 +969,38 @@ def scenario_collectives(rank: int, out_dir: str):
     return out
 
 
+def scenario_empty_shard(rank: int, out_dir: str):
+    """Leaves whose first dimension is smaller than the number of ranks (a ViT's
+    ``(1, 197, 64)`` position embedding, a ``(3, 64, 64)`` QKV weight), ``Shard(0)``: the
+    last ranks hold no rows. AdamW with FP32 and with int8 moments, an inf in rank 0's
+    shard at ``INJECT_STEP``: the update runs on every rank and matches one process
+    bitwise (an elementwise step, each row whole on the rank that holds it)."""
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = {"pos": (1, 197, 64), "qkv": (3, 64, 64), "b": (5,)}
+    g0 = torch.Generator().manual_seed(11)
+    params = {k: (torch.randn(s, generator=g0) * 0.1).half() for k, s in shapes.items()}
+    out = {"empty": [k for k, s in shapes.items() if s[0] <= rank]}
+    for name, tx in {"fp32": ff.adamw(1e-3), "int8": ff.adamw(1e-3, mu_dtype="int8",
+                                                              nu_dtype="int8")}.items():  # fmt: skip
+        ours = ff.fp16_init({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in params.items()},
+                            tx)  # fmt: skip
+        ref = ff.fp16_init(params, tx)
+        decisions, equal = [], True
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(200 + step)
+            grads = {k: (torch.randn(s, generator=g) * 256).half() for k, s in shapes.items()}
+            if step == INJECT_STEP:
+                grads["pos"][0, 0, 0] = math.inf  # the first row: rank 0's
+            ours = ff.fp16_update(ours, {k: distribute_tensor(v, mesh, [Shard(0)])
+                                         for k, v in grads.items()})  # fmt: skip
+            ref = ff.fp16_update(ref, grads)
+            decisions.append((bool(ours.grads_finite), bool(ref.grads_finite)))
+            equal &= all(torch.equal(bits(ours.master[k]), bits(ref.master[k])) for k in shapes)
+        out[name] = {"decisions": decisions, "equal": equal}
+    return out
+
+
 SCENARIOS = {
     "matrix": scenario_matrix,
     "multisteps": scenario_multisteps,
@@ -984,6 +1016,7 @@ SCENARIOS = {
     "two_roots": scenario_two_roots,
     "own_mesh": scenario_own_mesh,
     "collectives": scenario_collectives,
+    "empty_shard": scenario_empty_shard,
 }
 
 if __name__ == "__main__":
