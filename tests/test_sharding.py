@@ -10,6 +10,7 @@ some leaves are smaller than the number of ranks.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import optree
@@ -22,7 +23,8 @@ import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
 from functional_fp16.distributed.row_shards import rows
 from functional_fp16.distributed.sharding import owners
-from tests._launch import launch_workers, results
+from tests._launch import Launch, launch_workers
+from tests._launch import results as _load_results
 from tests.helpers import bits, load_module, ulp_distance
 
 pytestmark = pytest.mark.distributed
@@ -33,6 +35,15 @@ WORLDS = (2, 3)
 
 
 W = load_module(WORKER_FILE, "_functional_fp16_shard_workers")
+
+
+@functools.cache
+def results(launch: Launch, scenario: str) -> list:
+    """``tests._launch.results``, read from disk once per launch and scenario: the tests only
+    read them, and unpickling the equivalence runs' snapshots (weights-only) took about
+    0.7 s for each of the 22 tests that index them. A launch or scenario that failed is
+    not cached (``pytest.fail`` raises), so every test that reads it still fails with why."""
+    return _load_results(launch, scenario)
 
 
 @pytest.fixture(scope="module")
