@@ -936,6 +936,17 @@ def scenario_own_mesh(rank: int, out_dir: str):
     run["master_ulps"] = max(max_ulps(ours.master[k], ref.master[k]) for k in SHAPES)
     run["comms"] = _comm_counts(lambda: ff.fp16_update(ours, laid))
     out["run"] = run
+    # After the ranks have stepped this state together, rank 1 alone passes a float32
+    # gradient: it raises its own error at once, entering no collective (the others are
+    # not called here; they would wait in the step's collective).
+    out["later_float32"] = None
+    if rank == 1:
+        start = time.monotonic()
+        try:
+            ff.fp16_update(ours, {**laid, "mlp.w": laid["mlp.w"].float()})
+            out["later_float32"] = (None, time.monotonic() - start)
+        except (TypeError, ValueError) as err:
+            out["later_float32"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
     return out
 
 

@@ -466,8 +466,9 @@ def test_meshes_that_do_not_span_the_world_reduce_and_agree_over_their_own_group
     refused by ranks 0 and 1 (not only by rank 1), and by neither of 2 and 3; a float32
     gradient on rank 1 alone makes ranks 0 and 1 raise naming it, within 10 s; clipped
     AdamW decides, names leaves and moves the master as one process does (within one
-    ulp); and one update runs one all-reduce per mesh dimension for the flags and one per
-    dimension for the norm: 4."""
+    ulp); one update runs one all-reduce per mesh dimension for the flags and one per
+    dimension for the norm: 4; and once the state has stepped, rank 1 alone passing a
+    float32 gradient raises its own error within 10 s without waiting for the others."""
     if launch.world != 4:
         pytest.skip("two meshes of 2 take 4 ranks")
     for rank, r in enumerate(results(launch, "own_mesh")):
@@ -484,6 +485,10 @@ def test_meshes_that_do_not_span_the_world_reduce_and_agree_over_their_own_group
         assert run["nonfinite"] == run["ref_nonfinite"], run
         assert run["master_ulps"] <= 1.0, run
         assert run["comms"] == {"allreduce_": 4}, run["comms"]
+        if rank == 1:  # alone, after the state was agreed and stepped: its own error, at once
+            message, seconds = r["later_float32"]
+            assert message.startswith("TypeError: grads['mlp.w']"), message
+            assert seconds < 10.0, seconds
 
 
 def test_one_update_runs_two_collectives_at_most(launch):

@@ -412,7 +412,12 @@ def _describe_call(state, grads, arguments: dict, error: BaseException | None) -
     return entries
 
 
-def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | None) -> None:
+_STEPPED: dict = {}  # signatures of states whose calls the ranks have agreed on
+
+
+def agree_on_layout(
+    state, grads, key, signature, arguments: dict, error: BaseException | None
+) -> None:
     r"""Raises on every rank if any rank's call differs (agreed once per ``key``).
 
     Before the update's first collective, each rank describes its call
@@ -427,10 +432,18 @@ def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | N
     refuse the call, makes every rank raise instead of leaving the others in a
     collective. ``key`` (the state's signature with the gradients' metadata
     and the arguments) is remembered once agreed, so a later call with the same
-    one communicates nothing; a call whose checks failed (``error``) always
-    agrees, and is never remembered.
+    one communicates nothing; a call whose checks failed (``error``) is never
+    remembered. It agrees unless the ranks have already stepped this state
+    (its ``signature``) together: then the others, their call agreed before,
+    go straight to the step's collectives, and this rank raises its own error
+    at once instead of waiting for them in an agreement they do not enter (they
+    wait in theirs until the collective's timeout, or until torchrun's agent
+    ends the job when this rank exits). Telling the others too would take a
+    value read back to the host at every step.
     """
     if not dist.is_initialized():
+        return
+    if error is not None and signature is not None and signature in _STEPPED:
         return
     groups = agreement_groups(_first_root(state))
     what = "fp16_update: the ranks disagree"
@@ -442,6 +455,7 @@ def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | N
         agree(describe(), groups, name="", what=what)
     else:
         agree_once(key, describe, groups, name="", what=what)
+        remember(_STEPPED, signature, True, _AGREED_KEPT)
 
 
 def _call_key(signature, grads, arguments: dict):
@@ -492,7 +506,7 @@ def dtensor_update(
         except (TypeError, ValueError, NotImplementedError) as err:
             error = err
     key = None if error is not None else _call_key(signature, grads, arguments)
-    agree_on_layout(state, grads, key, arguments, error)
+    agree_on_layout(state, grads, key, signature, arguments, error)
     if error is not None:
         raise error
     local, wrap = local_state(state)
