@@ -18,6 +18,7 @@ Against ``torch.optim.SGD``, whose foreach kernels contract the same
 multiply-adds, the bound is one ulp of the result itself.
 """
 
+import functools
 import gc
 import math
 
@@ -290,14 +291,25 @@ def test_kernel_sum_of_squares_matches_global_norm():
     assert torch.equal(sq[0].sqrt().float(), expected)
 
 
+@functools.cache
+def _compiled_update():
+    """``fp16_update`` compiled once for both kernels of this module: under
+    ``torch.compile`` the route leaves the kernel unchosen and the traced op picks
+    its kernel (``op_library.kernel_for``, which the ``kernel`` fixture patches)
+    each time it runs, so the graph is the same for both and each test still runs
+    it with its own kernel. Compiling it twice cost about 10 s."""
+    backend = CompileCounterWithBackend("inductor")  # keeps the traced graph
+    return torch.compile(ff.fp16_update, fullgraph=True, backend=backend), backend
+
+
 def test_the_compiled_update_still_matches_eager_fused(kernel, monkeypatch):
     state = ff.fp16_init(random_tree(0), ff.sgd(0.1, momentum=0.9))
     grads = matrix_grads(state, 0, 0)
     assert ff.update_path(state) == "fused"
     calls = count_c_kernel_calls(monkeypatch, [])
-    backend = CompileCounterWithBackend("inductor")  # keeps the traced graph
-    compiled = torch.compile(ff.fp16_update, fullgraph=True, backend=backend)
+    compiled, backend = _compiled_update()
     new = compiled(state, grads)
+    assert backend.graphs  # traced (by this test or the other kernel's)
     # the compiled update is the fused op, and the op ran this test's kernel when it ran
     ops = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
     assert "functional_fp16.sgd_step.default" in ops, sorted(ops)
