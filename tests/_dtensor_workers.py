@@ -122,6 +122,14 @@ def scenario_multisteps(rank: int, out_dir: str):
         for k in SHAPES:
             worst = max(worst, max_ulps(ours.master[k], ref.master[k]))
     out = {"decisions": decisions, "master_ulps": worst, "path": ff.update_path(ours)}
+    # A loss that is inf on the last rank alone, at a micro-batch that does not close the
+    # window: every rank records the window as spoilt (its micro-batch flags and the loss
+    # check ride in one reduction).
+    spoilt = ff.fp16_init(distribute(make_params(), mesh, True), ff.MultiSteps(ff.sgd(0.1), 2))
+    last = rank == world - 1
+    loss = torch.tensor(math.inf if last else 1.0)
+    spoilt = ff.fp16_update(spoilt, distribute(make_grads(0, world), mesh, True), loss=loss)
+    out["loss_one_rank"] = (bool(spoilt.grads_finite), bool(spoilt.opt_state.acc_finite))
     # Clipping a mix of replicated and sharded leaves off the fused path (accumulated,
     # masked): each leaf's squares counted once, as in one process.
     mixed = {}
@@ -939,14 +947,19 @@ def scenario_own_mesh(rank: int, out_dir: str):
     # After the ranks have stepped this state together, rank 1 alone passes a float32
     # gradient: it raises its own error at once, entering no collective (the others are
     # not called here; they would wait in the step's collective).
-    out["later_float32"] = None
+    out["later_float32"] = out["later_master"] = None
     if rank == 1:
-        start = time.monotonic()
-        try:
-            ff.fp16_update(ours, {**laid, "mlp.w": laid["mlp.w"].float()})
-            out["later_float32"] = (None, time.monotonic() - start)
-        except (TypeError, ValueError) as err:
-            out["later_float32"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+        bad_master = ours.replace(master={**ours.master, "ln.w": ours.master["ln.w"].double()})
+        for name, (st, gr) in {
+            "later_float32": (ours, {**laid, "mlp.w": laid["mlp.w"].float()}),
+            "later_master": (bad_master, laid),
+        }.items():
+            start = time.monotonic()
+            try:
+                ff.fp16_update(st, gr)
+                out[name] = (None, time.monotonic() - start)
+            except (TypeError, ValueError) as err:
+                out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
     return out
 
 

@@ -122,18 +122,22 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
     reuse = donate and spec.use_grad_mean
     agree = decide.agree
     if isinstance(agree, LeafAgreement) and agree.then is None:
-        # One reduction agrees both this micro-batch's flags (carried) and the mean's:
-        # AND over the processes of (emit & acc_finite & r & all local flags) is the
-        # agreed apply, since emit, acc_finite and r are alike on every process.
-        carry = Carry(local, [])
-        ok = decide.require
-        ok = local.all() if ok is None else ok.to(local.device) & local.all()
-        stepped = impl(inner, handed, decide._replace(require=emit & ms.acc_finite & ok,
-                                                      carry=carry), reuse)  # fmt: skip
-        flags = carry.agreed[0]
-        finite = (
-            flags.all() if decide.require is None else flags.all() & decide.require.to(flags.device)
-        )
+        # One reduction agrees both this micro-batch's flags and loss check (carried) and
+        # the mean's: AND over the processes of (emit & acc_finite & all local flags & r)
+        # is the agreed apply, since emit and acc_finite are alike on every process.
+        r = decide.require
+        carried = local if r is None else torch.cat([local, r.to(local.device).reshape(1)])
+        carry = Carry(carried, [])
+        inner_decide = decide._replace(require=emit & ms.acc_finite & carried.all(), carry=carry)
+        stepped = impl(inner, handed, inner_decide, reuse)
+        if len(carry.agreed) != 1:  # pragma: no cover - every implementation decides so
+            raise RuntimeError(
+                "MultiSteps on a mesh: the inner update did not agree its leaves' flags "
+                "through Decision.leaves once"
+            )
+        agreed = carry.agreed[0]
+        flags = agreed[: local.shape[0]]
+        finite = flags.all() if r is None else flags.all() & agreed[-1]
     else:
         flags, finite = decide.leaves(local)
         stepped = impl(inner, handed, decide.with_require(emit & ms.acc_finite & finite), reuse)

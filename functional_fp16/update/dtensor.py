@@ -200,14 +200,17 @@ def _like(old: DTensor, before: torch.Tensor, local: torch.Tensor) -> DTensor:
     )  # fmt: skip
 
 
-def _check_grads(plan: _Plan, grads) -> None:
+def _check_grads(plan: _Plan, grads) -> bool:
     """Refuses a gradient that is not a DTensor on its parameter's mesh, naming it (local:
-    no communication). Their structure, shapes and dtypes are the caller's checks."""
+    no communication); returns whether every gradient also has its parameter's placements
+    (else some must be redistributed). Their structure, shapes and dtypes are the
+    caller's checks."""
     g_leaves = tree_flatten(grads)[0]
     if all(type(g) is DTensor for g in g_leaves) and all(
-        g.device_mesh == mesh for g, mesh in zip(g_leaves, plan.meshes)
+        g.device_mesh == mesh and g.placements == want
+        for g, mesh, want in zip(g_leaves, plan.meshes, plan.placements)
     ):
-        return
+        return True
     for path, g, mesh, want in zip(tree_paths(grads), g_leaves, plan.meshes, plan.placements):
         if not isinstance(g, DTensor):
             raise TypeError(
@@ -219,6 +222,7 @@ def _check_grads(plan: _Plan, grads) -> None:
                 f"grads{path}: placements {g.placements} on {g.device_mesh}, expected the "
                 f"parameter's {want} on {mesh}"
             )
+    return False
 
 
 def _local_grads(state, grads) -> Any:
@@ -289,18 +293,6 @@ def plan(state, signature, field: str = "params") -> _Plan:
     if signature is not None:
         remember(_PLANS, signature, found, _PLANS_KEPT)
     return found
-
-
-def _grad_locals(plan: _Plan, state, grads) -> Any:
-    """The gradients' local tensors; the checks that name a leaf run when a fast one fails."""
-    leaves, spec = tree_flatten(grads)
-    if all(type(g) is DTensor for g in leaves) and all(
-        g.device_mesh == mesh and g.placements == want
-        for g, mesh, want in zip(leaves, plan.meshes, plan.placements)
-    ):
-        with torch.no_grad():
-            return tree_unflatten(spec, [g.to_local() for g in leaves])
-    return _local_grads(state, grads)
 
 
 def checked_locally(local, signature):
@@ -387,6 +379,7 @@ def mesh_hooks(plan: _Plan, *, agree, global_sum):
 
 
 _AGREED_KEPT = 64
+_AGREED_KEYS: dict = {}  # the call keys agreed on
 
 
 def _first_root(state):
@@ -407,17 +400,24 @@ def _describe_call(state, grads, arguments: dict, error: BaseException | None) -
             entries.append((f"argument {name}", describe_leaf(value)))
         else:
             entries += describe_static(value, f"argument {name}")
-    outcome = "passed" if error is None else f"refused ({type(error).__name__}: {error})"
+    # The kind of refusal only: its message may name rank-dependent things (a sub-mesh's
+    # own ranks), and ranks that make the same mistake should each raise their own error.
+    outcome = "passed" if error is None else f"refused ({type(error).__name__})"
     entries.append(("the checks of this call", outcome))
     return entries
 
 
-_STEPPED: dict = {}  # signatures of states whose calls the ranks have agreed on
+_STEPPED: dict = {}  # the states' structures and root meshes the ranks have agreed calls on
 
 
-def agree_on_layout(
-    state, grads, key, signature, arguments: dict, error: BaseException | None
-) -> None:
+def _stepped_key(state) -> tuple:
+    """What even a state that its checks refuse still shows: its tree structure (``tx`` and
+    the loss scale's settings in its static metadata) and the mesh its first DTensor
+    parameter is (or was sliced from)."""
+    return (tree_flatten(state)[1], _first_root(state))
+
+
+def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | None) -> None:
     r"""Raises on every rank if any rank's call differs (agreed once per ``key``).
 
     Before the update's first collective, each rank describes its call
@@ -433,8 +433,9 @@ def agree_on_layout(
     collective. ``key`` (the state's signature with the gradients' metadata
     and the arguments) is remembered once agreed, so a later call with the same
     one communicates nothing; a call whose checks failed (``error``) is never
-    remembered. It agrees unless the ranks have already stepped this state
-    (its ``signature``) together: then the others, their call agreed before,
+    remembered. It agrees unless the ranks have already agreed a call on a state
+    of this structure, ``tx`` and mesh (:func:`_stepped_key`): then the others,
+    their call agreed before,
     go straight to the step's collectives, and this rank raises its own error
     at once instead of waiting for them in an agreement they do not enter (they
     wait in theirs until the collective's timeout, or until torchrun's agent
@@ -443,7 +444,7 @@ def agree_on_layout(
     """
     if not dist.is_initialized():
         return
-    if error is not None and signature is not None and signature in _STEPPED:
+    if error is not None and _stepped_key(state) in _STEPPED:
         return
     groups = agreement_groups(_first_root(state))
     what = "fp16_update: the ranks disagree"
@@ -455,7 +456,9 @@ def agree_on_layout(
         agree(describe(), groups, name="", what=what)
     else:
         agree_once(key, describe, groups, name="", what=what)
-        remember(_STEPPED, signature, True, _AGREED_KEPT)
+        if key not in _AGREED_KEYS:  # once per agreed call: the flatten is not per step
+            remember(_AGREED_KEYS, key, True, _AGREED_KEPT)
+            remember(_STEPPED, _stepped_key(state), True, _AGREED_KEPT)
 
 
 def _call_key(signature, grads, arguments: dict):
@@ -496,22 +499,27 @@ def dtensor_update(
         "agree": None if agree is None else "given",
         "global_sum": None if global_sum is None else "given",
     }  # fmt: skip
-    found = None
+    found = placed = local = wrap = None
     if error is None:
         try:
             if check is not None:
                 check()
             found = plan(state, signature)
-            _check_grads(found, grads)
+            placed = _check_grads(found, grads)
+            local, wrap = local_state(state)
+            local = checked_locally(local, signature)  # each rank's shards: dense, no overlap
         except (TypeError, ValueError, NotImplementedError) as err:
             error = err
-    key = None if error is not None else _call_key(signature, grads, arguments)
-    agree_on_layout(state, grads, key, signature, arguments, error)
+    key = None if error is not None or signature is None else _call_key(signature, grads, arguments)
+    agree_on_layout(state, grads, key, arguments, error)
     if error is not None:
         raise error
-    local, wrap = local_state(state)
-    local = checked_locally(local, signature)
-    local_grads = _grad_locals(found, state, grads)
+    if placed:
+        g_leaves, g_spec = tree_flatten(grads)
+        with torch.no_grad():
+            local_grads = tree_unflatten(g_spec, [g.to_local() for g in g_leaves])
+    else:  # some placed otherwise on their parameter's mesh: redistributed (a collective)
+        local_grads = _local_grads(state, grads)
     mesh_agree, mesh_sum = mesh_hooks(found, agree=agree, global_sum=global_sum)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
