@@ -417,7 +417,7 @@ def _stepped_key(state) -> tuple:
     return (tree_flatten(state)[1], _first_root(state))
 
 
-def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | None) -> None:
+def agree_on_layout(state, grads, signature, arguments: dict, error: BaseException | None) -> None:
     r"""Raises on every rank if any rank's call differs (agreed once per ``key``).
 
     Before the update's first collective, each rank describes its call
@@ -430,8 +430,8 @@ def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | N
     rank and path that differ from the lowest rank. So a rank with another
     mesh, placement, dtype, tree, optimiser or argument, or one whose checks
     refuse the call, makes every rank raise instead of leaving the others in a
-    collective. ``key`` (the state's signature with the gradients' metadata
-    and the arguments) is remembered once agreed, so a later call with the same
+    collective. The call's key (``signature``, the state's, with the
+    gradients' metadata and the arguments) is remembered once agreed, so a later call with the same
     one communicates nothing; a call whose checks failed (``error``) is never
     remembered. It agrees unless the ranks have already agreed a call on a state
     of this structure, ``tx`` and mesh (:func:`_stepped_key`): then the others,
@@ -442,6 +442,11 @@ def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | N
     ends the job when this rank exits). Telling the others too would take a
     value read back to the host at every step.
     """
+    # The key lives only here: held through the step, its tuples (one per leaf) would
+    # make Python's garbage collector run four times as often (measured, 73 leaves).
+    key = None if error is not None or signature is None else _call_key(signature, grads, arguments)
+    if key is not None and key in _AGREED_KEYS:  # agreed before: nothing to communicate
+        return
     if not dist.is_initialized():
         return
     if error is not None and _stepped_key(state) in _STEPPED:
@@ -456,19 +461,19 @@ def agree_on_layout(state, grads, key, arguments: dict, error: BaseException | N
         agree(describe(), groups, name="", what=what)
     else:
         agree_once(key, describe, groups, name="", what=what)
-        if key not in _AGREED_KEYS:  # once per agreed call: the flatten is not per step
-            remember(_AGREED_KEYS, key, True, _AGREED_KEPT)
-            remember(_STEPPED, _stepped_key(state), True, _AGREED_KEPT)
+        remember(_AGREED_KEYS, key, True, _AGREED_KEPT)
+        remember(_STEPPED, _stepped_key(state), True, _AGREED_KEPT)
 
 
 def _call_key(signature, grads, arguments: dict):
-    """A local, hashable stand-in for a call: the state's signature, the gradients' tree and
-    leaf metadata (placements and meshes included), the arguments' kinds."""
+    """A local, hashable stand-in for a call that passed its checks: the state's signature,
+    the gradients' tree and leaf metadata (placements included; their meshes are the
+    parameters', which the signature holds), the arguments' kinds."""
     g_leaves, g_spec = tree_flatten(grads)
     described = []
     for g in g_leaves:
         if isinstance(g, DTensor):
-            described.append((DTensor, g.dtype, g.shape, g.placements, g.device_mesh))
+            described.append((g.dtype, g.shape, g.placements))
         elif isinstance(g, torch.Tensor):
             described.append((type(g), g.dtype, g.shape, g.device))
         else:
@@ -510,8 +515,7 @@ def dtensor_update(
             local = checked_locally(local, signature)  # each rank's shards: dense, no overlap
         except (TypeError, ValueError, NotImplementedError) as err:
             error = err
-    key = None if error is not None or signature is None else _call_key(signature, grads, arguments)
-    agree_on_layout(state, grads, key, arguments, error)
+    agree_on_layout(state, grads, signature, arguments, error)
     if error is not None:
         raise error
     if placed:
