@@ -176,6 +176,7 @@ def run_scenarios(
         scenarios = {k: v for k, v in scenarios.items() if k in chosen.split(",")}
     try:
         for name, fn in scenarios.items():
+            started = time.monotonic()
             try:
                 result = fn(info.rank, out)
             except Exception:
@@ -184,6 +185,7 @@ def run_scenarios(
                     f.write(traceback.format_exc())
                 continue
             torch.save(result, os.path.join(out, f"{name}_rank{info.rank}.pt"))
+            print(f"scenario {name}: {time.monotonic() - started:.1f} s", flush=True)
     finally:
         ffd.shutdown()
     torch.save(thread_names(), os.path.join(out, f"after_shutdown_rank{info.rank}.pt"))

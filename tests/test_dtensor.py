@@ -57,7 +57,9 @@ def test_dtensor_states_step_like_one_process(launch, name, donate):
         assert r["scales_equal"] and r["params_equal"] and r["kept"], r
         bound = 1.0 if name in CLIPPING else 0.0
         assert r["master_ulps"] <= bound and r["opt_ulps"] <= bound, r
-    assert all(r == per_rank[0] for r in per_rank)  # every rank holds the same answer
+    # Every rank holds the same answer; the ulps each rank measured on its own shards.
+    same = [{k: v for k, v in r.items() if not k.endswith("_ulps")} for r in per_rank]
+    assert all(r == same[0] for r in same)
     fused = name not in ("apply_if_finite", "identity", "zero_momentum_trace", "wd_zero_kept")
     assert per_rank[0]["path"] in (("fused",) if fused else ("fused", "foreach", "foreach-sgd"))
 
