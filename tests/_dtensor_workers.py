@@ -1008,7 +1008,8 @@ def scenario_collectives(rank: int, out_dir: str):
 def scenario_empty_shard(rank: int, out_dir: str):
     """Leaves whose first dimension is smaller than the number of ranks (a ViT's
     ``(1, 197, 64)`` position embedding, a ``(3, 64, 64)`` QKV weight), ``Shard(0)``: the
-    last ranks hold no rows. AdamW with FP32 and with int8 moments, an inf in rank 0's
+    last ranks hold no rows. AdamW with FP32 and with int8 moments (rounded to nearest and
+    stochastically), an inf in rank 0's
     shard at ``INJECT_STEP``: the update runs on every rank and matches one process
     bitwise (an elementwise step, each row whole on the rank that holds it)."""
     world = torch.distributed.get_world_size()
@@ -1017,8 +1018,15 @@ def scenario_empty_shard(rank: int, out_dir: str):
     g0 = torch.Generator().manual_seed(11)
     params = {k: (torch.randn(s, generator=g0) * 0.1).half() for k, s in shapes.items()}
     out = {"empty": [k for k, s in shapes.items() if s[0] <= rank]}
-    for name, tx in {"fp32": ff.adamw(1e-3), "int8": ff.adamw(1e-3, mu_dtype="int8",
-                                                              nu_dtype="int8")}.items():  # fmt: skip
+    txs = {
+        "fp32": ff.adamw(1e-3),
+        "int8": ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"),
+        # rounded by a hash of each value, never of its position: bitwise one process too
+        "int8_stochastic": ff.adamw(
+            1e-3, mu_dtype="int8", nu_dtype="int8", moment_rounding="stochastic"
+        ),
+    }
+    for name, tx in txs.items():
         ours = ff.fp16_init({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in params.items()},
                             tx)  # fmt: skip
         ref = ff.fp16_init(params, tx)

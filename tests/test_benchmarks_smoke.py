@@ -125,6 +125,14 @@ def test_lion_benchmark_runs_both_optimisers_on_the_fused_path():
     assert "| lion pure |" in out and "| adamw donated |" in out
 
 
+def test_moment_fidelity_benchmark_prints_every_format_and_case():
+    out = _run("bench_moment_fidelity.py", "--smoke")
+    for fmt in ("bfloat16", "float16", "int8"):
+        for rounding in ("nearest", "stochastic"):
+            assert f"| {fmt}, {rounding} |" in out, out
+    assert "| float32 | 1.000e-03 (1.00x) |" in out and "lion, +1 -> -1 (steps)" in out
+
+
 def test_moments_benchmark_counts_state_bytes_and_times_every_format():
     out = _run("bench_moments.py", "--smoke")
     for row in ("| fp32 | 2.000 | 4.000 | 8.000", "| bf16 | 2.000 | 4.000 | 4.000", "| int8 |"):

@@ -512,10 +512,11 @@ def test_one_update_runs_two_collectives_at_most(launch):
 def test_ranks_that_hold_no_rows_step_like_one_process(launch):
     """Leaves shorter than the number of ranks along ``Shard(0)``: the last ranks hold empty
     shards (at 4 ranks both 3-row and 1-row leaves, at 2 the 1-row one), with FP32 and
-    int8 moments; decisions and masters bitwise those of one process."""
+    int8 moments (rounded to nearest and stochastically: the rounding hashes each value,
+    never its position); decisions and masters bitwise those of one process."""
     for rank, r in enumerate(results(launch, "empty_shard")):
         assert r["empty"] == [k for k, n in (("pos", 1), ("qkv", 3)) if n <= rank], r
-        for name in ("fp32", "int8"):
+        for name in ("fp32", "int8", "int8_stochastic"):
             run = r[name]
             assert all(a == b for a, b in run["decisions"]), (name, run)
             assert run["decisions"][INJECT_STEP] == (False, False), (name, run)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -66,7 +67,54 @@ def _ref_decode(fmt: ms.MomentFormat, stored) -> torch.Tensor:
     return stored.float()
 
 
-def _ref_encode(fmt: ms.MomentFormat, x: torch.Tensor, like):
+_M32 = 0xFFFFFFFF
+
+
+def _ref_mix(h):
+    """The 32-bit finaliser in numpy uint64 (products of two 32-bit numbers fit)."""
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x7FEB352D)) & np.uint64(_M32)
+    h = h ^ (h >> np.uint64(15))
+    h = (h * np.uint64(0x846CA68B)) & np.uint64(_M32)
+    return h ^ (h >> np.uint64(16))
+
+
+def _ref_salt(count: int, stream: int, leaf: int) -> int:
+    fixed = int(_ref_mix(np.uint64((int(_ref_mix(np.uint64(stream))) + leaf * 0x9E3779B1) & _M32)))
+    return int(_ref_mix(np.uint64(((count * 0x9E3779B1) + fixed) & _M32)))
+
+
+def _grid(dtype) -> np.ndarray:
+    """Every finite value of ``dtype`` (8 or 16 bits), sorted."""
+    n = 256 if dtype == torch.float8_e4m3fn else 65536
+    ints = torch.arange(n, dtype=torch.int32).to(torch.uint8 if n == 256 else torch.int16)
+    values = ints.view(dtype).double().numpy()
+    return np.unique(values[np.isfinite(values)])
+
+
+def _ref_round(q: torch.Tensor, dtype, salt: int | None, square: bool = False) -> torch.Tensor:
+    """``q`` (float32) rounded onto ``dtype``'s grid: to nearest without ``salt``, else up to
+    the next grid value with probability (q - lo) / (hi - lo) (of the squares with
+    ``square``, in float32) where the hash of q's bits and the salt falls under it."""
+    if salt is None:
+        return q.to(dtype)
+    grid = _grid(dtype)
+    qs = q.detach().numpy().astype(np.float32)
+    i = np.clip(np.searchsorted(grid, qs.astype(np.float64), side="right") - 1, 0, len(grid) - 2)
+    lo, hi = grid[i].astype(np.float32), grid[i + 1].astype(np.float32)
+    on_grid = lo == qs
+    frac = (qs - lo) / (hi - lo)
+    if square:  # the squares' ratio, as the format defines it: two ratios, in float32
+        frac = frac * ((qs + lo) / (hi + lo))
+    bits = qs.view(np.uint32).astype(np.uint64)
+    u = (_ref_mix(bits ^ np.uint64(salt)) >> np.uint64(8)).astype(np.float64) * 2.0**-24
+    out = np.where(on_grid | ~(u < frac), lo, hi)
+    return torch.from_numpy(out.astype(np.float32)).to(dtype)
+
+
+def _ref_encode(fmt: ms.MomentFormat, x: torch.Tensor, like, salt: int | None = None):
+    """The format's encoding of ``x``; rounded stochastically with ``salt`` (from
+    :func:`_ref_salt`)."""
     if isinstance(like, ms.BlockCodes):
         base = x.sqrt() if fmt.root else x
         index = _blocks_of(base, fmt.block_size)
@@ -79,16 +127,18 @@ def _ref_encode(fmt: ms.MomentFormat, x: torch.Tensor, like):
         scales = peaks / 448.0
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.clamp(base / scales[index], -448.0, 448.0)
-        codes = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        codes = _ref_round(q, torch.float8_e4m3fn, salt, square=fmt.root).view(torch.uint8)
         return ms.BlockCodes(codes, scales.view(like.scales.shape))
     if isinstance(like, ms.ScaledHalf):
         if fmt.scale == "tensor":
             s = 2.0 ** (math.frexp(float(x.max()))[1] - 15)
         else:
             s = fmt.scale
-        values = torch.clamp(x / s, -65504.0, 65504.0).half()
+        values = _ref_round(torch.clamp(x / s, -65504.0, 65504.0), torch.float16, salt)
         return ms.ScaledHalf(values, torch.tensor(s, dtype=torch.float32))
-    return x.to(like.dtype)
+    if like.dtype == torch.float32:
+        return x.clone()
+    return _ref_round(x, like.dtype, salt)
 
 
 # -- the codec ---------------------------------------------------------------------------
@@ -373,6 +423,12 @@ SETTINGS = {
     "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1, mu_dtype="int8"),
     "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="int8"),
     "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True, accumulator_dtype=torch.bfloat16),
+    "adamw_int8_stochastic": lambda: ff.adamw(
+        1e-3, weight_decay=0.1, mu_dtype="int8", nu_dtype="int8", moment_rounding="stochastic"
+    ),
+    "lion_bf16_stochastic": lambda: ff.lion(
+        1e-4, mu_dtype=torch.bfloat16, moment_rounding="stochastic"
+    ),
 }
 
 
@@ -390,9 +446,17 @@ def _updates(seed, like):
     return {k: torch.randn(p.shape, generator=g) * 1e-2 for k, p in like.items()}
 
 
+def _is_stored(x) -> bool:
+    return isinstance(x, (ms.BlockCodes, ms.ScaledHalf))
+
+
 def _map(fn, tree, *rest):
-    is_stored = lambda x: isinstance(x, (ms.BlockCodes, ms.ScaledHalf))
-    return optree.tree_map(fn, tree, *rest, is_leaf=is_stored, namespace=NAMESPACE)
+    return optree.tree_map(fn, tree, *rest, is_leaf=_is_stored, namespace=NAMESPACE)
+
+
+# The stream each moment field rounds with where its format rounds stochastically (Adam's
+# and Lion's, which count their steps).
+STREAMS = {"mu": 0, "nu": 1}
 
 
 # (coded transform, FP32 twin, the state's moment fields and their formats' spec fields)
@@ -411,6 +475,29 @@ TRANSFORMS = {
     ),
     "lion_int8": (
         lambda: ff.scale_by_lion(mu_dtype="int8"),
+        lambda: ff.scale_by_lion(),
+        {"mu": "mu_format"},
+    ),
+    "adam_int8_stochastic": (
+        lambda: ff.scale_by_adam(
+            mu_dtype="int8", nu_dtype="int8", block_size=128, moment_rounding="stochastic"
+        ),
+        lambda: ff.scale_by_adam(),
+        {"mu": "mu_format", "nu": "nu_format"},
+    ),
+    "adam_bf16_fp16_stochastic": (
+        lambda: ff.scale_by_adam(
+            b2=0.95,
+            mu_dtype=torch.bfloat16,
+            nu_dtype=torch.float16,
+            nu_scale="tensor",
+            moment_rounding="stochastic",
+        ),
+        lambda: ff.scale_by_adam(b2=0.95),
+        {"mu": "mu_format", "nu": "nu_format"},
+    ),
+    "lion_int8_stochastic": (
+        lambda: ff.scale_by_lion(mu_dtype="int8", moment_rounding="stochastic"),
         lambda: ff.scale_by_lion(),
         {"mu": "mu_format"},
     ),
@@ -433,7 +520,9 @@ def test_a_step_from_decoded_moments_is_the_fp32_step_then_coded(name):
     coded transform's, and its new moments coded are bitwise the coded transform's:
     storage changes the bytes kept between steps, never the float32 arithmetic. Decoded
     and coded by the reference codec (``_ref_decode``, ``_ref_encode``), so a codec that
-    decodes or encodes wrongly in both directions alike is not its own witness."""
+    decodes or encodes wrongly in both directions alike is not its own witness; moments
+    rounded stochastically (``moment_rounding="stochastic"``) by the reference's own hash
+    (numpy), neighbours (every value of the format, enumerated) and probabilities."""
     make, make_fp32, fields = TRANSFORMS[name]
     coded, plain = make(), make_fp32()
     params = _params()
@@ -452,14 +541,20 @@ def test_a_step_from_decoded_moments_is_the_fp32_step_then_coded(name):
     u_coded, new_coded = coded.update(grads, state, params)
     u_plain, new_plain = plain.update(grads, twin, params)
     assert_states_bitwise_equal(u_coded, u_plain)
+    count = int(new_coded.count) if "count" in new_coded._fields else None
     for field, spec_field in fields.items():
         fmt = getattr(coded.spec, spec_field)
-        recoded = _map(
-            lambda x, like: _ref_encode(fmt, x, like),
-            getattr(new_plain, field),
-            getattr(state, field),
+        stream = STREAMS.get(field) if fmt.rounding == "stochastic" else None
+        leaves = optree.tree_leaves(
+            getattr(new_plain, field), is_leaf=_is_stored, namespace=NAMESPACE
         )
-        assert_states_bitwise_equal(getattr(new_coded, field), recoded)
+        likes = optree.tree_leaves(getattr(state, field), is_leaf=_is_stored, namespace=NAMESPACE)
+        recoded = [
+            _ref_encode(fmt, x, like, None if stream is None else _ref_salt(count, stream, i))
+            for i, (x, like) in enumerate(zip(leaves, likes))
+        ]
+        got = optree.tree_leaves(getattr(new_coded, field), is_leaf=_is_stored, namespace=NAMESPACE)
+        assert_states_bitwise_equal(got, recoded)
     stored = optree.tree_leaves(state, namespace=NAMESPACE)
     assert any(x.dtype in (torch.uint8, torch.bfloat16, torch.float16) for x in stored)
 
@@ -577,6 +672,8 @@ _FP32 = {
     "lion_int8": lambda: ff.lion(1e-4, weight_decay=0.1),
     "sgd_int8": lambda: ff.sgd(0.05, momentum=0.9),
     "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, nesterov=True),
+    "adamw_int8_stochastic": lambda: ff.adamw(1e-3, weight_decay=0.1),
+    "lion_bf16_stochastic": lambda: ff.lion(1e-4),
 }
 
 
@@ -587,7 +684,7 @@ def test_stored_moments_run_as_written_and_say_so():
         assert ff.update_path(_state(_FP32[name])) == "fused", name
 
 
-@pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8", "adam_fp16"])
+@pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8", "adam_fp16", "adamw_int8_stochastic"])
 def test_checkpoint_round_trip_is_bitwise(tmp_path, name):
     state = _state(SETTINGS[name])
     for seed in range(2):
@@ -622,7 +719,9 @@ def test_a_checkpoint_whose_block_scales_do_not_fit_is_corrupt(tmp_path, codes, 
             ff.load_checkpoint(tmp_path / "bad.ckpt", like)
 
 
-@pytest.mark.parametrize("name", ["adamw_int8", "sgd_int8"])
+@pytest.mark.parametrize(
+    "name", ["adamw_int8", "sgd_int8", "adamw_int8_stochastic", "lion_bf16_stochastic"]
+)
 def test_vmap_steps_each_member_as_alone(name):
     tx = SETTINGS[name]()
     members = [_state(None, seed=s, tx=tx) for s in range(2)]
@@ -634,7 +733,13 @@ def test_vmap_steps_each_member_as_alone(name):
 
 
 @pytest.mark.parametrize(
-    "name, exact", [("recipe_int8", False), ("sgd_bf16", True), ("lion_int8", True)]
+    "name, exact",
+    [
+        ("recipe_int8", False),
+        ("sgd_bf16", True),
+        ("lion_int8", True),
+        ("lion_bf16_stochastic", True),
+    ],
 )
 def test_compiles_as_one_graph(name, exact):
     """``torch.compile(fullgraph=True)`` takes the update whole. Every leaf of the state is

@@ -17,15 +17,15 @@ from functional_fp16._util.tree import (
     tree_unflatten,
 )
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
+from functional_fp16.distributed.process_group import ProcessGroup, require_group
+from functional_fp16.distributed.replicas import check_same_tree
+from functional_fp16.transforms.base import EmptyState, GradientTransformation
 from functional_fp16.update.fingerprint import (
     agree_once,
     describe_arguments,
     describe_tree,
     leaf_key,
 )
-from functional_fp16.distributed.process_group import ProcessGroup, require_group
-from functional_fp16.distributed.replicas import check_same_tree
-from functional_fp16.transforms.base import EmptyState, GradientTransformation
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from functional_fp16._util.deprecation import keyword_only
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_unflatten
 from functional_fp16.distributed.buckets import _buckets, _pack, _unpack
-from functional_fp16.update.fingerprint import agree, describe_tree
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
+from functional_fp16.update.fingerprint import agree, describe_tree
 
 __all__ = ["check_same_tree", "broadcast_state"]
 

@@ -17,12 +17,6 @@ from functional_fp16.distributed.all_reduce import (
     check_predivide,
     default_predivide,
 )
-from functional_fp16.update.fingerprint import (
-    agree_once,
-    describe_arguments,
-    describe_leaf,
-    describe_tree,
-)
 from functional_fp16.distributed.process_group import ProcessGroup, require_group
 from functional_fp16.distributed.row_shards import gather_rows, plan_buckets, reduce_rows, rows
 from functional_fp16.distributed.sharding import _format, mesh_of, refuse_replicated_steps
@@ -30,6 +24,12 @@ from functional_fp16.update import FP16State, fp16_update
 from functional_fp16.update.batching import is_batched
 from functional_fp16.update.dispatch import IMPLEMENTATIONS
 from functional_fp16.update.dtensor import checked_locally, local_state, mesh_hooks, plan
+from functional_fp16.update.fingerprint import (
+    agree_once,
+    describe_arguments,
+    describe_leaf,
+    describe_tree,
+)
 
 __all__ = ["sharded_update"]
 

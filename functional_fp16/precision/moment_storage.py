@@ -20,6 +20,13 @@ format         stored per parameter element            decode (to float32)
                                                        (second moments)
 =============  ======================================  ====================================
 
+:math:`\operatorname{rn}` above is rounding to nearest, the default. With
+``moment_rounding="stochastic"`` (Adam, AdamW, Lion) the moments are rounded
+*stochastically* instead (:func:`encode_all` with the optimiser's step count),
+onto the same grids, so that a moving average whose change per step is under
+half a code step still follows it in expectation
+(:mod:`functional_fp16.precision.stochastic_rounding`).
+
 **FP16 second moments** carry a scale: :math:`v \approx g^2` leaves FP16's
 range (:math:`g = 10^{-4}` gives :math:`10^{-8}`, below its smallest normal
 :math:`6.1\cdot 10^{-5}`). With ``scale="tensor"`` each step picks
@@ -81,6 +88,7 @@ import torch
 
 from functional_fp16._util import validate
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
+from functional_fp16.precision.stochastic_rounding import round_stochastic, salt, uniform
 
 __all__ = [
     "MomentFormat",
@@ -118,6 +126,7 @@ class MomentFormat(NamedTuple):
     scale: str | float | None  # float16 second moments: "tensor" or a fixed power of two
     block_size: int  # int8: elements per block
     min_row: int  # int8: matrices with shorter rows (and vectors) stay float32
+    rounding: str = "nearest"  # "nearest", or "stochastic" (with the optimiser's step count)
 
 
 FLOAT32 = MomentFormat("float32", False, None, DEFAULT_BLOCK, MIN_ROW)
@@ -149,6 +158,7 @@ def moment_format(
     scale: Any = None,
     scale_name: str = "scale",
     block_size: int = DEFAULT_BLOCK,
+    rounding: str = "nearest",
 ) -> MomentFormat:
     """Checks a transform's ``*_dtype`` argument and returns its :class:`MomentFormat`.
 
@@ -162,6 +172,9 @@ def moment_format(
         there, refused elsewhere.
       scale_name: the scale argument's name, for errors.
       block_size: for ``"int8"``, a positive power of two.
+      rounding: ``"nearest"`` or ``"stochastic"`` (see
+        :mod:`functional_fp16.precision.stochastic_rounding`); float32 moments
+        are never rounded.
 
     Raises:
       ValueError or TypeError naming the argument.
@@ -194,9 +207,11 @@ def moment_format(
             scale = value
     elif scale is not None:
         raise ValueError(f"{scale_name} applies to {name}=torch.float16 only, got {scale!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"moment_rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if kind == "float32":
         return FLOAT32
-    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_ROW)
+    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_ROW, rounding)
 
 
 def is_stored_moment(x: Any) -> bool:
@@ -298,30 +313,56 @@ def decode_all(fmt: MomentFormat, stored: list[Any]) -> list[Any]:
     return stored if fmt is FLOAT32 else [decode(fmt, m) for m in stored]
 
 
-def encode_all(fmt: MomentFormat, xs: list[torch.Tensor], likes: list[Any]) -> list[Any]:
-    """:func:`encode` of each moment in the form of ``likes``; ``xs`` itself for float32."""
-    return xs if fmt is FLOAT32 else [encode(fmt, x, like) for x, like in zip(xs, likes)]
+def encode_all(
+    fmt: MomentFormat,
+    xs: list[torch.Tensor],
+    likes: list[Any],
+    count: torch.Tensor | None = None,
+    stream: int = 0,
+) -> list[Any]:
+    """:func:`encode` of each moment in the form of ``likes``; ``xs`` itself for float32.
+
+    Where ``fmt.rounding`` is ``"stochastic"``, ``count`` (the optimiser's applied-step
+    count) salts the rounding: leaf ``i`` with the salt of ``(count, stream, i)``
+    (:mod:`.stochastic_rounding`)."""
+    if fmt is FLOAT32:
+        return xs
+    if count is None or fmt.rounding != "stochastic":
+        return [encode(fmt, x, like) for x, like in zip(xs, likes)]
+    return [
+        encode(fmt, x, like, salt(count, stream, i)) for i, (x, like) in enumerate(zip(xs, likes))
+    ]
 
 
-def encode(fmt: MomentFormat, x: torch.Tensor, like: Any) -> Any:
-    """``x`` (float32) stored in format ``fmt``, in the form of ``like`` (the old moment)."""
+def encode(fmt: MomentFormat, x: torch.Tensor, like: Any, salt_: torch.Tensor | None = None) -> Any:
+    """``x`` (float32) stored in format ``fmt``, in the form of ``like`` (the old moment):
+    rounded to nearest, or stochastically with ``salt_`` (see :func:`encode_all`)."""
     if isinstance(like, BlockCodes):
-        return _encode_blocks(x, fmt.block_size, fmt.root)
+        return _encode_blocks(x, fmt.block_size, fmt.root, salt_)
     if isinstance(like, ScaledHalf):
-        return _encode_scaled(fmt, x)
-    return x.to(like.dtype)
+        return _encode_scaled(fmt, x, salt_)
+    if salt_ is None or like.dtype == torch.float32:
+        return x.to(like.dtype)
+    bits, emin = _GRIDS[like.dtype]
+    return round_stochastic(x, bits, emin, uniform(x, salt_)).to(like.dtype)
 
 
-def _encode_scaled(fmt: MomentFormat, x: torch.Tensor) -> ScaledHalf:
+_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}  # mantissa bits, min exponent
+
+
+def _encode_scaled(fmt: MomentFormat, x: torch.Tensor, salt_=None) -> ScaledHalf:
     if fmt.scale == "tensor":
         # max v in [2^(e-1), 2^e): s = 2^(e-15) puts it in [2^14, 2^15), inside float16.
         exponent = torch.frexp(x.amax())[1]
         scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), exponent - 15)
-        return ScaledHalf((x / scale).to(torch.float16), scale)
-    # A fixed scale saturates at float16's largest finite value (no host check, no inf).
-    scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
-    values = torch.clamp(x / scale, -_F16_MAX, _F16_MAX).to(torch.float16)
-    return ScaledHalf(values, scale)
+        q = x / scale
+    else:
+        # A fixed scale saturates at float16's largest finite value (no host check, no inf).
+        scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
+        q = torch.clamp(x / scale, -_F16_MAX, _F16_MAX)
+    if salt_ is not None:
+        q = torch.clamp(round_stochastic(q, 10, -14, uniform(q, salt_)), -_F16_MAX, _F16_MAX)
+    return ScaledHalf(q.to(torch.float16), scale)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -350,7 +391,7 @@ def _split(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Ten
     return rows[:, :whole].reshape(rows.shape[0], n, block_size), rows[:, whole:]
 
 
-def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
+def _encode_blocks(x: torch.Tensor, block_size: int, root: bool, salt_=None) -> BlockCodes:
     y = x.sqrt() if root else x
     full, rest = _split(_rows(y), block_size)
     # The largest finite magnitude: an inf or NaN leaves its block's scale (and so the
@@ -368,7 +409,11 @@ def _encode_blocks(x: torch.Tensor, block_size: int, root: bool) -> BlockCodes:
     quotient = (full / scales[:, :n_full, None]).reshape(full.shape[0], n_full * block_size)
     if rest.shape[1]:
         quotient = torch.cat([quotient, rest / scales[:, n_full:]], dim=1)
-    codes = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX).to(_E4M3).view(torch.uint8)
+    quotient = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX)
+    if salt_ is not None:  # on E4M3's grid (3 mantissa bits, subnormal below 2^-6)
+        u = uniform(quotient, salt_)
+        quotient = round_stochastic(quotient, 3, -6, u, square=root)
+    codes = quotient.to(_E4M3).view(torch.uint8)
     return BlockCodes(codes.view(x.shape), scales.view(scales_shape(x.shape, block_size)))
 
 

@@ -103,6 +103,7 @@ def scale_by_adam(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
+    moment_rounding: str = "nearest",
 ) -> GradientTransformation:
     r"""Rescales updates by Adam's bias-corrected moment estimates.
 
@@ -138,6 +139,14 @@ def scale_by_adam(
         :math:`65504\,s` (never inf, and no host check), under-estimating that
         element's moment; choose :math:`s \ge \max v / 65504`.
       block_size: elements per block of ``"int8"`` moments (a power of two).
+      moment_rounding: how stored moments are rounded: ``"nearest"`` (the default)
+        or ``"stochastic"``, up or down with the probabilities that make the stored
+        moment's expectation its float32 value, from a hash of the value, the step
+        count and the leaf (:mod:`functional_fp16.precision.stochastic_rounding`):
+        a moving average whose change per step is under half a code step (``b2 =
+        0.999``) still follows it. Deterministic, resumable bitwise and the same
+        under any sharding; it runs as written, elementwise integer work per
+        element (see ``docs/moments.md`` for its cost).
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
@@ -150,10 +159,12 @@ def scale_by_adam(
     b1, b2 = (validate.real(n, v, tensor=True) for n, v in (("b1", b1), ("b2", b2)))
     eps = validate.real("eps", eps, tensor=True)
     eps_root = validate.real("eps_root", eps_root, tensor=True)
-    mu_format = moment_format("mu_dtype", mu_dtype, second=False, block_size=block_size)
+    mu_format = moment_format(
+        "mu_dtype", mu_dtype, second=False, block_size=block_size, rounding=moment_rounding
+    )
     nu_format = moment_format(
         "nu_dtype", nu_dtype, second=True, scale=nu_scale, scale_name="nu_scale",
-        block_size=block_size,
+        block_size=block_size, rounding=moment_rounding,
     )  # fmt: skip
 
     def init(params: PyTree) -> ScaleByAdamState:
@@ -187,8 +198,8 @@ def scale_by_adam(
             c2 = sqrt_c2.double().square().float()
             out = [m * inv_c1 / (sqrt_rn(v / c2 + eps_root) + eps) for m, v in zip(new_mu, new_nu)]
         out = [u.to(g.dtype) for u, g in zip(out, g_leaves)]
-        new_mu = encode_all(mu_format, new_mu, stored_mu)
-        new_nu = encode_all(nu_format, new_nu, stored_nu)
+        new_mu = encode_all(mu_format, new_mu, stored_mu, count, stream=0)
+        new_nu = encode_all(nu_format, new_nu, stored_nu, count, stream=1)
         new_state = ScaleByAdamState(
             count, tree_unflatten(spec, new_mu), tree_unflatten(spec, new_nu)
         )
@@ -209,6 +220,7 @@ def adam(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
+    moment_rounding: str = "nearest",
 ) -> GradientTransformation:
     r"""Adam (Kingma & Ba, 2015) with ``torch.optim.Adam``'s arithmetic.
 
@@ -217,7 +229,8 @@ def adam(
     Args:
       learning_rate: :math:`\eta`, a float >= 0 or a schedule of the applied-step count.
       b1, b2, eps, eps_root: see :func:`scale_by_adam`.
-      mu_dtype, nu_dtype, nu_scale, block_size: how the moments are stored; see
+      mu_dtype, nu_dtype, nu_scale, block_size, moment_rounding: how the moments are
+        stored; see
         :func:`scale_by_adam`.
 
     Returns:
@@ -225,7 +238,7 @@ def adam(
     """
     moments = scale_by_adam(
         b1, b2, eps, eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-        nu_scale=nu_scale, block_size=block_size,
+        nu_scale=nu_scale, block_size=block_size, moment_rounding=moment_rounding,
     )  # fmt: skip
     return chain(moments, scale_by_learning_rate(learning_rate))
 
@@ -242,6 +255,7 @@ def adamw(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
+    moment_rounding: str = "nearest",
 ) -> GradientTransformation:
     r"""AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay.
 
@@ -259,7 +273,8 @@ def adamw(
       mask: which leaves decay: a pytree of bools shaped like the parameters,
         or a function of the parameters returning one (as optax's ``mask``);
         ``None`` decays every leaf.
-      mu_dtype, nu_dtype, nu_scale, block_size: how the moments are stored; see
+      mu_dtype, nu_dtype, nu_scale, block_size, moment_rounding: how the moments are
+        stored; see
         :func:`scale_by_adam`.
 
     Returns:
@@ -274,5 +289,6 @@ def adamw(
     moments = scale_by_adam(
         b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, nu_scale=nu_scale,
         block_size=block_size,
+        moment_rounding=moment_rounding,
     )  # fmt: skip
     return chain(moments, decay, scale_by_learning_rate(learning_rate))

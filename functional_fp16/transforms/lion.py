@@ -74,6 +74,7 @@ def scale_by_lion(
     smooth_beta: float = 1.0,
     mu_dtype: torch.dtype | str | None = None,
     block_size: int = DEFAULT_BLOCK,
+    moment_rounding: str = "nearest",
 ) -> GradientTransformation:
     r"""Rescales updates to Lion's sign direction.
 
@@ -97,6 +98,8 @@ def scale_by_lion(
         default), ``torch.bfloat16``, ``torch.float16`` or ``"int8"``; see
         :mod:`functional_fp16.precision.moment_storage`. The arithmetic is float32.
       block_size: elements per block of an ``"int8"`` momentum (a power of two).
+      moment_rounding: ``"nearest"`` (the default) or ``"stochastic"``; see
+        :func:`~functional_fp16.transforms.adam.scale_by_adam`.
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
@@ -108,7 +111,9 @@ def scale_by_lion(
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     smooth_beta = validate.real("smooth_beta", smooth_beta, positive=True)
     c1, c2 = 1.0 - b1, 1.0 - b2
-    mu_format = moment_format("mu_dtype", mu_dtype, second=False, block_size=block_size)
+    mu_format = moment_format(
+        "mu_dtype", mu_dtype, second=False, block_size=block_size, rounding=moment_rounding
+    )
 
     def init(params: PyTree) -> ScaleByLionState:
         leaves = tree_flatten(params)[0]
@@ -133,7 +138,7 @@ def scale_by_lion(
             _direction(m * b1 + g * c1, mode, smooth_beta).to(g0.dtype)
             for g, m, g0 in zip(g32, mu, g_leaves)
         ]
-        new_mu = encode_all(mu_format, [m * b2 + g * c2 for g, m in zip(g32, mu)], stored)
+        new_mu = encode_all(mu_format, [m * b2 + g * c2 for g, m in zip(g32, mu)], stored, count)
         new_state = ScaleByLionState(count, tree_unflatten(spec, new_mu))
         return tree_unflatten(spec, out), new_state
 
@@ -150,6 +155,7 @@ def lion(
     mask=None,
     mu_dtype: torch.dtype | str | None = None,
     block_size: int = DEFAULT_BLOCK,
+    moment_rounding: str = "nearest",
 ) -> GradientTransformation:
     r"""The Lion optimiser: the sign of an interpolated momentum, with decoupled weight decay.
 
@@ -167,7 +173,8 @@ def lion(
       weight_decay: :math:`\lambda \ge 0` (optax's default, 1e-3), multiplied by the
         learning rate as in optax and PyTorch.
       mask: which leaves decay, as in :func:`~functional_fp16.adamw`.
-      mu_dtype, block_size: how the momentum is stored; see :func:`scale_by_lion`.
+      mu_dtype, block_size, moment_rounding: how the momentum is stored; see
+        :func:`scale_by_lion`.
 
     Returns:
       ``chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
@@ -178,5 +185,7 @@ def lion(
         if mask is None
         else add_decayed_weights(weight_decay, mask=mask)
     )
-    moments = scale_by_lion(b1, b2, mu_dtype=mu_dtype, block_size=block_size)
+    moments = scale_by_lion(
+        b1, b2, mu_dtype=mu_dtype, block_size=block_size, moment_rounding=moment_rounding
+    )
     return chain(moments, decay, scale_by_learning_rate(learning_rate))

@@ -1,0 +1,116 @@
+r"""Stochastic rounding from a counter-based hash, for moments stored in fewer bits.
+
+A moving average :math:`m \leftarrow \beta m + (1 - \beta) g` stored by rounding
+to nearest loses every change smaller than half its code step: with
+:math:`\beta_2 = 0.999` a second moment moves by about 0.1 % a step, under half
+a bfloat16 step (0.4 %) and far under half an 8-bit code step (3 to 6 %), so it
+stops following its average. Rounded stochastically, a value :math:`x` between
+two neighbours :math:`l \le x < h` of the format's grid is stored as
+
+.. math:: \hat x = \begin{cases} h & u < (x - l) / (h - l) \\ l & \text{otherwise}\end{cases},
+    \qquad \mathbb E[\hat x] = x,
+
+so the stored moment follows its average in expectation, however small the
+step. (Through a square root, as second moments are coded, the probability is
+taken on the squares, :math:`(x^2 - l^2) / (h^2 - l^2)`, so that the decoded
+:math:`\hat x^2` is the unbiased one.)
+
+The uniform :math:`u \in [0, 1)` (24 bits) is a hash of the value's own float32
+bits and a *salt* made of the optimiser's applied-step count, the leaf's
+position in its tree and which moment it is:
+
+.. math:: u = \operatorname{mix}(\operatorname{bits}(x) \oplus \text{salt}) / 2^{32},
+    \qquad \text{salt} = \operatorname{mix}(t \cdot \phi + \operatorname{mix}(\text{stream}, \text{leaf}))
+
+(``mix`` is a 32-bit integer finaliser, :func:`mix32`). No element index enters
+it: an element's rounding depends on its value, the step, the leaf and the
+moment alone, so a tree sharded by FSDP2 or tensor parallelism rounds every
+element exactly as one process does, a run resumed from a checkpoint rounds as
+the uninterrupted run, and each member of a ``vmap`` rounds as it would alone.
+The count changes at every applied step, so an element that holds the same
+value step after step is rounded afresh each time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mix32", "salt", "uniform", "round_stochastic"]
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1  # 2^32 / phi, odd
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``(h * c) mod 2^32`` for int64 ``h`` in ``[0, 2^32)``, without an int64 overflow:
+    the 16-bit halves of ``h`` multiply apart (each product under 2^49)."""
+    low = (h & 0xFFFF) * c
+    high = ((h >> 16) * (c & 0xFFFF)) << 16
+    return (low + high) & _M32
+
+
+def mix32(h):
+    r"""A 32-bit integer finaliser (xor-shift-multiply, two rounds): every input bit moves
+    about half of the output bits. ``h``: an int in :math:`[0, 2^{32})`, or an int64 tensor
+    of such values (computed elementwise, exactly, on any device)."""
+    if isinstance(h, int):
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & _M32
+        h ^= h >> 15
+        h = (h * 0x846CA68B) & _M32
+        return h ^ (h >> 16)
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def salt(count: torch.Tensor, stream: int, leaf: int) -> torch.Tensor:
+    """The salt of one leaf's moment at one step: an int64 0-d tensor in ``[0, 2^32)``.
+
+    Args:
+      count: the optimiser's applied-step count (a 0-d integer tensor; batched
+        under ``vmap``).
+      stream: which moment (0 for a first moment, 1 for a second).
+      leaf: the leaf's position in its tree.
+    """
+    fixed = mix32((mix32(stream & _M32) + leaf * _GOLDEN) & _M32)
+    t = count.to(torch.int64) & _M32
+    return mix32((_mul32(t, _GOLDEN) + fixed) & _M32)
+
+
+def uniform(x: torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
+    """A float32 in ``[0, 1)`` per element of the float32 tensor ``x``, from a hash of its
+    bits and ``salt_`` (see the module docstring): 24 bits, exact in float32."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    h = mix32(bits ^ salt_)
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
+def round_stochastic(
+    x: torch.Tensor, mantissa_bits: int, min_exponent: int, u: torch.Tensor, *, square=False
+) -> torch.Tensor:
+    r"""``x`` (float32) rounded to the grid of a binary format with ``mantissa_bits``
+    stored mantissa bits and smallest normal exponent ``min_exponent`` (below it, the
+    format's subnormal spacing), up with probability :math:`p = (x - l)/(h - l)` (with
+    ``square``, for non-negative ``x``, :math:`p = \frac{x - l}{h - l} \cdot \frac{x + l}{h + l}`,
+    the ratio of the squares' differences) where :math:`u` (uniform, in ``[0, 1)``)
+    falls under it.
+
+    The result is float32 and lies on the format's grid (so converting it is exact),
+    except where it rounds past the format's largest value (clamp first). Values on
+    the grid, zeros, infinities and NaNs are returned as they are. bfloat16: ``(7,
+    -126)``; float16: ``(10, -14)``; E4M3: ``(3, -6)``.
+    """
+    exponent = torch.clamp(torch.frexp(x)[1] - 1, min=min_exponent)  # floor(log2 |x|)
+    spacing = torch.ldexp(torch.ones_like(x), exponent - mantissa_bits)
+    scaled = x / spacing  # exact: spacing is a power of two
+    low = torch.floor(scaled)
+    frac = scaled - low  # (x - l) / (h - l), exact
+    if square:  # (x^2 - l^2) / (h^2 - l^2), as a product of ratios: no square underflows
+        lo, hi = low * spacing, (low + 1.0) * spacing
+        frac = frac * ((x + lo) / (hi + lo))
+    up = torch.where(u < frac, low + 1.0, low)
+    out = up * spacing
+    return torch.where(torch.isfinite(x), out, x)
