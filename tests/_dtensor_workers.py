@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -65,6 +66,17 @@ def max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     spacing = torch.nextafter(scale, torch.full_like(scale, math.inf)) - scale
     diff = (a - b).abs()
     return float((diff / spacing).max()) if diff.numel() else 0.0
+
+
+def timed_refusal(fn) -> tuple[str | None, float]:
+    """``("Type: message", seconds)`` of the TypeError or ValueError ``fn()`` raises
+    (``None`` and the seconds if it returns)."""
+    start = time.monotonic()
+    try:
+        fn()
+        return None, time.monotonic() - start
+    except (TypeError, ValueError) as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
 
 
 def _run(name: str, donate: bool, rank: int):
@@ -247,7 +259,6 @@ def scenario_bad_grads(rank: int, out_dir: str):
 
 def scenario_disagree(rank: int, out_dir: str):
     """The last rank differs in one thing; every rank must raise, promptly, naming it."""
-    import time
 
     world = torch.distributed.get_world_size()
     odd = rank == world - 1
@@ -314,20 +325,10 @@ def scenario_disagree(rank: int, out_dir: str):
     }
     out = {}
     for name, (st, gr, kwargs) in cases.items():
-        start = time.monotonic()
-        try:
-            ff.fp16_update(st, gr, **kwargs)
-            out[name] = (None, time.monotonic() - start)
-        except (TypeError, ValueError) as err:
-            out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+        out[name] = timed_refusal(lambda: ff.fp16_update(st, gr, **kwargs))
     stepped = ff.fp16_update(state, grads)  # the group still works
     # Every rank refuses alike what every rank gets wrong alike: its own error, no hang.
-    start = time.monotonic()
-    try:
-        ff.fp16_update(stepped, float32_grads)
-        out["all_float32"] = (None, time.monotonic() - start)
-    except (TypeError, ValueError) as err:
-        out["all_float32"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+    out["all_float32"] = timed_refusal(lambda: ff.fp16_update(stepped, float32_grads))
     return out
 
 
@@ -908,7 +909,6 @@ def scenario_own_mesh(rank: int, out_dir: str):
     alike, naming the leaf; rank 1 alone passing a float32 gradient at the first call:
     ranks 0 and 1 raise, naming it; clipped AdamW against one process (an inf in rank 1's
     shard at ``INJECT_STEP``); the collectives of one update. ``None`` at other sizes."""
-    import time
 
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -937,12 +937,7 @@ def scenario_own_mesh(rank: int, out_dir: str):
     # gradient; ranks 0 and 1 raise, naming it, and ranks 2 and 3 step.
     laid = laid_out(make_grads(0, 2))
     odd = {**laid, "mlp.w": laid["mlp.w"].float()} if rank == 1 else laid
-    start = time.monotonic()
-    try:
-        ff.fp16_update(ours, odd)
-        out["float32_grad"] = (None, time.monotonic() - start)
-    except (TypeError, ValueError) as err:
-        out["float32_grad"] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+    out["float32_grad"] = timed_refusal(lambda: ff.fp16_update(ours, odd))
     ref = ff.fp16_init(make_params(), tx)
     run = {"decisions": [], "ref_decisions": [], "nonfinite": [], "ref_nonfinite": []}
     for step in range(STEPS):
@@ -966,12 +961,7 @@ def scenario_own_mesh(rank: int, out_dir: str):
             "later_float32": (ours, {**laid, "mlp.w": laid["mlp.w"].float()}),
             "later_master": (bad_master, laid),
         }.items():
-            start = time.monotonic()
-            try:
-                ff.fp16_update(st, gr)
-                out[name] = (None, time.monotonic() - start)
-            except (TypeError, ValueError) as err:
-                out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
+            out[name] = timed_refusal(lambda: ff.fp16_update(st, gr))  # noqa: B023 - called now
     return out
 
 

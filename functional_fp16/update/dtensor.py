@@ -53,7 +53,6 @@ from functional_fp16.transforms.clipping import LeafSums
 from functional_fp16.update.decision import LeafAgreement
 from functional_fp16.update.fingerprint import (
     agree,
-    agree_once,
     describe_leaf,
     describe_static,
     describe_tree,
@@ -418,7 +417,7 @@ def _stepped_key(state) -> tuple:
 
 
 def agree_on_layout(state, grads, signature, arguments: dict, error: BaseException | None) -> None:
-    r"""Raises on every rank if any rank's call differs (agreed once per ``key``).
+    r"""Raises on every rank if any rank's call differs (agreed once per call key).
 
     Before the update's first collective, each rank describes its call
     (:func:`_describe_call`: the state's and the gradients' trees, their leaves'
@@ -430,17 +429,16 @@ def agree_on_layout(state, grads, signature, arguments: dict, error: BaseExcepti
     rank and path that differ from the lowest rank. So a rank with another
     mesh, placement, dtype, tree, optimiser or argument, or one whose checks
     refuse the call, makes every rank raise instead of leaving the others in a
-    collective. The call's key (``signature``, the state's, with the
-    gradients' metadata and the arguments) is remembered once agreed, so a later call with the same
-    one communicates nothing; a call whose checks failed (``error``) is never
-    remembered. It agrees unless the ranks have already agreed a call on a state
-    of this structure, ``tx`` and mesh (:func:`_stepped_key`): then the others,
-    their call agreed before,
-    go straight to the step's collectives, and this rank raises its own error
-    at once instead of waiting for them in an agreement they do not enter (they
-    wait in theirs until the collective's timeout, or until torchrun's agent
-    ends the job when this rank exits). Telling the others too would take a
-    value read back to the host at every step.
+    collective. The call's key (``signature``, the state's, with the gradients'
+    metadata and the arguments) is remembered once agreed, so a later call with
+    the same one communicates nothing; a call whose checks failed (``error``) is
+    never remembered. It agrees unless the ranks have already agreed a call on a
+    state of this structure, ``tx`` and mesh (:func:`_stepped_key`): then the
+    others, their call agreed before, go straight to the step's collectives, and
+    this rank raises its own error at once instead of waiting for them in an
+    agreement they do not enter (they wait in theirs until the collective's
+    timeout, or until torchrun's agent ends the job when this rank exits).
+    Telling the others too would take a value read back to the host at every step.
     """
     # The key lives only here: held through the step, its tuples (one per leaf) would
     # make Python's garbage collector run four times as often (measured, 73 leaves).
@@ -451,16 +449,10 @@ def agree_on_layout(state, grads, signature, arguments: dict, error: BaseExcepti
         return
     if error is not None and _stepped_key(state) in _STEPPED:
         return
+    entries = _describe_call(state, grads, arguments, error)
     groups = agreement_groups(_first_root(state))
-    what = "fp16_update: the ranks disagree"
-
-    def describe():
-        return _describe_call(state, grads, arguments, error)
-
-    if error is not None or key is None:
-        agree(describe(), groups, name="", what=what)
-    else:
-        agree_once(key, describe, groups, name="", what=what)
+    agree(entries, groups, name="", what="fp16_update: the ranks disagree")
+    if key is not None:  # _AGREED_KEYS is the one record of agreed calls
         remember(_AGREED_KEYS, key, True, _AGREED_KEPT)
         remember(_STEPPED, _stepped_key(state), True, _AGREED_KEPT)
 
@@ -479,7 +471,8 @@ def _call_key(signature, grads, arguments: dict):
         else:
             described.append(type(g))
     args = tuple(
-        (k, describe_leaf(v) if isinstance(v, torch.Tensor) else v) for k, v in arguments.items()
+        (k, (type(v), v.dtype, v.shape, v.device) if isinstance(v, torch.Tensor) else v)
+        for k, v in arguments.items()
     )
     return (signature, g_spec, tuple(described), args)
 
