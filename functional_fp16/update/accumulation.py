@@ -138,10 +138,11 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         agreed = carry.agreed[0]
         flags = agreed[: local.shape[0]]
         finite = flags.all() if r is None else flags.all() & agreed[-1]
+        window_ok = ms.acc_finite & finite
     else:
         flags, finite = decide.leaves(local)
-        stepped = impl(inner, handed, decide.with_require(emit & ms.acc_finite & finite), reuse)
-    window_ok = ms.acc_finite & finite
+        window_ok = ms.acc_finite & finite
+        stepped = impl(inner, handed, decide.with_require(emit & window_ok), reuse)
     # Per leaf, finite in every micro-batch of the window so far (a window opens afresh).
     window_leaves = torch.where(ms.mini_step == 0, flags, state.leaf_finite & flags)
     applied = stepped.grads_finite
