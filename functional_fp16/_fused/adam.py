@@ -39,11 +39,14 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._fused import op_checks, plain_kernels
+from functional_fp16._fused.adam_stored import ADAM_STORED_OPS, ROUNDINGS, STORED_DTYPES
 from functional_fp16._fused.chains import Path, chain_parts
+from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
+from functional_fp16.precision.moment_storage import FLOAT32, MomentFormat
 from functional_fp16.transforms.adam import AdamSpec, bias_corrections, sqrt_rn
 from functional_fp16.transforms.base import (
     GradientTransformation,
@@ -67,6 +70,18 @@ class AdamPlan(NamedTuple):
     sign: float  # -1.0 to descend
     adam_path: Path
     lr_path: Path
+    mu_format: MomentFormat = FLOAT32
+    nu_format: MomentFormat = FLOAT32
+
+    @property
+    def stored(self) -> bool:
+        """Whether a moment is stored in fewer bits (the ``adam_stored_step`` op)."""
+        return self.mu_format is not FLOAT32 or self.nu_format is not FLOAT32
+
+    @property
+    def state_dtypes(self) -> tuple:
+        """The dtypes the moments of this plan's leaves may have."""
+        return STORED_DTYPES if self.stored else (torch.float32,)
 
 
 _ORDER = (ClipSpec, DecaySpec, AdamSpec, DecaySpec, LearningRateSpec)
@@ -86,9 +101,9 @@ def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
     clip, l2, adam, decoupled, lr = slots
     if adam is None or lr is None or adam[0].eps_root != 0.0:
         return None
-    if adam[0].mu_format.kind != "float32" or adam[0].nu_format.kind != "float32":
-        return None  # coded moments: the chain runs as written
     spec: AdamSpec = adam[0]
+    if spec.nu_format.scale is not None or spec.mu_format.scale is not None:
+        return None  # a per-tensor scale needs the whole new moment first: runs as written
     return AdamPlan(
         max_norm=clip[0].max_norm if clip else None,
         l2_decay=l2[0].weight_decay if l2 else 0.0,
@@ -100,6 +115,8 @@ def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
         sign=lr[0].sign,
         adam_path=adam[1],
         lr_path=lr[1],
+        mu_format=spec.mu_format,
+        nu_format=spec.nu_format,
     )
 
 
@@ -115,7 +132,15 @@ def adam_plan(tx: GradientTransformation) -> AdamPlan | None:
 def _positions(plan: AdamPlan, by_key: dict) -> tuple[dict[str, int], dict[str, int]]:
     """A leaf's moment positions and the group's step count."""
     where = by_key[plan.adam_path]
-    return {"mu": where["mu"], "nu": where["nu"]}, {"count": where["count"]}
+    roles = {"mu": where["mu"], "nu": where["nu"]}
+    if plan.stored:  # block scales where a moment is coded, else -1
+        roles.update(mu_scales=where.get("mu_scales", -1), nu_scales=where.get("nu_scales", -1))
+    return roles, {"count": where["count"]}
+
+
+def _index(plan: AdamPlan, by_key: dict) -> int:
+    """A leaf's index among its ``scale_by_adam``'s leaves (the rounding's leaf salt)."""
+    return by_key[plan.adam_path][INDEX]
 
 
 # ---------------------------------------------------------------------------
@@ -310,6 +335,8 @@ adam_step, adam_step_ = ADAM_OPS.functional, ADAM_OPS.donated
 def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
     """One op call for a group: ``(masters', roles', params', decided, shared')``, where
     ``decided`` is the op's ``(finite, leaf_finite)``."""
+    if plan.stored:
+        return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
     position = shared["count"]
     key = ("adam", position, plan.b1, plan.b2)
@@ -329,4 +356,33 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     return list(m_out), roles_out, list(p_new), tuple(decided), {}
 
 
-register(Fusable("adam", _read, _positions, _step))
+def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """:func:`_step` for stored moments: one ``adam_stored_step`` call."""
+    position = shared["count"]
+    count = incremented(memo, position)
+    key = ("adam", position, plan.b1, plan.b2)
+    if key not in memo:
+        inv_c1, sqrt_c2 = bias_corrections(count, plan.b1, plan.b2)
+        memo[key] = (inv_c1.reshape(1), sqrt_c2.reshape(1))
+    inv_c1, sqrt_c2 = memo[key]
+    rounding = ROUNDINGS.index(
+        plan.nu_format.rounding if plan.nu_format is not FLOAT32 else plan.mu_format.rounding
+    )
+    block = (plan.nu_format if plan.nu_format.kind == "int8" else plan.mu_format).block_size
+    a = dict(grads=grads, master=masters, params=own, **common)
+    a.update({r: roles[r] for r in ("mu", "nu", "mu_scales", "nu_scales")})
+    a.update(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
+    a.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
+    a.update(count=count.to(torch.int64).reshape(1), block_size=block, rounding=rounding)
+    a.update(salt_ids=list(memo["indices"]))
+    names = ("mu", "nu", "mu_scales", "nu_scales")
+    if donate:
+        decided = ADAM_STORED_OPS.call(True, a)
+        m_out, outs, p_new = masters, [a[r] for r in names], own
+    else:
+        m_out, *outs, p_new, f, leaves = ADAM_STORED_OPS.call(False, a)
+        decided = (f, leaves)
+    return list(m_out), dict(zip(names, map(list, outs))), list(p_new), tuple(decided), {}
+
+
+register(Fusable("adam", _read, _positions, _step, _index))

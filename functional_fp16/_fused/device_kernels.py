@@ -190,7 +190,7 @@ def run_step(
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
         finite, leaves = decide_from_leaf_peaks(peak, a["inv"], a["require"], groups)
         decided = {"apply": finite}
-    if kernel == "c" and spec.c_block:  # its C entry runs only through the C++ op
+    if kernel == "c" and (spec.c_block or not spec.entry):  # C only through the C++ op
         spec.generic(members=members, apply=finite, **kw)
     elif kernel == "c":
         c_kernel.call(

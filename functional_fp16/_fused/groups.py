@@ -30,13 +30,17 @@ from typing import Any
 import torch.utils._pytree as tp
 
 from functional_fp16._util.tree import tree_flatten, tree_rebuild
+from functional_fp16.precision.moment_storage import BlockCodes, ScaledHalf
 from functional_fp16.transforms.base import ChainSpec, EmptyState
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.combining import LabelsSpec, MultiTransformState
 from functional_fp16.transforms.masking import MaskedSpec, MaskedState, hidden_in_trace
 from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec, ScaleByScheduleState
 
-__all__ = ["Part", "leaf_parts"]
+__all__ = ["INDEX", "Part", "leaf_parts"]
+
+INDEX = "#index"
+"""The key, among a stateful part's positions, of the leaf's index among that part's leaves."""
 
 Part = tuple[Any, tuple, dict[str, int]]
 """``(spec, key, state positions)`` of one part acting on one leaf."""
@@ -99,8 +103,14 @@ def _walk(spec: Any, index: Any, real: Any, state: Any, key: tuple, out: list) -
             _masked(inner, mask, index, real, state.inner_states[label], key + (label,), out)
         return
     leaves = _positions(index)
+    # A leaf's index among the part's leaves in the library's flattening order (the
+    # positions' order; torch's pytree, which pairs them with the state, may differ).
+    rank = {leaf: r for r, leaf in enumerate(sorted(leaves))}
     for j, leaf in enumerate(leaves):
-        out[leaf].append((spec, key, _state_of(spec, state, j, len(leaves))))
+        positions = _state_of(spec, state, j, len(leaves))
+        if INDEX in positions:
+            positions[INDEX] = rank[leaf]
+        out[leaf].append((spec, key, positions))
 
 
 def _hide(mask: Any, tree: Any) -> Any:
@@ -121,8 +131,10 @@ def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
 
     A part's state is a NamedTuple: each field that holds one tensor per leaf
     gives the ``j``-th position, each 0-d tensor (a counter, a flag) its own
-    (``{"mu": 17, "nu": 165, "count": 3}`` for Adam). The learning rate keeps
-    a count only with a schedule; clipping and weight decay keep nothing.
+    (``{"mu": 17, "nu": 165, "count": 3}`` for Adam); a moment stored as block
+    codes gives its codes' position and its scales' (``"mu_scales"``), and
+    :data:`INDEX` is set by the caller. The learning rate keeps a count only with a
+    schedule; clipping and weight decay keep nothing.
     """
     if isinstance(spec, LearningRateSpec):
         if isinstance(state, ScaleByScheduleState) and type(state.count) is int:
@@ -136,14 +148,25 @@ def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
         return {}
     if not isinstance(state, tuple) or not hasattr(state, "_fields"):
         raise _Unfusable
-    out: dict[str, int] = {}
+    out: dict[str, int] = {INDEX: j}
     for name in state._fields:
         value = getattr(state, name)
         if type(value) is int:
             out[name] = value
             continue
-        positions = _positions(value)
-        if len(positions) != n:
+        entries = [x for x in tp.tree_leaves(value, is_leaf=_stored) if x is not None]
+        if len(entries) != n:
             raise _Unfusable
-        out[name] = positions[j]
+        entry = entries[j]
+        if isinstance(entry, BlockCodes):  # a coded moment: its codes, and its block scales
+            out[name], out[f"{name}_scales"] = _positions(entry)
+        elif type(entry) is int:
+            out[name] = entry
+        else:  # a moment with a per-tensor scale, or something else
+            raise _Unfusable
     return out
+
+
+def _stored(x: Any) -> bool:
+    """A moment stored as more than one tensor counts as one entry per leaf."""
+    return isinstance(x, (BlockCodes, ScaledHalf))

@@ -120,8 +120,10 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     _check_list(op, "master", a["master"], grads, (torch.float32,), layout)
     used = spec.check(op, a)
     for name in spec.states:
+        if name in spec.side:
+            continue  # checked by spec.check
         if name in used:
-            _check_list(op, name, a[name], grads, (torch.float32,), layout)
+            _check_list(op, name, a[name], grads, spec.state_dtypes or (torch.float32,), layout)
         elif a[name]:
             fail(op, f"{name} must be empty here (it is not used)")
     if len(a["separate"]) != len(grads):
@@ -145,6 +147,7 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
         )
     for name in (*COMMON_SCALARS, *spec.scalars):
         dtype = torch.bool if name in (*BOOL_SCALARS, *spec.bool_scalars) else torch.float32
+        dtype = torch.int64 if name in spec.int_scalars else dtype
         _check_group(op, name, a[name], lr.numel(), dtype, grads[0].device)
     if (a["clip_div"] is None) != (a["clip_mul"] is None):
         fail(op, "clip_div and clip_mul are given together or not at all")

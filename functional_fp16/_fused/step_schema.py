@@ -59,7 +59,7 @@ class StepSpec(NamedTuple):
     scalars: tuple[str, ...]  # per-group scalars after the common ones, e.g. ("started",)
     bool_scalars: tuple[str, ...]  # which of ``scalars`` are bool
     hyper: tuple[tuple[str, str], ...]  # fixed hyperparameters: (name, schema type)
-    entry: str  # the C kernel's entry (signatures.py)
+    entry: str  # the C kernel's ctypes entry (signatures.py); "" for none (its C++ op only)
     check: Callable[[str, dict], list[str]]  # optimiser checks; returns the states in use
     kernel_args: Callable[[dict, list[str]], dict]  # op arguments -> the kernel's keywords
     generic: Callable[..., None]  # the plain PyTorch kernel (the kernel's keywords + members)
@@ -75,6 +75,13 @@ class StepSpec(NamedTuple):
     # op functional_fp16_cpu::step, found there by the name cpp_op, with cpp_hyper as its
     # `hyper` array. Without the C++ op library such a step runs the plain kernel.
     c_block: bool = False
+    # Which of ``scalars`` are int64 (a step count).
+    int_scalars: tuple[str, ...] = ()
+    # State lists that are not laid out like the leaves (the block scales of coded moments):
+    # ``check`` checks them; the op's common checks leave them alone.
+    side: tuple[str, ...] = ()
+    # The dtypes the states laid out like the leaves may have (float32 unless stored).
+    state_dtypes: tuple = ()
 
 
 def schema(spec: StepSpec, donated: bool) -> str:

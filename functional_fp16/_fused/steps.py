@@ -76,6 +76,9 @@ class Fusable(NamedTuple):
     # (plan, grads, masters, roles, shared, own params, common, donate, memo)
     #   -> (masters', roles', params', finite, shared')
     step: Callable[..., tuple]
+    # (plan, {part key: state positions}) -> the leaf's index among its optimiser part's
+    # leaves (the stochastic rounding's leaf salt); None: the step does not need it
+    index: Callable[[Any, dict], int] | None = None
 
 
 _FUSABLE: list[Fusable] = []
@@ -96,6 +99,8 @@ class Group(NamedTuple):
     roles: tuple[tuple[str, tuple[int, ...]], ...]  # per-leaf state: (role, opt positions)
     shared: tuple[tuple[str, int], ...]  # 0-d state: (name, opt position)
     separate: tuple[bool, ...]  # per leaf of the group: the working copy is its own tensor
+    # per leaf of the group: its index among its optimiser part's leaves (Fusable.index)
+    indices: tuple[int, ...] = ()
 
 
 class FusedPlan(NamedTuple):
@@ -122,6 +127,7 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
     """Reads each leaf's parts as a chain and groups the leaves with equal plans."""
     found: dict[Any, list[int]] = {}
     chosen: dict[Any, tuple[Fusable, dict]] = {}
+    indices: dict[int, int] = {}
     for leaf, leaf_parts_ in enumerate(parts):
         chain = [(spec, key) for spec, key, _ in leaf_parts_]
         for fusable in _FUSABLE:
@@ -137,6 +143,8 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
             return "an optimiser state of another layout", None
         if callable(plan.learning_rate):
             shared = {**shared, "lr_count": by_key[plan.lr_path]["count"]}
+        if fusable.index is not None:
+            indices[leaf] = fusable.index(plan, by_key)
         group_key = (fusable.name, plan, tuple(sorted(shared.items())))
         found.setdefault(group_key, []).append(leaf)
         chosen.setdefault(group_key, (fusable, {}))[1][leaf] = roles
@@ -153,8 +161,9 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
         roles = tuple((r, tuple(roles_by_leaf[i][r] for i in leaves)) for r in names)
         separate = tuple(params[i].dtype != torch.float32 for i in leaves)
         whole = len(leaves) == n
+        own = tuple(indices[i] for i in leaves) if fusable.index is not None else ()
         groups.append(
-            Group(fusable, group_key[1], tuple(leaves), whole, roles, group_key[2], separate)
+            Group(fusable, group_key[1], tuple(leaves), whole, roles, group_key[2], separate, own)
         )
     masters = tree_leaves(state.master)
     strides = tuple(m.stride() for m in masters)
@@ -229,11 +238,12 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
     why, fp = _group_leaves(state, parts)
     if fp is None:
         return why, None
-    used = {i for g in fp.groups for _, pos in g.roles for i in pos}
-    if any(opt[i].dtype != torch.float32 for i in used) or any(
-        m.dtype != torch.float32 for m in masters
-    ):
-        return "a master or optimiser state that is not float32", None
+    if any(m.dtype != torch.float32 for m in masters):
+        return "a master that is not float32", None
+    for g in fp.groups:
+        allowed = getattr(g.plan, "state_dtypes", (torch.float32,))
+        if any(opt[i].dtype not in allowed for r, pos in g.roles if r not in _SIDE for i in pos):
+            return "an optimiser state that is not float32", None
     for p in params:
         if p.dtype not in DTYPE_CODES:
             return f"a working copy of dtype {p.dtype}", None
@@ -241,10 +251,16 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
     if [(p.shape, p.stride()) for p in params] != layout or not all(dense(m) for m in masters):
         return "state tensors that are not dense with one layout", None
     for g in fp.groups:
-        for _, pos in g.roles:
+        for r, pos in g.roles:
+            if r in _SIDE:
+                continue  # block scales: the op checks them
             if [(opt[i].shape, opt[i].stride()) for i in pos] != [layout[i] for i in g.leaves]:
                 return "state tensors that are not dense with one layout", None
     return None, fp
+
+
+_SIDE = ("mu_scales", "nu_scales", "trace_scales")
+"""Roles that hold a coded moment's block scales (-1 where a leaf's moment is not coded)."""
 
 
 def why_not_fused(state) -> str | None:
@@ -399,8 +415,9 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
             mm = [masters[i] for i in grp.leaves]
             pp = [params[i] for i in grp.leaves]
         own = [p for p, s in zip(pp, grp.separate) if s]
-        roles = {r: [opt[i] for i in pos] for r, pos in grp.roles}
+        roles = {r: [opt[i] for i in pos if i >= 0] for r, pos in grp.roles}
         shared = dict(grp.shared)
+        memo["indices"] = grp.indices
         lr = _lr_factor(grp.plan, shared, masters[0], memo)
         common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=lr, apply=apply)
         common.update(require=require, separate=list(grp.separate), members=1)
@@ -419,7 +436,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
                 new_m[i] = m_out[j]
                 new_p[i] = next(it) if s else m_out[j]
         for r, pos in grp.roles:
-            for i, t in zip(pos, roles_out[r]):
+            for i, t in zip([i for i in pos if i >= 0], roles_out[r]):
                 new_opt[i] = t
         for name, pos in grp.shared:
             new_opt[pos] = shared_out[name] if name in shared_out else advanced(memo, pos, finite)

@@ -756,6 +756,303 @@ static void ff_lion_step(const ff_step_args *x) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Stored moments: BF16, FP16 and 8-bit E4M3 block codes, inside the step.   */
+/* ------------------------------------------------------------------------ */
+
+/* A moment of a leaf is kept in one of these forms (moment_storage.py):
+ *
+ *   ST_F32   float32, itself;
+ *   ST_F16   float16, rn16(x) or stochastically rounded;
+ *   ST_BF16  bfloat16, likewise;
+ *   ST_E4M3  one byte per element, the E4M3 code of x / a, with a = A / 448
+ *            per block (A: the block's largest finite |x|; a = 1 where that
+ *            is 0); a second moment codes its square root and decodes to the
+ *            square.
+ *
+ * Blocks are block_size consecutive elements of a row (everything after the
+ * first dimension), a row's last block possibly shorter. A leaf with a coded
+ * moment is walked block by block: decode into float32 buffers, one step of
+ * the optimiser's arithmetic, find each new block's scale, encode. The
+ * rounding of every stored form is to nearest (ties to even), or stochastic:
+ * up with probability (x - l) / (h - l) (with a root, of the squares), from a
+ * 32-bit hash of x's bits and a salt of (count, stream, leaf index), exactly
+ * as stochastic_rounding.py computes it. */
+enum { ST_F32 = 0, ST_F16 = 1, ST_BF16 = 2, ST_E4M3 = 3 };
+
+#define E4M3_MAX 448.0f
+
+static float E4M3_VALUE[256];
+
+__attribute__((constructor)) static void fill_e4m3_table(void) {
+    for (int c = 0; c < 256; ++c) {
+        const int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
+        float v;
+        if (e == 15 && m == 7) v = NAN;
+        else if (e == 0) v = ldexpf((float)m, -9);
+        else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        E4M3_VALUE[c] = sign ? -v : v;
+    }
+}
+
+static inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* The E4M3 code of x, rounded to nearest with ties to even (|x| <= 448, or NaN). */
+static inline uint8_t e4m3_code(float x) {
+    const uint32_t u = f32_bits(x);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);
+    if (a < 0x3C800000u) { /* below 2^-6: the subnormal grid, spacing 2^-9 */
+        const float q = nearbyintf(bits_f32(a) * 512.0f);
+        return (uint8_t)(sign | (uint8_t)q); /* q = 8 is 2^-6, the smallest normal's code */
+    }
+    /* Normal: keep 3 mantissa bits, rounding the 20 dropped ones to nearest even. */
+    const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
+    const uint32_t e = (rounded >> 23) - 127u + 7u;
+    return (uint8_t)(sign | (uint8_t)((e << 3) | ((rounded >> 20) & 7u)));
+}
+
+static inline uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    return h ^ (h >> 16);
+}
+
+#define GOLDEN 0x9E3779B1u
+
+/* stochastic_rounding.salt(count, stream, leaf). */
+static uint32_t sr_salt(int64_t count, uint32_t stream, int64_t leaf) {
+    const uint32_t fixed = mix32(mix32(stream) + (uint32_t)leaf * GOLDEN);
+    return mix32((uint32_t)count * GOLDEN + fixed);
+}
+
+/* stochastic_rounding.round_stochastic(x, mb, emin, u(x, salt), square=sq). */
+static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
+    const uint32_t u32 = mix32(f32_bits(x) ^ salt);
+    const float u = (float)(u32 >> 8) * 0x1p-24f;
+    const uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return x;
+    /* floor(log2 |x|) (frexp's exponent - 1; -1 for a zero, as frexp gives 0) */
+    int e = a == 0 ? -1
+            : a < 0x00800000u ? (31 - __builtin_clz(a)) - 149
+                              : (int)(a >> 23) - 127;
+    if (e < emin) e = emin;
+    const float spacing = ldexpf(1.0f, e - mb);
+    const float scaled = x / spacing;
+    const float low = floorf(scaled);
+    float frac = scaled - low;
+    if (sq) {
+        const float lo = low * spacing, hi = (low + 1.0f) * spacing;
+        frac = frac * ((x + lo) / (hi + lo));
+    }
+    const float up = u < frac ? low + 1.0f : low;
+    return up * spacing;
+}
+
+/* Decodes n elements of a stored moment starting at element s into dst. */
+static void decode_moment(int st, const void *src, const float *scale, int root, float *dst,
+                          int64_t s, int64_t n) {
+    if (st == ST_F32) {
+        memcpy(dst, (const float *)src + s, (size_t)n * 4);
+    } else if (st == ST_BF16) {
+        to_f32((const uint16_t *)src + s, dst, n, DT_BF16);
+    } else if (st == ST_F16) {
+        to_f32((const uint16_t *)src + s, dst, n, DT_F16);
+    } else {
+        const uint8_t *q = (const uint8_t *)src + s;
+        const float a = *scale;
+        for (int64_t i = 0; i < n; ++i) dst[i] = E4M3_VALUE[q[i]] * a;
+        if (root)
+            for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * dst[i];
+    }
+}
+
+/* Encodes n float32 values x (the new moment) into dst at element s; for a coded
+ * moment, x is one block and its scale goes to *scale_out. salt: 0 and sr false
+ * for rounding to nearest. tmp: n floats of scratch. */
+static void encode_moment(int st, const float *x, void *dst, float *scale_out, int root,
+                          int sr, uint32_t salt, float *tmp, int64_t s, int64_t n) {
+    if (st == ST_F32) {
+        memcpy((float *)dst + s, x, (size_t)n * 4);
+        return;
+    }
+    if (st == ST_BF16 || st == ST_F16) {
+        const int dt = st == ST_BF16 ? DT_BF16 : DT_F16;
+        if (!sr) {
+            from_f32(x, (uint16_t *)dst + s, n, dt);
+            return;
+        }
+        const int mb = st == ST_BF16 ? 7 : 10, emin = st == ST_BF16 ? -126 : -14;
+        for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], mb, emin, salt, 0);
+        from_f32(tmp, (uint16_t *)dst + s, n, dt);
+        return;
+    }
+    /* A block: its largest finite magnitude, its scale, its codes. */
+    const float *y = x;
+    if (root) {
+        for (int64_t i = 0; i < n; ++i) tmp[i] = sqrtf(x[i]);
+        y = tmp;
+    }
+    float peak = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float m = fabsf(y[i]);
+        if (m < INFINITY && m > peak) peak = m; /* an inf or NaN is left out */
+    }
+    float a = peak / E4M3_MAX;
+    if (!(a > 0.0f)) a = 1.0f;
+    *scale_out = a;
+    uint8_t *q = (uint8_t *)dst + s;
+    for (int64_t i = 0; i < n; ++i) {
+        float v = y[i] / a;
+        v = v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);
+        if (sr) v = round_sr(v, 3, -6, salt, root);
+        q[i] = e4m3_code(v);
+    }
+}
+
+/* The Adam/AdamW step of fused_step.h's convention with stored moments:
+ * s[0], s[1] the moments (mu, nu) in the forms sdt[0][l], sdt[1][l]; sc[j][l]
+ * the block scales of a coded one. scalars: inv_c1, sqrt_c2. hyper: l2, w, b2,
+ * c2, eps, wd. counts[k]: group k's applied-step count (the salt), salt_ids[l]
+ * each leaf's index in the optimiser's tree. */
+static void ff_adam_stored_step(const ff_step_args *x) {
+    const int64_t per_group = x->n_leaves / x->n_groups;
+    AdamHyper *hs = (AdamHyper *)malloc((size_t)x->n_groups * sizeof(AdamHyper));
+    for (int64_t k = 0; k < x->n_groups; ++k) {
+        AdamHyper *h = &hs[k];
+        h->inv = x->inv ? x->inv[k] : 1.0f;
+        h->clip = x->clip_div != NULL;
+        h->clip_div = h->clip ? x->clip_div[k] : 1.0f;
+        h->clip_mul = h->clip ? x->clip_mul[k] : 1.0f;
+        h->l2 = (float)x->hyper[0];
+        h->has_l2 = h->l2 != 0.0f;
+        h->w = (float)x->hyper[1];
+        h->w_minus_1 = h->w - 1.0f;
+        h->small_w = fabsf(h->w) < 0.5f;
+        h->b2 = (float)x->hyper[2];
+        h->c2 = (float)x->hyper[3];
+        h->eps = (float)x->hyper[4];
+        h->wd = (float)x->hyper[5];
+        h->decoupled = h->wd != 0.0f;
+        h->inv_c1 = x->scalars[0][k];
+        h->sqrt_c2 = x->scalars[1][k];
+        h->factor = x->lr[k];
+    }
+    const int64_t bs = x->block_size;
+    const int sr = x->rounding;
+    /* Work units: the leaves' segments (a coded leaf's blocks, else BLOCK-element pieces),
+     * about CHUNK elements of consecutive segments each. */
+    int64_t n_units = 0;
+    int64_t *seg = (int64_t *)malloc((size_t)x->n_leaves * 3 * sizeof(int64_t));
+    for (int64_t l = 0; l < x->n_leaves; ++l) {
+        const int coded = x->sdt[0][l] == ST_E4M3 || x->sdt[1][l] == ST_E4M3;
+        const int64_t rows = coded ? x->rows[l] : 1;
+        const int64_t len = rows ? x->numel[l] / rows : 0;
+        const int64_t width = coded ? bs : BLOCK;
+        seg[3 * l] = len;                                       /* row length */
+        seg[3 * l + 1] = width;                                 /* segment length */
+        seg[3 * l + 2] = rows * ((len + width - 1) / width);    /* segments */
+        const int64_t per_unit = width >= CHUNK ? 1 : CHUNK / width;
+        n_units += (seg[3 * l + 2] + per_unit - 1) / per_unit;
+    }
+    int64_t *units = (int64_t *)malloc((size_t)(n_units ? n_units : 1) * 3 * sizeof(int64_t));
+    {
+        int64_t u = 0;
+        for (int64_t l = 0; l < x->n_leaves; ++l) {
+            const int64_t width = seg[3 * l + 1], per_unit = width >= CHUNK ? 1 : CHUNK / width;
+            for (int64_t q = 0; q < seg[3 * l + 2]; q += per_unit) {
+                units[3 * u] = l;
+                units[3 * u + 1] = q;
+                units[3 * u + 2] = seg[3 * l + 2] - q < per_unit ? seg[3 * l + 2] - q : per_unit;
+                ++u;
+            }
+        }
+    }
+    const int64_t buf_len = bs > BLOCK ? bs : BLOCK;
+#pragma omp parallel num_threads(x->threads)
+    {
+        float *buf = (float *)malloc((size_t)buf_len * 9 * sizeof(float));
+        float *gbuf = buf, *abuf = buf + buf_len, *vbuf = buf + 2 * buf_len;
+        float *mbuf = buf + 3 * buf_len, *nabuf = buf + 4 * buf_len, *nvbuf = buf + 5 * buf_len;
+        float *pbuf = buf + 6 * buf_len, *hbuf = buf + 7 * buf_len, *tmp = buf + 8 * buf_len;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < n_units; ++u) {
+            const int64_t l = units[3 * u], q0 = units[3 * u + 1], nq = units[3 * u + 2];
+            const int64_t grp = l / per_group;
+            const AdamHyper *h = &hs[grp];
+            const int gd = x->gdt[l], pd = x->pdt[l], gs = dt_size(gd), ps = dt_size(pd);
+            float *const m = x->m[l], *const mo = x->mo[l];
+            const int p_is_master = x->po[l] == (void *)mo;
+            const int donated = mo == m;
+            const int st_a = x->sdt[0][l], st_v = x->sdt[1][l];
+            const int bytes_a = st_a == ST_F32 ? 4 : (st_a == ST_E4M3 ? 1 : 2);
+            const int bytes_v = st_v == ST_F32 ? 4 : (st_v == ST_E4M3 ? 1 : 2);
+            const int64_t len = seg[3 * l], width = seg[3 * l + 1];
+            const int64_t per_row = (len + width - 1) / width;
+            const int apply = x->apply[grp];
+            uint32_t salt_a = 0, salt_v = 0;
+            if (sr && apply) {
+                const int64_t id = x->salt_ids[l % (x->n_leaves / x->n_members)];
+                salt_a = sr_salt(x->counts[grp], 0, id);
+                salt_v = sr_salt(x->counts[grp], 1, id);
+            }
+            for (int64_t q = q0; q < q0 + nq; ++q) {
+                const int64_t row = q / per_row, col = (q % per_row) * width;
+                const int64_t s = row * len + col, n = len - col < width ? len - col : width;
+                char *po_s = (char *)x->po[l] + s * ps;
+                if (!apply) {
+                    /* A skipped step: the new state is the old one, bit for bit. */
+                    if (!donated) {
+                        memcpy(mo + s, m + s, (size_t)n * 4);
+                        memcpy((char *)x->so[0][l] + s * bytes_a,
+                               (const char *)x->s[0][l] + s * bytes_a, (size_t)n * bytes_a);
+                        memcpy((char *)x->so[1][l] + s * bytes_v,
+                               (const char *)x->s[1][l] + s * bytes_v, (size_t)n * bytes_v);
+                        if (st_a == ST_E4M3) x->sco[0][l][q] = x->sc[0][l][q];
+                        if (st_v == ST_E4M3) x->sco[1][l][q] = x->sc[1][l][q];
+                        if (!p_is_master)
+                            memcpy(po_s, (const char *)x->p[l] + s * ps, (size_t)(n * ps));
+                    }
+                    continue;
+                }
+                to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
+                decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL, 0,
+                              abuf, s, n);
+                decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
+                              x->root, vbuf, s, n);
+                adam_dispatch(h, gbuf, m + s, abuf, vbuf, mbuf, nabuf, nvbuf, pbuf, n);
+                encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
+                              0, sr, salt_a, tmp, s, n);
+                encode_moment(st_v, nvbuf, x->so[1][l], st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL,
+                              x->root, sr, salt_v, tmp, s, n);
+                if (donated) memcpy(mo + s, mbuf, (size_t)n * 4);
+                else stream_bytes(mo + s, mbuf, n * 4);
+                if (!p_is_master) {
+                    from_f32(pbuf, hbuf, n, pd);
+                    memcpy(po_s, hbuf, (size_t)(n * ps));
+                }
+            }
+        }
+        free(buf);
+    }
+    free(units);
+    free(seg);
+    free(hs);
+}
+
+/* ------------------------------------------------------------------------ */
 /* The steps of fused_step.h's convention, by name.                          */
 /* ------------------------------------------------------------------------ */
 
@@ -764,6 +1061,7 @@ static const struct {
     ff_step_fn fn;
 } STEPS[] = {
     {"lion", ff_lion_step},
+    {"adam_stored", ff_adam_stored_step},
 };
 
 ff_step_fn ff_step_entry(const char *name) {
@@ -771,3 +1069,4 @@ ff_step_fn ff_step_entry(const char *name) {
         if (strcmp(STEPS[i].name, name) == 0) return STEPS[i].fn;
     return NULL;
 }
+

@@ -42,6 +42,21 @@ typedef struct {
     const uint8_t *apply;
     const float *const *scalars; /* scalars[j][k]: the optimiser's per-group scalar j */
     const double *hyper;
+    /* Stored states (steps that keep their states in fewer bits; unused by the others):
+     * sdt[j][l] how state j of leaf l is stored (fused_step.c's ST_* codes), sc[j][l] and
+     * sco[j][l] its block scales in and out where it is block-coded; rows[l] a leaf's
+     * first dimension (1 for a vector), salt_ids[l] (for the leaves of one member) its
+     * index in the optimiser's tree, counts[k] group k's step count: the stochastic
+     * rounding's salt. */
+    const int32_t *const *sdt;
+    float *const *const *sc;
+    float *const *const *sco;
+    const int64_t *rows;
+    const int64_t *salt_ids;
+    const int64_t *counts;
+    int64_t block_size, n_members;
+    int32_t rounding; /* 0: to nearest; 1: stochastic */
+    int32_t root;     /* the second state is coded through its square root */
 } ff_step_args;
 
 typedef void (*ff_step_fn)(const ff_step_args *);

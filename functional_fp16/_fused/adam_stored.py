@@ -1,0 +1,238 @@
+r"""The fused Adam/AdamW step with stored moments: BF16, FP16 or 8-bit E4M3 block codes.
+
+The chain :func:`~functional_fp16._fused.adam.adam_plan` recognises, with
+``mu_dtype``/``nu_dtype`` storing the moments in fewer bytes
+(:mod:`~functional_fp16.precision.moment_storage`; a float16 second moment with
+a per-tensor scale is not taken: its scale needs the whole new moment first).
+Per element the arithmetic is the FP32 step's (:mod:`.adam`) between a decode
+and an encode, inside the one pass that updates the master:
+
+.. math::
+    a = \operatorname{dec}(\hat a), \quad v = \operatorname{dec}(\hat v), \quad
+    (m', a', v') = \operatorname{adam}(m, a, v, u), \quad
+    \hat a' = \operatorname{enc}(a'), \quad \hat v' = \operatorname{enc}(v')
+
+where for block codes ``dec`` multiplies each code's E4M3 value by its
+block's scale (and squares it for the second moment) and ``enc`` finds each
+new block's scale from its largest finite magnitude, then codes every
+element; the rounding is to nearest or stochastic, salted with
+``(count, moment, leaf)`` (:mod:`~functional_fp16.precision.stochastic_rounding`).
+The step uses the float32 :math:`a', v'`, as the reference chain does, so the
+master is within one ulp of it and the codes and scales equal to its codes
+and scales (a code moves only where that ulp moves a decoded value across a
+rounding boundary).
+
+The op ``functional_fp16::adam_stored_step`` takes each moment as one tensor
+per leaf (float32, float16, bfloat16, or ``uint8`` codes laid out like the
+leaf) and the block scales of the coded ones as ``mu_scales`` / ``nu_scales``:
+one tensor per coded moment, in leaf order. On the CPU the C kernel
+(``ff_adam_stored_step``) runs it; elsewhere the plain kernel below (the
+reference's operations, leaf by leaf).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functional_fp16._fused import op_checks, plain_kernels
+from functional_fp16._fused.op_library import define_step
+from functional_fp16._fused.plain_kernels import f32
+from functional_fp16._fused.step_schema import StepSpec
+from functional_fp16.precision.moment_storage import (
+    MIN_ROW,
+    BlockCodes,
+    MomentFormat,
+    decode,
+    encode,
+    scales_shape,
+)
+from functional_fp16.precision.stochastic_rounding import salt
+from functional_fp16.transforms.adam import sqrt_rn
+
+__all__ = ["ADAM_STORED_OPS", "STORED_DTYPES", "ROUNDINGS"]
+
+STORED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+"""How the op takes a moment: as it is, in 16 bits, or as E4M3 codes (``uint8``)."""
+ROUNDINGS = ("nearest", "stochastic")
+"""The op's ``rounding`` argument is the index of one of these."""
+
+
+def _check(op: str, a: dict) -> list[str]:
+    for name in ("inv_c1", "sqrt_c2", "count"):
+        if a[name] is None:
+            op_checks.fail(op, f"{name} is required", TypeError)
+    block, members = a["block_size"], a["members"]
+    if block < 1 or block & (block - 1):
+        op_checks.fail(op, f"block_size must be a positive power of two, got {block}")
+    if a["rounding"] not in (0, 1):
+        op_checks.fail(op, f"rounding must be 0 (nearest) or 1 (stochastic), got {a['rounding']}")
+    if len(a["salt_ids"]) != len(a["grads"]):
+        op_checks.fail(op, f"salt_ids has {len(a['salt_ids'])} entries, expected one per leaf")
+    for name in ("mu", "nu"):
+        scales = a[f"{name}_scales"]
+        coded = [i for i, x in enumerate(a[name]) if x.dtype == torch.uint8]
+        if len(coded) != len(scales):
+            op_checks.fail(
+                op, f"{name}_scales has {len(scales)} tensors, expected {len(coded)} (one per "
+                f"coded {name})",
+            )  # fmt: skip
+        for j, (i, sc) in enumerate(zip(coded, scales)):
+            g = a["grads"][i]
+            shape = g.shape[1:] if members > 1 else g.shape
+            expected = (members, *scales_shape(shape, block)) if members > 1 else None
+            expected = expected or scales_shape(shape, block)
+            if len(shape) < 2 or not g.is_contiguous():
+                op_checks.fail(op, f"{name}[{i}] is coded but its leaf is not a dense matrix")
+            if (
+                not isinstance(sc, torch.Tensor)
+                or sc.dtype != torch.float32
+                or sc.device != g.device
+                or tuple(sc.shape) != tuple(expected)
+                or not sc.is_contiguous()
+            ):
+                got = (
+                    f"{sc.dtype} of shape {tuple(sc.shape)} on {sc.device}"
+                    if isinstance(sc, torch.Tensor)
+                    else type(sc).__name__
+                )
+                op_checks.fail(
+                    op, f"{name}_scales[{j}] (of {name}[{i}]) must be contiguous float32 of shape "
+                    f"{tuple(expected)} on {g.device}, got {got}",
+                )  # fmt: skip
+    return ["mu", "nu", "mu_scales", "nu_scales"]
+
+
+def _formats(block_size: int, rounding: int) -> dict:
+    """The moment formats the plain kernel encodes into, by stored dtype and moment."""
+    r = ROUNDINGS[rounding]
+    return {
+        (dtype, second): MomentFormat(kind, second and kind == "int8", None, block_size, MIN_ROW, r)
+        for dtype, kind in (
+            (torch.bfloat16, "bfloat16"),
+            (torch.float16, "float16"),
+            (torch.uint8, "int8"),
+            (torch.float32, "float32"),
+        )
+        for second in (False, True)
+    }
+
+
+def _generic(
+    *, members, grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out,
+    nu_out, mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply,
+    inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding, salt_ids,
+) -> None:  # fmt: skip
+    """The plain PyTorch kernel: one leaf of one member at a time, the reference's
+    decode, arithmetic and encode (bitwise the C kernel on the CPU)."""
+    c2 = f32(c2)
+    formats = _formats(block_size, rounding)
+    scales = {"mu": (mu_scales, mu_scales_out), "nu": (nu_scales, nu_scales_out)}
+    where = {name: _scale_index(xs) for name, xs in (("mu", mu), ("nu", nu))}
+    n = len(grads)
+    for b, leaf, k in plain_kernels.walk(n, lr.numel(), members):
+        at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
+        m = at(master)
+        u = plain_kernels.unscaled(at(grads), inv, clip_div, clip_mul, k)
+        if l2 != 0.0:
+            u = torch.add(u, m, alpha=l2)
+        old, fmt = {}, {}
+        for name, xs, second in (("mu", mu, False), ("nu", nu, True)):
+            x = at(xs)
+            fmt[name] = formats[(x.dtype, second)]
+            if x.dtype == torch.uint8:
+                sc = plain_kernels.member(scales[name][0][where[name][leaf]], b, members)
+                x = BlockCodes(x, sc)
+            old[name] = x
+        a = decode(fmt["mu"], old["mu"])
+        v = decode(fmt["nu"], old["nu"])
+        na = torch.lerp(a, u, w)
+        nv = torch.addcmul(v * b2, u, u, value=c2)
+        step = na / (sqrt_rn(nv) / sqrt_c2[k] + eps) * inv_c1[k]
+        if decoupled != 0.0:
+            step = torch.add(step, m, alpha=decoupled)
+        nm = torch.addcmul(m, step, lr[k])
+        ok = apply[k]
+        mo, po = at(master_out), at(params_out)
+        if po.data_ptr() != mo.data_ptr():
+            po.copy_(torch.where(ok, nm.to(po.dtype), at(params)))
+        mo.copy_(torch.where(ok, nm, m))
+        for name, new, stream in (("mu", na, 0), ("nu", nv, 1)):
+            salt_ = None if rounding == 0 else salt(count[k], stream, salt_ids[leaf])
+            coded = encode(fmt[name], new, old[name], salt_)
+            out = at(mu_out if name == "mu" else nu_out)
+            if isinstance(coded, BlockCodes):
+                out.copy_(torch.where(ok, coded.codes, old[name].codes))
+                s_out = scales[name][1][where[name][leaf]]
+                plain_kernels.member(s_out, b, members).copy_(
+                    torch.where(ok, coded.scales, old[name].scales)
+                )
+            else:
+                out.copy_(torch.where(ok, coded, old[name]))
+
+
+def _scale_index(xs: list[torch.Tensor]) -> dict[int, int]:
+    """Leaf -> index of its block scales among the coded moments of ``xs``."""
+    coded = [i for i, x in enumerate(xs) if x.dtype == torch.uint8]
+    return {leaf: j for j, leaf in enumerate(coded)}
+
+
+def _kernel_args(a: dict, used: list[str]) -> dict:
+    del used
+    names = ("grads", "master", "mu", "nu", "mu_scales", "nu_scales", "params", "master_out")
+    names += ("mu_out", "nu_out", "mu_scales_out", "nu_scales_out", "params_out", "inv")
+    names += ("clip_div", "clip_mul", "lr", "inv_c1", "sqrt_c2", "count", "l2", "eps")
+    names += ("decoupled", "block_size", "rounding", "salt_ids")
+    return dict(
+        {n: a[n] for n in names},
+        w=f32(1.0 - a["b1"]),  # torch.lerp's weight, rounded once to float32
+        b2=a["b2"],
+        c2=1.0 - a["b2"],  # addcmul's value, rounded once to float32
+    )
+
+
+SPEC = StepSpec(
+    name="adam_stored_step",
+    states=("mu", "nu", "mu_scales", "nu_scales"),
+    scalars=("inv_c1", "sqrt_c2", "count"),
+    bool_scalars=(),
+    hyper=(
+        ("l2", "float"),
+        ("b1", "float"),
+        ("b2", "float"),
+        ("eps", "float"),
+        ("decoupled", "float"),
+        ("block_size", "int"),
+        ("rounding", "int"),
+        ("salt_ids", "int[]"),
+    ),
+    entry="",  # no ctypes entry: the C kernel runs through its C++ op only
+    check=_check,
+    kernel_args=_kernel_args,
+    generic=_generic,
+    cpp_op="adam_stored",
+    cpp_hyper=lambda a: (
+        a["l2"],
+        f32(1.0 - a["b1"]),
+        a["b2"],
+        1.0 - a["b2"],
+        a["eps"],
+        a["decoupled"],
+        a["block_size"],
+        a["rounding"],
+        list(a["salt_ids"]),
+    ),
+    int_scalars=("count",),
+    side=("mu_scales", "nu_scales"),
+    state_dtypes=STORED_DTYPES,
+)
+
+ADAM_STORED_OPS = define_step(
+    SPEC,
+    r"""One fused Adam/AdamW step with stored moments into fresh tensors:
+    ``(master', mu', nu', mu_scales', nu_scales', params', finite, leaf_finite)``.
+
+    See the module docstring; ``count`` is each group's applied-step count
+    (int64, after this step), ``salt_ids`` each leaf's index in the optimiser's
+    tree: together the stochastic rounding's salt.
+    """,
+)
