@@ -395,6 +395,7 @@ def implementation(name: str) -> Implementation:
 
 
 _CPP_ENTRIES = {"sgd": "sgd_update", "adam": "adam_update", "grad_stats": "grad_stats"}
+_CPP_ENTRIES["adam_stored"] = "adam_stored_update"
 
 
 def count_c_kernel_calls(monkeypatch, calls: list[str]) -> list[str]:

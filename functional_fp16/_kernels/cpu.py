@@ -2,7 +2,8 @@
 
 The C source next to this module is compiled once per machine with the
 system's C compiler (``$CC``, else ``cc``/``gcc``) for the host CPU
-(``-O3 -march=native -ffp-contract=off -fopenmp``) into a cache folder
+(``-O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math -fopenmp``;
+none of them changes a result) into a cache folder
 (``$FUNCTIONAL_FP16_CACHE``, else ``$XDG_CACHE_HOME/functional_fp16``, else
 ``~/.cache/functional_fp16``), keyed by the source, the flags and the CPU, and
 loaded with ``ctypes``. The first call on a machine pays the compilation (about
@@ -48,7 +49,8 @@ __all__ = ["available", "unavailable_reason", "call", "ops_available", "ops_reas
 
 _SOURCE = Path(__file__).with_name("fused_step.c")
 _HEADER = Path(__file__).with_name("fused_step.h")  # included by both sources
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+_FLAGS += ["-fopenmp"]
 _FLAGS += ["-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None

@@ -806,20 +806,19 @@ static inline float bits_f32(uint32_t u) {
     return x;
 }
 
-/* The E4M3 code of x, rounded to nearest with ties to even (|x| <= 448, or NaN). */
+/* The E4M3 code of x, rounded to nearest with ties to even (|x| <= 448, or NaN).
+ * Branch-free, so that a loop of it vectorises. */
 static inline uint8_t e4m3_code(float x) {
     const uint32_t u = f32_bits(x);
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t sign = (u >> 24) & 0x80u;
     const uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);
-    if (a < 0x3C800000u) { /* below 2^-6: the subnormal grid, spacing 2^-9 */
-        const float q = nearbyintf(bits_f32(a) * 512.0f);
-        return (uint8_t)(sign | (uint8_t)q); /* q = 8 is 2^-6, the smallest normal's code */
-    }
-    /* Normal: keep 3 mantissa bits, rounding the 20 dropped ones to nearest even. */
+    /* below 2^-6: the subnormal grid, spacing 2^-9 (q = 8 is 2^-6, the smallest normal) */
+    const uint32_t sub = (uint32_t)nearbyintf(bits_f32(a) * 512.0f);
+    /* normal: keep 3 mantissa bits, the 20 dropped ones rounded to nearest even */
     const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
-    const uint32_t e = (rounded >> 23) - 127u + 7u;
-    return (uint8_t)(sign | (uint8_t)((e << 3) | ((rounded >> 20) & 7u)));
+    const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7Fu;
+    const uint32_t code = a > 0x7F800000u ? 0x7Fu : (a < 0x3C800000u ? sub : normal);
+    return (uint8_t)(sign | code);
 }
 
 static inline uint32_t mix32(uint32_t h) {
@@ -838,18 +837,20 @@ static uint32_t sr_salt(int64_t count, uint32_t stream, int64_t leaf) {
     return mix32((uint32_t)count * GOLDEN + fixed);
 }
 
-/* stochastic_rounding.round_stochastic(x, mb, emin, u(x, salt), square=sq). */
+/* stochastic_rounding.round_stochastic(x, mb, emin, u(x, salt), square=sq), branch-free. */
 static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
-    const uint32_t u32 = mix32(f32_bits(x) ^ salt);
-    const float u = (float)(u32 >> 8) * 0x1p-24f;
-    const uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
-    if (a >= 0x7F800000u) return x;
-    /* floor(log2 |x|) (frexp's exponent - 1; -1 for a zero, as frexp gives 0) */
-    int e = a == 0 ? -1
-            : a < 0x00800000u ? (31 - __builtin_clz(a)) - 149
-                              : (int)(a >> 23) - 127;
-    if (e < emin) e = emin;
-    const float spacing = ldexpf(1.0f, e - mb);
+    const uint32_t bx = f32_bits(x);
+    const float u = (float)(mix32(bx ^ salt) >> 8) * 0x1p-24f;
+    const uint32_t a = bx & 0x7FFFFFFFu;
+    /* floor(log2 |x|): frexp's exponent - 1 (-1 for a zero, as frexp gives 0); a
+     * subnormal's from its integer significand, converted exactly to float */
+    const int normal_e = (int)(a >> 23) - 127;
+    const int sub_e = (int)(f32_bits((float)(int32_t)a) >> 23) - 127 - 149;
+    int e = a == 0 ? -1 : (a < 0x00800000u ? sub_e : normal_e);
+    e = e < emin ? emin : e;
+    const int k = e - mb; /* the spacing 2^k, a normal or subnormal float32 */
+    const float spacing =
+        k >= -126 ? bits_f32((uint32_t)(k + 127) << 23) : bits_f32(1u << ((k + 149) & 31));
     const float scaled = x / spacing;
     const float low = floorf(scaled);
     float frac = scaled - low;
@@ -858,7 +859,7 @@ static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
         frac = frac * ((x + lo) / (hi + lo));
     }
     const float up = u < frac ? low + 1.0f : low;
-    return up * spacing;
+    return a >= 0x7F800000u ? x : up * spacing;
 }
 
 /* Decodes n elements of a stored moment starting at element s into dst. */
@@ -894,8 +895,10 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
             from_f32(x, (uint16_t *)dst + s, n, dt);
             return;
         }
-        const int mb = st == ST_BF16 ? 7 : 10, emin = st == ST_BF16 ? -126 : -14;
-        for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], mb, emin, salt, 0);
+        if (st == ST_BF16)
+            for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 7, -126, salt, 0);
+        else
+            for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 10, -14, salt, 0);
         from_f32(tmp, (uint16_t *)dst + s, n, dt);
         return;
     }
@@ -906,20 +909,27 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
         y = tmp;
     }
     float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
     for (int64_t i = 0; i < n; ++i) {
-        const float m = fabsf(y[i]);
-        if (m < INFINITY && m > peak) peak = m; /* an inf or NaN is left out */
+        float m = fabsf(y[i]);
+        m = m < INFINITY ? m : 0.0f; /* an inf or NaN is left out */
+        peak = m > peak ? m : peak;
     }
     float a = peak / E4M3_MAX;
     if (!(a > 0.0f)) a = 1.0f;
     *scale_out = a;
     uint8_t *q = (uint8_t *)dst + s;
-    for (int64_t i = 0; i < n; ++i) {
-        float v = y[i] / a;
-        v = v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);
-        if (sr) v = round_sr(v, 3, -6, salt, root);
-        q[i] = e4m3_code(v);
+    /* y / a, clamped to +-448 (a NaN stays NaN), rounded onto E4M3's grid and coded */
+#define E4M3_LOOP(ROUND)                                                      \
+    for (int64_t i = 0; i < n; ++i) {                                         \
+        float v = y[i] / a;                                                   \
+        v = v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);        \
+        q[i] = e4m3_code(ROUND);                                              \
     }
+    if (!sr) E4M3_LOOP(v)
+    else if (root) E4M3_LOOP(round_sr(v, 3, -6, salt, 1))
+    else E4M3_LOOP(round_sr(v, 3, -6, salt, 0))
+#undef E4M3_LOOP
 }
 
 /* The Adam/AdamW step of fused_step.h's convention with stored moments:
