@@ -43,6 +43,10 @@ FORMATS = {
     "bf16": {"mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16},
     "fp16 (scaled v)": {"mu_dtype": torch.float16, "nu_dtype": torch.float16, "nu_scale": "tensor"},
     "int8": {"mu_dtype": "int8", "nu_dtype": "int8"},
+    "bf16, nearest": {
+        "mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16, "moment_rounding": "nearest"
+    },
+    "int8, nearest": {"mu_dtype": "int8", "nu_dtype": "int8", "moment_rounding": "nearest"},
 }
 
 

@@ -781,19 +781,6 @@ enum { ST_F32 = 0, ST_F16 = 1, ST_BF16 = 2, ST_E4M3 = 3 };
 
 #define E4M3_MAX 448.0f
 
-static float E4M3_VALUE[256];
-
-__attribute__((constructor)) static void fill_e4m3_table(void) {
-    for (int c = 0; c < 256; ++c) {
-        const int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
-        float v;
-        if (e == 15 && m == 7) v = NAN;
-        else if (e == 0) v = ldexpf((float)m, -9);
-        else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        E4M3_VALUE[c] = sign ? -v : v;
-    }
-}
-
 static inline uint32_t f32_bits(float x) {
     uint32_t u;
     memcpy(&u, &x, 4);
@@ -819,6 +806,15 @@ static inline uint8_t e4m3_code(float x) {
     const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7Fu;
     const uint32_t code = a > 0x7F800000u ? 0x7Fu : (a < 0x3C800000u ? sub : normal);
     return (uint8_t)(sign | code);
+}
+
+/* The value of an E4M3 code, computed (a loop of it vectorises; a table is a gather). */
+static inline float e4m3_value(uint8_t code) {
+    const uint32_t c = code & 0x7Fu;
+    const float normal = bits_f32((c << 20) + (120u << 23));
+    const float sub = (float)(int32_t)c * 0x1p-9f;
+    const float v = c == 0x7Fu ? NAN : (c < 8u ? sub : normal);
+    return code & 0x80u ? -v : v;
 }
 
 static inline uint32_t mix32(uint32_t h) {
@@ -851,7 +847,10 @@ static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
     const int k = e - mb; /* the spacing 2^k, a normal or subnormal float32 */
     const float spacing =
         k >= -126 ? bits_f32((uint32_t)(k + 127) << 23) : bits_f32(1u << ((k + 149) & 31));
-    const float scaled = x / spacing;
+    /* x / 2^k, exactly: two multiplications by powers of two (2^-k alone may not be a float) */
+    const int h1 = -k / 2, h2 = -k - h1;
+    const float scaled =
+        (x * bits_f32((uint32_t)(h1 + 127) << 23)) * bits_f32((uint32_t)(h2 + 127) << 23);
     const float low = floorf(scaled);
     float frac = scaled - low;
     if (sq) {
@@ -874,7 +873,7 @@ static void decode_moment(int st, const void *src, const float *scale, int root,
     } else {
         const uint8_t *q = (const uint8_t *)src + s;
         const float a = *scale;
-        for (int64_t i = 0; i < n; ++i) dst[i] = E4M3_VALUE[q[i]] * a;
+        for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_value(q[i]) * a;
         if (root)
             for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * dst[i];
     }
@@ -993,10 +992,13 @@ static void ff_adam_stored_step(const ff_step_args *x) {
     const int64_t buf_len = bs > BLOCK ? bs : BLOCK;
 #pragma omp parallel num_threads(x->threads)
     {
-        float *buf = (float *)malloc((size_t)buf_len * 9 * sizeof(float));
-        float *gbuf = buf, *abuf = buf + buf_len, *vbuf = buf + 2 * buf_len;
-        float *mbuf = buf + 3 * buf_len, *nabuf = buf + 4 * buf_len, *nvbuf = buf + 5 * buf_len;
-        float *pbuf = buf + 6 * buf_len, *hbuf = buf + 7 * buf_len, *tmp = buf + 8 * buf_len;
+        /* Nine buffers, each 80 floats past a multiple of 4 KiB from the others (buffers
+         * 4 KiB apart make loads wait on unrelated stores: 4K aliasing). */
+        const int64_t stride = buf_len + 80;
+        float *buf = (float *)malloc((size_t)stride * 9 * sizeof(float));
+        float *gbuf = buf, *abuf = buf + stride, *vbuf = buf + 2 * stride;
+        float *mbuf = buf + 3 * stride, *nabuf = buf + 4 * stride, *nvbuf = buf + 5 * stride;
+        float *pbuf = buf + 6 * stride, *hbuf = buf + 7 * stride, *tmp = buf + 8 * stride;
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < n_units; ++u) {
             const int64_t l = units[3 * u], q0 = units[3 * u + 1], nq = units[3 * u + 2];
@@ -1042,13 +1044,14 @@ static void ff_adam_stored_step(const ff_step_args *x) {
                               abuf, s, n);
                 decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
                               x->root, vbuf, s, n);
-                adam_dispatch(h, gbuf, m + s, abuf, vbuf, mbuf, nabuf, nvbuf, pbuf, n);
+                float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
+                adam_dispatch(h, gbuf, m + s, abuf, vbuf, m_to, nabuf, nvbuf,
+                              p_is_master ? m_to : pbuf, n);
                 encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
                               0, sr, salt_a, tmp, s, n);
                 encode_moment(st_v, nvbuf, x->so[1][l], st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL,
                               x->root, sr, salt_v, tmp, s, n);
-                if (donated) memcpy(mo + s, mbuf, (size_t)n * 4);
-                else stream_bytes(mo + s, mbuf, n * 4);
+                if (!donated) stream_bytes(mo + s, mbuf, n * 4);
                 if (!p_is_master) {
                     from_f32(pbuf, hbuf, n, pd);
                     memcpy(po_s, hbuf, (size_t)(n * ps));
