@@ -35,17 +35,17 @@ def add_dtype_flags(m: argparse._ArgumentGroup, cpu: str) -> None:
     )
 
 
-MOMENT_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
+MOMENT_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "e4m3": "e4m3", "int8": "e4m3"}
 """``--moments`` -> the optimiser's ``mu_dtype``/``nu_dtype``/``accumulator_dtype``."""
 
 
 def add_moments_flag(t: argparse._ArgumentGroup, what: str) -> None:
-    """``--moments fp32|bf16|int8``: how the optimiser stores ``what`` (see MOMENT_DTYPES)."""
+    """``--moments fp32|bf16|e4m3`` (``int8``: the former name of ``e4m3``): how the optimiser stores ``what`` (see MOMENT_DTYPES)."""
     t.add_argument(
         "--moments",
         choices=sorted(MOMENT_DTYPES),
         default="fp32",
-        help=f"how {what} stored: FP32, BF16, or 8-bit block codes "
+        help=f"how {what} stored: FP32, BF16, or 8-bit E4M3 block codes (int8: an alias) "
         "(functional_fp16.precision.moment_storage); the arithmetic is FP32 in every case",
     )
 

@@ -86,7 +86,7 @@ def test_plain_gradients_raise_and_otherwise_placed_ones_are_redistributed(launc
     for r in results(launch, "bad_grads"):
         assert r["plain"] is not None and "grads['wte']: a plain tensor" in r["plain"], r
         assert r["other_mesh"] is not None and "grads['wte']" in r["other_mesh"], r
-        assert r["int8_columns"].startswith("params['w']: 'int8' moments"), r
+        assert r["int8_columns"].startswith("params['w']: 'e4m3' moments"), r
         assert r["inf_param"].startswith("params['h.attn.w']: contains inf or NaN"), r
         assert "needs each leaf's own sum" in r["one_number"], r
         assert r["redistributed_equal"] and r["partial_equal"], r

@@ -358,10 +358,10 @@ def _stored_params(seed: int) -> dict[str, torch.Tensor]:
          "float16 moments with a per-tensor scale"),
         (ff.adam(1e-3, nu_dtype=torch.float16, nu_scale=2.0**-20), r"\[0\]\.nu\['b'\]",
          "float16 moments with a per-tensor scale"),
-        (ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'int8' moments"),
-        (ff.lion(1e-4, mu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'int8' moments"),
+        (ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'e4m3' moments"),
+        (ff.lion(1e-4, mu_dtype="int8"), r"\[0\]\.mu\['w'\]", "'e4m3' moments"),
         (ff.sgd(0.1, momentum=0.9, accumulator_dtype="int8"), r"\[1\]\.trace\['w'\]",
-         "'int8' moments"),
+         "'e4m3' moments"),
     ],
     ids=["fp16-tensor-scale", "fp16-fixed-scale", "adamw-int8", "lion-int8", "sgd-int8"],
 )  # fmt: skip

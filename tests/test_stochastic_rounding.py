@@ -175,6 +175,9 @@ def test_lion_int8_momentum_rounded_stochastically_reverses_with_its_average():
 def test_rounding_is_checked_and_declared():
     with pytest.raises(ValueError, match="moment_rounding must be 'nearest' or 'stochastic'"):
         ff.adam(1e-3, mu_dtype="int8", moment_rounding="up")
-    tx = ff.adamw(1e-3, mu_dtype="int8", nu_dtype="int8", moment_rounding="stochastic")
-    assert tx.spec.parts[0].mu_format.rounding == "stochastic"
-    assert ff.adam(1e-3, mu_dtype="int8").spec.parts[0].mu_format.rounding == "nearest"
+    tx = ff.adamw(1e-3, mu_dtype="e4m3", nu_dtype="e4m3", moment_rounding="nearest")
+    assert tx.spec.parts[0].mu_format.rounding == "nearest"
+    # stochastic by default; "int8" is the former name of the same format
+    assert ff.adam(1e-3, mu_dtype="int8").spec.parts[0].mu_format.rounding == "stochastic"
+    assert ff.adam(1e-3, mu_dtype="int8").spec == ff.adam(1e-3, mu_dtype="e4m3").spec
+    assert ff.lion(1e-4, mu_dtype=torch.bfloat16).spec.parts[0].mu_format.rounding == "stochastic"

@@ -368,7 +368,7 @@ def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, don
     rounding = ROUNDINGS.index(
         plan.nu_format.rounding if plan.nu_format is not FLOAT32 else plan.mu_format.rounding
     )
-    block = (plan.nu_format if plan.nu_format.kind == "int8" else plan.mu_format).block_size
+    block = (plan.nu_format if plan.nu_format.kind == "e4m3" else plan.mu_format).block_size
     a = dict(grads=grads, master=masters, params=own, **common)
     a.update({r: roles[r] for r in ("mu", "nu", "mu_scales", "nu_scales")})
     a.update(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)

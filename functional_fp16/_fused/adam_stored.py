@@ -106,11 +106,11 @@ def _formats(block_size: int, rounding: int) -> dict:
     """The moment formats the plain kernel encodes into, by stored dtype and moment."""
     r = ROUNDINGS[rounding]
     return {
-        (dtype, second): MomentFormat(kind, second and kind == "int8", None, block_size, MIN_ROW, r)
+        (dtype, second): MomentFormat(kind, second and kind == "e4m3", None, block_size, MIN_ROW, r)
         for dtype, kind in (
             (torch.bfloat16, "bfloat16"),
             (torch.float16, "float16"),
-            (torch.uint8, "int8"),
+            (torch.uint8, "e4m3"),
             (torch.float32, "float32"),
         )
         for second in (False, True)

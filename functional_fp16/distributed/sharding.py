@@ -114,7 +114,7 @@ _STORED = {
         "torch.bfloat16 or float32, which shard_state shards",
     ),
     BlockCodes: (
-        "'int8' moments (8-bit block codes)",
+        "'e4m3' moments (8-bit block codes)",
         "their block scales are not shaped like their parameter; use FSDP2 (fully_shard), "
         "which shards the codes and scales by rows, or torch.bfloat16 moments with shard_state",
     ),
@@ -252,7 +252,7 @@ def shard_state(state: FP16State, *, mesh: DeviceMesh | None = None) -> FP16Stat
       ValueError: for a state that is already sharded or holds DTensor
         parameters, a mesh that is not 1-D, an optimiser state whose
         per-parameter tensors are not shaped like their parameters, or
-        moments stored with scales (float16 with ``nu_scale``, ``"int8"``;
+        moments stored with scales (float16 with ``nu_scale``, ``"e4m3"``;
         float32, bfloat16 and unscaled float16 moments shard), naming the leaf.
     """
     require_group("shard_state")

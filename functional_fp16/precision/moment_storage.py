@@ -14,7 +14,7 @@ format         stored per parameter element            decode (to float32)
 ``float16``    :math:`\operatorname{rn}_{16}(x / s)`,  :math:`q \cdot s`
                ``s`` a power of two per tensor
                (second moments; see below)
-``"int8"``     one byte per element, one float32       :math:`\operatorname{e4m3}(q) \cdot a`
+``"e4m3"``     one byte per element, one float32       :math:`\operatorname{e4m3}(q) \cdot a`
                scale per block of ``block_size``       (first moments),
                elements (default 256)                  :math:`(\operatorname{e4m3}(q)\cdot a)^2`
                                                        (second moments)
@@ -40,7 +40,7 @@ under-estimated (choose :math:`s \ge \max v / 65504`, or ``"tensor"``); an
 element under :math:`2^{-25} s` flushes to 0. First moments in
 FP16 are stored as they are (no scale), like optax's ``mu_dtype``.
 
-**8-bit block codes** ("int8"): each row of the tensor (everything after its
+**8-bit block codes** (``"e4m3"``; ``"int8"``, its former name, is an alias): each row of the tensor (everything after its
 first dimension; a vector is one row) is cut into blocks of ``block_size``
 consecutive elements (a row's last block may be shorter), so the scales have
 the shape ``(shape[0], blocks per row)``. A block stores
@@ -112,7 +112,8 @@ _NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
-    "int8": "int8",
+    "e4m3": "e4m3",
+    "int8": "e4m3",  # the former name of the same format
 }
 DEFAULT_BLOCK = 256
 MIN_ROW = 64
@@ -121,11 +122,11 @@ MIN_ROW = 64
 class MomentFormat(NamedTuple):
     """Static description of how one optimiser moment is stored."""
 
-    kind: str  # "float32", "bfloat16", "float16" or "int8"
-    root: bool  # int8: code the square root (second moments)
+    kind: str  # "float32", "bfloat16", "float16" or "e4m3"
+    root: bool  # e4m3: code the square root (second moments)
     scale: str | float | None  # float16 second moments: "tensor" or a fixed power of two
-    block_size: int  # int8: elements per block
-    min_row: int  # int8: matrices with shorter rows (and vectors) stay float32
+    block_size: int  # e4m3: elements per block
+    min_row: int  # e4m3: matrices with shorter rows (and vectors) stay float32
     rounding: str = "nearest"  # "nearest", or "stochastic" (with the optimiser's step count)
 
 
@@ -165,13 +166,13 @@ def moment_format(
     Args:
       name: the argument's name, for errors (``"nu_dtype"``).
       dtype: ``None`` or ``torch.float32`` (float32), ``torch.bfloat16``,
-        ``torch.float16`` or ``"int8"``.
+        ``torch.float16`` or ``"e4m3"`` (8-bit block codes; ``"int8"`` is an alias).
       second: whether the moment is a second moment (non-negative, squared
         gradients): only those take a ``scale`` and are coded through their root.
       scale: for a float16 second moment, ``"tensor"`` or a power of two; required
         there, refused elsewhere.
       scale_name: the scale argument's name, for errors.
-      block_size: for ``"int8"``, a positive power of two.
+      block_size: for ``"e4m3"``, a positive power of two.
       rounding: ``"nearest"`` or ``"stochastic"`` (see
         :mod:`functional_fp16.precision.stochastic_rounding`); float32 moments
         are never rounded.
@@ -187,7 +188,8 @@ def moment_format(
         kind = None
     if kind is None:
         raise ValueError(
-            f"{name} must be torch.float32, torch.bfloat16, torch.float16 or 'int8', got {dtype!r}"
+            f"{name} must be torch.float32, torch.bfloat16, torch.float16 or 'e4m3' (alias "
+            f"'int8'), got {dtype!r}"
         )
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
@@ -211,7 +213,7 @@ def moment_format(
         raise ValueError(f"moment_rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if kind == "float32":
         return FLOAT32
-    return MomentFormat(kind, second and kind == "int8", scale, block_size, MIN_ROW, rounding)
+    return MomentFormat(kind, second and kind == "e4m3", scale, block_size, MIN_ROW, rounding)
 
 
 def is_stored_moment(x: Any) -> bool:
@@ -220,7 +222,7 @@ def is_stored_moment(x: Any) -> bool:
 
 
 def _coded(fmt: MomentFormat, like: torch.Tensor) -> bool:
-    return fmt.kind == "int8" and like.ndim >= 2 and math.prod(like.shape[1:]) >= fmt.min_row
+    return fmt.kind == "e4m3" and like.ndim >= 2 and math.prod(like.shape[1:]) >= fmt.min_row
 
 
 def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
@@ -240,7 +242,7 @@ def zeros_like_moment(fmt: MomentFormat, p: torch.Tensor) -> Any:
         if _is_dtensor(p):
             raise NotImplementedError(
                 "float16 moments with a per-tensor scale are not supported for DTensor "
-                "parameters (each rank would choose its own scale); use torch.bfloat16 or 'int8'"
+                "parameters (each rank would choose its own scale); use torch.bfloat16 or 'e4m3'"
             )
         values = torch.zeros_like(p, dtype=torch.float16)
         return ScaledHalf(values, torch.ones((), dtype=torch.float32, device=p.device))
@@ -286,7 +288,7 @@ def _dtensor_scales(p: Any, block_size: int) -> Any:
         isinstance(x, Replicate) or (isinstance(x, Shard) and x.dim == 0) for x in p.placements
     ):
         raise NotImplementedError(
-            f"'int8' moments of a DTensor parameter need it sharded by rows (Shard(0), as "
+            f"'e4m3' moments of a DTensor parameter need it sharded by rows (Shard(0), as "
             f"FSDP2 shards) or replicated, got shape {tuple(p.shape)} with placements "
             f"{tuple(p.placements)}: its blocks would straddle the shards"
         )

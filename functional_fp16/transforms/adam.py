@@ -103,7 +103,7 @@ def scale_by_adam(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
-    moment_rounding: str = "nearest",
+    moment_rounding: str = "stochastic",
 ) -> GradientTransformation:
     r"""Rescales updates by Adam's bias-corrected moment estimates.
 
@@ -128,7 +128,7 @@ def scale_by_adam(
       eps: :math:`\epsilon \ge 0`, added to the denominator.
       eps_root: :math:`\epsilon_{root} \ge 0`, added inside the square root.
       mu_dtype: how the first moments are stored: ``None``/``torch.float32``
-        (the default), ``torch.bfloat16``, ``torch.float16`` or ``"int8"``
+        (the default), ``torch.bfloat16``, ``torch.float16`` or ``"e4m3"`` (``"int8"``, an alias)
         (8-bit block codes); see :mod:`functional_fp16.precision.moment_storage`.
         The arithmetic is float32 whatever the storage: each step decodes,
         updates and encodes.
@@ -138,15 +138,15 @@ def scale_by_adam(
         scale saturates: an element above :math:`65504\,s` is stored as
         :math:`65504\,s` (never inf, and no host check), under-estimating that
         element's moment; choose :math:`s \ge \max v / 65504`.
-      block_size: elements per block of ``"int8"`` moments (a power of two).
-      moment_rounding: how stored moments are rounded: ``"nearest"`` (the default)
-        or ``"stochastic"``, up or down with the probabilities that make the stored
-        moment's expectation its float32 value, from a hash of the value, the step
-        count and the leaf (:mod:`functional_fp16.precision.stochastic_rounding`):
-        a moving average whose change per step is under half a code step (``b2 =
-        0.999``) still follows it. Deterministic, resumable bitwise and the same
-        under any sharding; it runs as written, elementwise integer work per
-        element (see ``docs/moments.md`` for its cost).
+      block_size: elements per block of ``"e4m3"`` moments (a power of two).
+      moment_rounding: how stored moments are rounded: ``"stochastic"`` (the
+        default), up or down with the probabilities that make the stored moment's
+        expectation its float32 value, from a hash of the value, the step count and
+        the leaf (:mod:`functional_fp16.precision.stochastic_rounding`), so that a
+        moving average whose change per step is under half a code step (``b2 =
+        0.999``) still follows it (deterministic, resumable bitwise and the same
+        under any sharding); or ``"nearest"``, which loses such changes (see
+        ``docs/moments.md``). FP32 moments are never rounded.
 
     Returns:
       A :class:`~functional_fp16.GradientTransformation` with state
@@ -220,7 +220,7 @@ def adam(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
-    moment_rounding: str = "nearest",
+    moment_rounding: str = "stochastic",
 ) -> GradientTransformation:
     r"""Adam (Kingma & Ba, 2015) with ``torch.optim.Adam``'s arithmetic.
 
@@ -255,7 +255,7 @@ def adamw(
     nu_dtype: torch.dtype | str | None = None,
     nu_scale: str | float | None = None,
     block_size: int = DEFAULT_BLOCK,
-    moment_rounding: str = "nearest",
+    moment_rounding: str = "stochastic",
 ) -> GradientTransformation:
     r"""AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay.
 

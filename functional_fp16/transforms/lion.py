@@ -74,7 +74,7 @@ def scale_by_lion(
     smooth_beta: float = 1.0,
     mu_dtype: torch.dtype | str | None = None,
     block_size: int = DEFAULT_BLOCK,
-    moment_rounding: str = "nearest",
+    moment_rounding: str = "stochastic",
 ) -> GradientTransformation:
     r"""Rescales updates to Lion's sign direction.
 
@@ -95,10 +95,10 @@ def scale_by_lion(
       mode: ``"hard"`` (the sign; the paper's rule), ``"smooth"`` or ``"refined"``, as optax.
       smooth_beta: :math:`\beta_s > 0`, the slope of ``"smooth"``.
       mu_dtype: how the momentum is stored: ``None``/``torch.float32`` (the
-        default), ``torch.bfloat16``, ``torch.float16`` or ``"int8"``; see
+        default), ``torch.bfloat16``, ``torch.float16`` or ``"e4m3"`` (``"int8"``, an alias); see
         :mod:`functional_fp16.precision.moment_storage`. The arithmetic is float32.
-      block_size: elements per block of an ``"int8"`` momentum (a power of two).
-      moment_rounding: ``"nearest"`` (the default) or ``"stochastic"``; see
+      block_size: elements per block of an ``"e4m3"`` momentum (a power of two).
+      moment_rounding: ``"stochastic"`` (the default) or ``"nearest"``; see
         :func:`~functional_fp16.transforms.adam.scale_by_adam`.
 
     Returns:
@@ -155,7 +155,7 @@ def lion(
     mask=None,
     mu_dtype: torch.dtype | str | None = None,
     block_size: int = DEFAULT_BLOCK,
-    moment_rounding: str = "nearest",
+    moment_rounding: str = "stochastic",
 ) -> GradientTransformation:
     r"""The Lion optimiser: the sign of an interpolated momentum, with decoupled weight decay.
 

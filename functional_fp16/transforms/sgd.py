@@ -151,10 +151,10 @@ def trace(
       dampening: :math:`d \in [0, 1]`.
       accumulator_dtype: how the buffers are stored (optax's name): ``None``
         (the updates' dtype, the default), ``torch.float32``, ``torch.bfloat16``,
-        ``torch.float16`` or ``"int8"`` (8-bit block codes); see
+        ``torch.float16`` or ``"e4m3"`` (8-bit block codes; ``"int8"`` is an alias); see
         :mod:`functional_fp16.precision.moment_storage`. The arithmetic is the
         updates' dtype whatever the storage.
-      block_size: elements per block of an ``"int8"`` buffer (a power of two).
+      block_size: elements per block of an ``"e4m3"`` buffer (a power of two).
     """
     decay = _check_hyper("momentum", decay)
     stored = moment_format("accumulator_dtype", accumulator_dtype, second=False,
