@@ -110,14 +110,16 @@ def labels(tree):
     return {k: "matrix" if v.ndim >= 2 else "vector" for k, v in tree.items()}
 
 
-def recipe():
+def recipe(**moments):
     schedule = ff.warmup_cosine_decay_schedule(0.0, 6e-4, 10, 1000, 6e-5)
-    adamw = ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=is_matrix)
+    adamw = ff.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=is_matrix, **moments)
     return ff.chain(ff.clip_by_global_norm(1.0), adamw)
 
 
 OURS: dict[str, Callable[[], ff.GradientTransformation]] = {
     "recipe: clip + adamw(mask, warmup-cosine)": recipe,
+    "recipe, bf16 moments": lambda: recipe(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+    "recipe, e4m3 moments": lambda: recipe(mu_dtype="e4m3", nu_dtype="e4m3"),
     "sgd(0.05, momentum=0.9)": lambda: ff.sgd(0.05, momentum=0.9),
     "adam(1e-3)": lambda: ff.adam(1e-3),
     "lion(1e-4, weight_decay=0.1)": lambda: ff.lion(1e-4, weight_decay=0.1),

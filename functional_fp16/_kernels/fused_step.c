@@ -931,6 +931,101 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
 #undef E4M3_LOOP
 }
 
+/* adam_block with both moments in bfloat16, read and written in the element loop itself
+ * (every stream in flight together, no buffers): rounded to nearest, or stochastically
+ * with the salts (SR). */
+static inline __attribute__((always_inline)) void adam_block_bf16(
+    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const uint16_t *a, const uint16_t *v, float *m_out, uint16_t *a_out, uint16_t *v_out,
+    float *p_out, int64_t n, uint32_t salt_a, uint32_t salt_v, const int CLIP, const int L2,
+    const int DECOUPLED, const int SR) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, l2 = h->l2, b2 = h->b2,
+                c2 = h->c2, sqrt_c2 = h->sqrt_c2, inv_c1 = h->inv_c1, eps = h->eps, wd = h->wd,
+                factor = h->factor;
+    const float coef = h->small_w ? h->w : h->w_minus_1;
+    const int small_w = h->small_w;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        const float mi = m[i], ai = bf16_to_f32(a[i]), vi = bf16_to_f32(v[i]);
+        if (L2) u = fmaf(mi, l2, u);
+        const float na = fmaf(coef, u - ai, small_w ? ai : u);
+        const float nv = fmaf(c2 * u, u, vi * b2);
+        float s_ = (na / (sqrtf(nv) / sqrt_c2 + eps)) * inv_c1;
+        if (DECOUPLED) s_ = fmaf(mi, wd, s_);
+        const float nm = fmaf(s_, factor, mi);
+        m_out[i] = nm;
+        p_out[i] = nm;
+        if (SR) {
+            a_out[i] = f32_to_bf16(round_sr(na, 7, -126, salt_a, 0));
+            v_out[i] = f32_to_bf16(round_sr(nv, 7, -126, salt_v, 0));
+        } else {
+            a_out[i] = f32_to_bf16(na);
+            v_out[i] = f32_to_bf16(nv);
+        }
+    }
+}
+
+static void adam_bf16_dispatch(const AdamHyper *h, const float *g, const float *m,
+                               const uint16_t *a, const uint16_t *v, float *mo, uint16_t *ao,
+                               uint16_t *vo, float *po, int64_t n, int sr, uint32_t salt_a,
+                               uint32_t salt_v) {
+#define BF16_CASE(C, L, D, S)                                                          \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D && sr == S) {              \
+        adam_block_bf16(h, g, m, a, v, mo, ao, vo, po, n, salt_a, salt_v, C, L, D, S); \
+        return;                                                                        \
+    }
+#define BF16_SR(C, L, D) BF16_CASE(C, L, D, 0) BF16_CASE(C, L, D, 1)
+    BF16_SR(0, 0, 0) BF16_SR(0, 0, 1) BF16_SR(0, 1, 0) BF16_SR(1, 0, 0)
+    BF16_SR(1, 0, 1) BF16_SR(1, 1, 0) BF16_SR(0, 1, 1) BF16_SR(1, 1, 1)
+#undef BF16_SR
+#undef BF16_CASE
+}
+
+/* adam_block reading both moments as E4M3 codes of one block (scales sa, sv; the second
+ * moment through its root), decoded in the element loop itself; the new moments go to
+ * float32 buffers (na, nv) for the block's encoding. */
+static inline __attribute__((always_inline)) void adam_block_e4m3(
+    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const uint8_t *restrict a, const uint8_t *restrict v, float sa, float sv, float *m_out,
+    float *restrict na_out, float *restrict nv_out, float *p_out, int64_t n, const int CLIP,
+    const int L2, const int DECOUPLED) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, l2 = h->l2, b2 = h->b2,
+                c2 = h->c2, sqrt_c2 = h->sqrt_c2, inv_c1 = h->inv_c1, eps = h->eps, wd = h->wd,
+                factor = h->factor;
+    const float coef = h->small_w ? h->w : h->w_minus_1;
+    const int small_w = h->small_w;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        const float mi = m[i], ai = e4m3_value(a[i]) * sa, ri = e4m3_value(v[i]) * sv;
+        const float vi = ri * ri;
+        if (L2) u = fmaf(mi, l2, u);
+        const float na = fmaf(coef, u - ai, small_w ? ai : u);
+        const float nv = fmaf(c2 * u, u, vi * b2);
+        float s_ = (na / (sqrtf(nv) / sqrt_c2 + eps)) * inv_c1;
+        if (DECOUPLED) s_ = fmaf(mi, wd, s_);
+        const float nm = fmaf(s_, factor, mi);
+        m_out[i] = nm;
+        p_out[i] = nm;
+        na_out[i] = na;
+        nv_out[i] = nv;
+    }
+}
+
+static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *m,
+                               const uint8_t *a, const uint8_t *v, float sa, float sv, float *mo,
+                               float *na, float *nv, float *po, int64_t n) {
+#define E4M3_CASE(C, L, D)                                                  \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {              \
+        adam_block_e4m3(h, g, m, a, v, sa, sv, mo, na, nv, po, n, C, L, D); \
+        return;                                                             \
+    }
+    E4M3_CASE(0, 0, 0) E4M3_CASE(0, 0, 1) E4M3_CASE(0, 1, 0) E4M3_CASE(1, 0, 0)
+    E4M3_CASE(1, 0, 1) E4M3_CASE(1, 1, 0) E4M3_CASE(0, 1, 1) E4M3_CASE(1, 1, 1)
+#undef E4M3_CASE
+}
+
 /* The Adam/AdamW step of fused_step.h's convention with stored moments:
  * s[0], s[1] the moments (mu, nu) in the forms sdt[0][l], sdt[1][l]; sc[j][l]
  * the block scales of a coded one. scalars: inv_c1, sqrt_c2. hyper: l2, w, b2,
@@ -1040,13 +1135,33 @@ static void ff_adam_stored_step(const ff_step_args *x) {
                     continue;
                 }
                 to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
-                decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL, 0,
-                              abuf, s, n);
-                decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
-                              x->root, vbuf, s, n);
+                if (st_a == ST_BF16 && st_v == ST_BF16) { /* one loop, no moment buffers */
+                    float *m_to = donated ? mo + s : mbuf;
+                    adam_bf16_dispatch(h, gbuf, m + s, (const uint16_t *)x->s[0][l] + s,
+                                       (const uint16_t *)x->s[1][l] + s, m_to,
+                                       (uint16_t *)x->so[0][l] + s, (uint16_t *)x->so[1][l] + s,
+                                       p_is_master ? m_to : pbuf, n, sr, salt_a, salt_v);
+                    if (!donated) stream_bytes(mo + s, mbuf, n * 4);
+                    if (!p_is_master) {
+                        from_f32(pbuf, hbuf, n, pd);
+                        memcpy(po_s, hbuf, (size_t)(n * ps));
+                    }
+                    continue;
+                }
                 float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
-                adam_dispatch(h, gbuf, m + s, abuf, vbuf, m_to, nabuf, nvbuf,
-                              p_is_master ? m_to : pbuf, n);
+                if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded in the loop */
+                    adam_e4m3_dispatch(h, gbuf, m + s, (const uint8_t *)x->s[0][l] + s,
+                                       (const uint8_t *)x->s[1][l] + s, x->sc[0][l][q],
+                                       x->sc[1][l][q], m_to, nabuf, nvbuf,
+                                       p_is_master ? m_to : pbuf, n);
+                } else {
+                    decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
+                                  0, abuf, s, n);
+                    decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
+                                  x->root, vbuf, s, n);
+                    adam_dispatch(h, gbuf, m + s, abuf, vbuf, m_to, nabuf, nvbuf,
+                                  p_is_master ? m_to : pbuf, n);
+                }
                 encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
                               0, sr, salt_a, tmp, s, n);
                 encode_moment(st_v, nvbuf, x->so[1][l], st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL,
