@@ -181,3 +181,16 @@ def test_rounding_is_checked_and_declared():
     assert ff.adam(1e-3, mu_dtype="int8").spec.parts[0].mu_format.rounding == "stochastic"
     assert ff.adam(1e-3, mu_dtype="int8").spec == ff.adam(1e-3, mu_dtype="e4m3").spec
     assert ff.lion(1e-4, mu_dtype=torch.bfloat16).spec.parts[0].mu_format.rounding == "stochastic"
+
+
+def test_salt_table_is_salt_for_every_stream_and_leaf():
+    """The batched salts (the CUDA default's) equal the per-leaf ones, for counts that
+    wrap past 2^32 and leaf indices of any size."""
+    leaves = [0, 1, 7, 148, 2**31 + 5]
+    for t in (0, 1, 12345, 2**31 - 1):
+        count = torch.tensor(t, dtype=torch.int32)
+        table = sr.salt_table(count, leaves)
+        assert table.shape == (2, len(leaves)) and table.dtype == torch.int64
+        for stream in (0, 1):
+            for i, leaf in enumerate(leaves):
+                assert int(table[stream, i]) == int(sr.salt(count, stream, leaf)), (t, stream, leaf)

@@ -46,7 +46,7 @@ from functional_fp16.precision.moment_storage import (
     encode,
     scales_shape,
 )
-from functional_fp16.precision.stochastic_rounding import salt
+from functional_fp16.precision.stochastic_rounding import salt, salt_table
 from functional_fp16.transforms.adam import sqrt_rn
 
 __all__ = ["ADAM_STORED_OPS", "STORED_DTYPES", "ROUNDINGS"]
@@ -122,10 +122,17 @@ def _generic(
     nu_out, mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply,
     inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding, salt_ids,
 ) -> None:  # fmt: skip
-    """The plain PyTorch kernel: one leaf of one member at a time, the reference's
-    decode, arithmetic and encode (bitwise the C kernel on the CPU)."""
+    """The plain PyTorch kernel: the reference's decode, arithmetic and encode (bitwise
+    the C kernel on the CPU); one group of one member as lists (:func:`_lists`), else one
+    leaf of one member at a time."""
     c2 = f32(c2)
     formats = _formats(block_size, rounding)
+    if plain_kernels.one_group(lr, members):
+        return _lists(
+            grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
+            mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply,
+            inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, formats, rounding, salt_ids,
+        )  # fmt: skip
     scales = {"mu": (mu_scales, mu_scales_out), "nu": (nu_scales, nu_scales_out)}
     where = {name: _scale_index(xs) for name, xs in (("mu", mu), ("nu", nu))}
     n = len(grads)
@@ -168,6 +175,61 @@ def _generic(
                 )
             else:
                 out.copy_(torch.where(ok, coded, old[name]))
+
+
+def _lists(
+    grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
+    mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply, inv_c1,
+    sqrt_c2, count, l2, w, b2, c2, eps, decoupled, formats, rounding, salt_ids,
+) -> None:  # fmt: skip
+    """The plain kernel of one group of one member: the arithmetic as multi-tensor ops
+    (``torch._foreach_*``, PyTorch's fused SGD kernel for the master) on every leaf at
+    once, the decode and the encode leaf by leaf (a coded moment is its own layout), every
+    output selected on its bit patterns (a skipped step keeps every byte)."""
+    apply = apply.reshape(())
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    if l2 != 0.0:
+        torch._foreach_add_(u, master, alpha=l2)
+    old, fmts = {}, {}
+    for name, xs, scales, second in (("mu", mu, mu_scales, False), ("nu", nu, nu_scales, True)):
+        it = iter(scales)
+        old[name] = [BlockCodes(x, next(it)) if x.dtype == torch.uint8 else x for x in xs]
+        fmts[name] = [formats[(x.dtype, second)] for x in xs]
+    a32 = [decode(f, x) for f, x in zip(fmts["mu"], old["mu"])]
+    v32 = [decode(f, x) for f, x in zip(fmts["nu"], old["nu"])]
+    na = torch._foreach_lerp(a32, u, w)
+    nv = torch._foreach_mul(v32, b2)
+    torch._foreach_addcmul_(nv, u, u, value=c2)
+    del a32, v32
+    denom = plain_kernels.correct_sqrt(nv)
+    torch._foreach_div_(denom, sqrt_c2.reshape(()))
+    torch._foreach_add_(denom, eps)
+    step = plain_kernels.start_from(u, na)  # u's buffers: a' / denom, as one division
+    torch._foreach_div_(step, denom)
+    del denom
+    torch._foreach_mul_(step, inv_c1.reshape(()))
+    if decoupled != 0.0:
+        torch._foreach_add_(step, master, alpha=decoupled)
+    plain_kernels.fma_step_(master_out, master, step, lr, plain_kernels.skip_flag(apply))
+    del step, u
+    plain_kernels.refresh_params(apply, master_out, params, params_out)
+    salts = salt_table(count.reshape(()), salt_ids) if rounding else None
+    outs = {"mu": (mu_out, mu_scales_out), "nu": (nu_out, nu_scales_out)}
+    for stream, (name, new) in enumerate((("mu", na), ("nu", nv))):
+        values_out, scales_out = outs[name]
+        scales_it = iter(scales_out)
+        fresh, kept, into = [], [], []
+        for i, (x, was, f) in enumerate(zip(new, old[name], fmts[name])):
+            coded = encode(f, x, was, None if salts is None else salts[stream, i])
+            if isinstance(coded, BlockCodes):
+                fresh += [coded.codes, coded.scales]
+                kept += [was.codes, was.scales]
+                into += [values_out[i], next(scales_it)]
+            else:
+                fresh.append(coded)
+                kept.append(was)
+                into.append(values_out[i])
+        plain_kernels.select_into(apply, fresh, kept, into, consume=True)
 
 
 def _scale_index(xs: list[torch.Tensor]) -> dict[int, int]:

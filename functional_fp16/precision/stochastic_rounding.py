@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mix32", "salt", "uniform", "round_stochastic"]
+__all__ = ["mix32", "salt", "salt_table", "uniform", "round_stochastic"]
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # 2^32 / phi, odd
@@ -75,9 +75,30 @@ def salt(count: torch.Tensor, stream: int, leaf: int) -> torch.Tensor:
       stream: which moment (0 for a first moment, 1 for a second).
       leaf: the leaf's position in its tree.
     """
-    fixed = mix32((mix32(stream & _M32) + leaf * _GOLDEN) & _M32)
     t = count.to(torch.int64) & _M32
-    return mix32((_mul32(t, _GOLDEN) + fixed) & _M32)
+    return mix32((_mul32(t, _GOLDEN) + _fixed(stream, leaf)) & _M32)
+
+
+_FIXED: dict = {}
+
+
+def salt_table(count: torch.Tensor, leaves: list[int]) -> torch.Tensor:
+    """:func:`salt` for both moments (stream 0 and 1) of every leaf in ``leaves``, as one
+    ``(2, len(leaves))`` int64 tensor: ``salt_table(t, ids)[s, i] == salt(t, s, ids[i])``.
+    One chain of integer ops whatever the number of leaves; the salts' fixed parts are
+    made once per list of leaves and device."""
+    key = (tuple(leaves), count.device)
+    if key not in _FIXED:
+        fixed = [[_fixed(stream, leaf) for leaf in leaves] for stream in (0, 1)]
+        _FIXED[key] = torch.tensor(fixed, dtype=torch.int64, device=count.device)
+    t = count.to(torch.int64) & _M32
+    return mix32((_mul32(t, _GOLDEN) + _FIXED[key]) & _M32)
+
+
+def _fixed(stream: int, leaf: int) -> int:
+    """The part of a salt that does not change with the step: ``mix(mix(stream) + leaf
+    * phi)``, an int in ``[0, 2^32)``."""
+    return mix32((mix32(stream & _M32) + leaf * _GOLDEN) & _M32)
 
 
 def uniform(x: torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
