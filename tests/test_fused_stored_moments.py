@@ -40,6 +40,8 @@ FORMATS = {
     "int8": dict(mu_dtype="int8", nu_dtype="int8"),
     "bf16": dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
     "fp16_mu_int8_nu": dict(mu_dtype=torch.float16, nu_dtype="int8", block_size=64),
+    "lion_e4m3": dict(mu_dtype="e4m3", block_size=128),
+    "lion_bf16": dict(mu_dtype=torch.bfloat16),
 }
 
 
@@ -59,6 +61,8 @@ MASK = {"w": True, "v": True, "t": True, "n": True, "b": False}
 
 def _tx(fmt: str, rounding: str, l2: bool = False):
     kw = dict(FORMATS[fmt], moment_rounding=rounding)
+    if fmt.startswith("lion"):
+        return ff.chain(ff.clip_by_global_norm(1.0), ff.lion(1e-4, weight_decay=0.1, **kw))
     if l2:
         inner = ff.chain(ff.add_decayed_weights(0.01), ff.adam(1e-3, **kw))
     else:
@@ -124,7 +128,7 @@ def test_adam_with_l2_decay_matches_the_reference(monkeypatch, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "lion_e4m3"])
 def test_a_skipped_step_leaves_every_byte(monkeypatch, kernel, donate, fmt):
     _use(monkeypatch, kernel)
     state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
@@ -159,12 +163,17 @@ def test_the_c_kernel_runs_the_stored_step_once_per_group(monkeypatch):
     ff.fp16_update(state, _grads(state, 0))
     assert calls.count("adam_stored_update") == 2, calls
     assert set(calls) <= {"adam_stored_update", "grad_stats"}, calls
+    calls.clear()
+    state = ff.fp16_init(_params(), _tx("lion_e4m3", "stochastic"))
+    ff.fp16_update(state, _grads(state, 0))
+    assert calls.count("lion_stored_update") == 1, calls
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_vmap_members_step_as_alone(monkeypatch, kernel):
+@pytest.mark.parametrize("fmt", ["int8", "lion_e4m3"])
+def test_vmap_members_step_as_alone(monkeypatch, kernel, fmt):
     _use(monkeypatch, kernel)
-    tx = _tx("int8", "stochastic")
+    tx = _tx(fmt, "stochastic")
     states = [ff.fp16_init(_params(seed), tx, ff.DynamicLossScale(2.0**10)) for seed in (0, 1)]
     for step in range(2):
         grads = [_grads(s, step + 3 * i) for i, s in enumerate(states)]
@@ -174,8 +183,9 @@ def test_vmap_members_step_as_alone(monkeypatch, kernel):
             assert_states_bitwise_equal(alone, states[i])
 
 
-def test_compiled_update_is_eager():
-    state = ff.fp16_init(_params(), _tx("int8", "stochastic"), ff.DynamicLossScale(2.0**10))
+@pytest.mark.parametrize("fmt", ["int8", "lion_bf16"])
+def test_compiled_update_is_eager(fmt):
+    state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
     step = torch.compile(ff.fp16_update, fullgraph=True)
     for i in range(2):
         grads = _grads(state, i)

@@ -34,87 +34,16 @@ from __future__ import annotations
 
 import torch
 
-from functional_fp16._fused import op_checks, plain_kernels
+from functional_fp16._fused import plain_kernels, stored
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
-from functional_fp16.precision.moment_storage import (
-    MIN_ROW,
-    BlockCodes,
-    MomentFormat,
-    decode,
-    encode,
-    scales_shape,
-)
+from functional_fp16._fused.stored import ROUNDINGS, STORED_DTYPES
+from functional_fp16.precision.moment_storage import BlockCodes, decode, encode
 from functional_fp16.precision.stochastic_rounding import salt, salt_table
 from functional_fp16.transforms.adam import sqrt_rn
 
-__all__ = ["ADAM_STORED_OPS", "STORED_DTYPES", "ROUNDINGS"]
-
-STORED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-"""How the op takes a moment: as it is, in 16 bits, or as E4M3 codes (``uint8``)."""
-ROUNDINGS = ("nearest", "stochastic")
-"""The op's ``rounding`` argument is the index of one of these."""
-
-
-def _check(op: str, a: dict) -> list[str]:
-    for name in ("inv_c1", "sqrt_c2", "count"):
-        if a[name] is None:
-            op_checks.fail(op, f"{name} is required", TypeError)
-    block, members = a["block_size"], a["members"]
-    if block < 1 or block & (block - 1):
-        op_checks.fail(op, f"block_size must be a positive power of two, got {block}")
-    if a["rounding"] not in (0, 1):
-        op_checks.fail(op, f"rounding must be 0 (nearest) or 1 (stochastic), got {a['rounding']}")
-    if len(a["salt_ids"]) != len(a["grads"]):
-        op_checks.fail(op, f"salt_ids has {len(a['salt_ids'])} entries, expected one per leaf")
-    for name in ("mu", "nu"):
-        scales = a[f"{name}_scales"]
-        coded = [i for i, x in enumerate(a[name]) if x.dtype == torch.uint8]
-        if len(coded) != len(scales):
-            op_checks.fail(
-                op, f"{name}_scales has {len(scales)} tensors, expected {len(coded)} (one per "
-                f"coded {name})",
-            )  # fmt: skip
-        for j, (i, sc) in enumerate(zip(coded, scales)):
-            g = a["grads"][i]
-            shape = g.shape[1:] if members > 1 else g.shape
-            expected = (members, *scales_shape(shape, block)) if members > 1 else None
-            expected = expected or scales_shape(shape, block)
-            if len(shape) < 2 or not g.is_contiguous():
-                op_checks.fail(op, f"{name}[{i}] is coded but its leaf is not a dense matrix")
-            if (
-                not isinstance(sc, torch.Tensor)
-                or sc.dtype != torch.float32
-                or sc.device != g.device
-                or tuple(sc.shape) != tuple(expected)
-                or not sc.is_contiguous()
-            ):
-                got = (
-                    f"{sc.dtype} of shape {tuple(sc.shape)} on {sc.device}"
-                    if isinstance(sc, torch.Tensor)
-                    else type(sc).__name__
-                )
-                op_checks.fail(
-                    op, f"{name}_scales[{j}] (of {name}[{i}]) must be contiguous float32 of shape "
-                    f"{tuple(expected)} on {g.device}, got {got}",
-                )  # fmt: skip
-    return ["mu", "nu", "mu_scales", "nu_scales"]
-
-
-def _formats(block_size: int, rounding: int) -> dict:
-    """The moment formats the plain kernel encodes into, by stored dtype and moment."""
-    r = ROUNDINGS[rounding]
-    return {
-        (dtype, second): MomentFormat(kind, second and kind == "e4m3", None, block_size, MIN_ROW, r)
-        for dtype, kind in (
-            (torch.bfloat16, "bfloat16"),
-            (torch.float16, "float16"),
-            (torch.uint8, "e4m3"),
-            (torch.float32, "float32"),
-        )
-        for second in (False, True)
-    }
+__all__ = ["ADAM_STORED_OPS", "STORED_DTYPES", "ROUNDINGS"]  # the last two: from .stored
 
 
 def _generic(
@@ -126,7 +55,7 @@ def _generic(
     the C kernel on the CPU); one group of one member as lists (:func:`_lists`), else one
     leaf of one member at a time."""
     c2 = f32(c2)
-    formats = _formats(block_size, rounding)
+    formats = stored.formats(block_size, rounding)
     if plain_kernels.one_group(lr, members):
         return _lists(
             grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
@@ -268,24 +197,23 @@ SPEC = StepSpec(
         ("salt_ids", "int[]"),
     ),
     entry="",  # no ctypes entry: the C kernel runs through its C++ op only
-    check=_check,
+    check=lambda op, a: stored.check_stored(op, a, ("mu", "nu"), ("inv_c1", "sqrt_c2", "count")),
     kernel_args=_kernel_args,
     generic=_generic,
-    cpp_op="adam_stored",
+    cpp_op="stored_step",
     cpp_hyper=lambda a: (
         a["l2"],
         f32(1.0 - a["b1"]),
         a["b2"],
-        1.0 - a["b2"],
+        f32(1.0 - a["b2"]),  # addcmul's value, rounded once to float32
         a["eps"],
         a["decoupled"],
-        a["block_size"],
-        a["rounding"],
-        list(a["salt_ids"]),
     ),
     int_scalars=("count",),
     side=("mu_scales", "nu_scales"),
     state_dtypes=STORED_DTYPES,
+    stored="adam_stored",
+    root_state=1,
 )
 
 ADAM_STORED_OPS = define_step(

@@ -221,6 +221,8 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
     """
     if spec.c_block:
         return _cpp_block_step(spec, a, donated)
+    if spec.stored:
+        return _cpp_stored_step(spec, a, donated)
     lists = [a[n] for n in ("grads", "master", *spec.states, "params")]
     scalars = [a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")]
     scalars += [a[n] for n in spec.scalars]
@@ -260,6 +262,46 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     n = len(a["grads"])
     split = [flat[j * n : (j + 1) * n] for j in range(len(spec.states))]
     return (master, *split, params, finite, leaves)
+
+
+def _cpp_stored_step(spec: StepSpec, a: dict, donated: bool):
+    """A step with stored states through ``functional_fp16_cpu::stored_step``: the states
+    and the block scales go in state-major as two lists and come back split, so the
+    outputs read as ``cpp_step``'s."""
+    states = [s for s in spec.states if s not in spec.side]
+    flat_states = [x for name in states for x in a[name]]
+    flat_scales = [x for name in spec.side for x in a[name]]
+    floats = [a[n] for n in spec.scalars if n not in spec.int_scalars]
+    master, s_out, sc_out, params, finite, leaves = c_kernel.run_op(
+        "stored_step",
+        spec.stored,
+        a["grads"],
+        a["master"],
+        flat_states,
+        flat_scales,
+        a["params"],
+        list(a["separate"]),
+        *[a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")],
+        floats,
+        a["count"],
+        [float(x) for x in spec.cpp_hyper(a)],
+        a["block_size"],
+        a["rounding"],
+        spec.root_state,
+        list(a["salt_ids"]),
+        a["members"],
+        _threads(),
+        donated,
+    )
+    if donated:
+        return (finite, leaves)
+    n = len(a["grads"])
+    out = [s_out[j * n : (j + 1) * n] for j in range(len(states))]
+    start = 0
+    for name in spec.side:
+        out.append(sc_out[start : start + len(a[name])])
+        start += len(a[name])
+    return (master, *out, params, finite, leaves)
 
 
 def cpp_stats(grads, inv, groups, members, sum_squares) -> tuple[Tensor, Tensor]:

@@ -31,12 +31,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused import plain_kernels
+from functional_fp16._fused import plain_kernels, stored
 from functional_fp16._fused.chains import Path
+from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
-from functional_fp16._fused.steps import Fusable, register
+from functional_fp16._fused.steps import Fusable, incremented, register
+from functional_fp16._fused.stored import ROUNDINGS, STORED_DTYPES
+from functional_fp16.precision.moment_storage import (
+    FLOAT32,
+    BlockCodes,
+    MomentFormat,
+    decode,
+    encode,
+)
+from functional_fp16.precision.stochastic_rounding import salt
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.lion import LionSpec
 from functional_fp16.transforms.sgd import DecaySpec, LearningRateSpec
@@ -55,6 +65,17 @@ class LionPlan(NamedTuple):
     sign: float  # -1.0 to descend
     lion_path: Path
     lr_path: Path
+    mu_format: MomentFormat = FLOAT32
+
+    @property
+    def stored(self) -> bool:
+        """Whether the momentum is stored in fewer bits (the ``lion_stored_step`` op)."""
+        return self.mu_format is not FLOAT32
+
+    @property
+    def state_dtypes(self) -> tuple:
+        """The dtypes the momentum of this plan's leaves may have."""
+        return STORED_DTYPES if self.stored else (torch.float32,)
 
 
 _ORDER = (ClipSpec, LionSpec, DecaySpec, LearningRateSpec)
@@ -75,8 +96,8 @@ def _read(parts: list[tuple[Any, Path]]) -> LionPlan | None:
     if LionSpec not in found or LearningRateSpec not in found:
         return None
     lion, lion_path = found[LionSpec]
-    if lion.mode != "hard" or lion.mu_format.kind != "float32":
-        return None  # coded momentum: the chain runs as written
+    if lion.mode != "hard":
+        return None
     clip = found.get(ClipSpec, (None, None))[0]
     decay = found.get(DecaySpec, (None, None))[0]
     lr, lr_path = found[LearningRateSpec]
@@ -89,13 +110,22 @@ def _read(parts: list[tuple[Any, Path]]) -> LionPlan | None:
         sign=lr.sign,
         lion_path=lion_path,
         lr_path=lr_path,
+        mu_format=lion.mu_format,
     )
 
 
 def _positions(plan: LionPlan, by_key: dict) -> tuple[dict[str, int], dict[str, int]]:
     """A leaf's momentum position and the group's step count."""
     where = by_key[plan.lion_path]
-    return {"mu": where["mu"]}, {"count": where["count"]}
+    roles = {"mu": where["mu"]}
+    if plan.stored:  # block scales where the momentum is coded, else -1
+        roles["mu_scales"] = where.get("mu_scales", -1)
+    return roles, {"count": where["count"]}
+
+
+def _index(plan: LionPlan, by_key: dict) -> int:
+    """A leaf's index among its ``scale_by_lion``'s leaves (the rounding's leaf salt)."""
+    return by_key[plan.lion_path][INDEX]
 
 
 # ---------------------------------------------------------------------------
@@ -210,6 +240,8 @@ lion_step, lion_step_ = LION_OPS.functional, LION_OPS.donated
 def _step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, memo):
     """One op call for a group: ``(masters', roles', params', decided, shared')``, where
     ``decided`` is the op's ``(finite, leaf_finite)``."""
+    if plan.stored:
+        return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     del shared, memo  # the count advances on an applied step (``steps.advanced``)
     mu = roles["mu"]
     hyper = dict(b1=plan.b1, b2=plan.b2, decoupled=plan.decoupled_decay)
@@ -222,4 +254,111 @@ def _step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, me
     return list(m_out), {"mu": list(mu_out)}, list(p_new), tuple(decided), {}
 
 
-register(Fusable("lion", _read, _positions, _step))
+# ---------------------------------------------------------------------------
+# A stored momentum (bf16, fp16, E4M3 block codes).
+# ---------------------------------------------------------------------------
+
+
+def _stored_generic(
+    *, members, grads, master, mu, mu_scales, params, master_out, mu_out, mu_scales_out,
+    params_out, inv, clip_div, clip_mul, lr, apply, count, w1, b1, w2, b2, decoupled,
+    block_size, rounding, salt_ids,
+) -> None:  # fmt: skip
+    """The plain PyTorch kernel of a stored momentum: the reference's decode, Lion's
+    arithmetic (as :func:`_generic` computes it) and encode, one leaf of one member at a
+    time (bitwise the C kernel on the CPU)."""
+    fmts = stored.formats(block_size, rounding)
+    coded = {
+        leaf: j for j, leaf in enumerate(i for i, x in enumerate(mu) if x.dtype == torch.uint8)
+    }
+    for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
+        m, was = at(master), at(mu)
+        fmt = fmts[(was.dtype, False)]
+        if leaf in coded:
+            was = BlockCodes(was, plain_kernels.member(mu_scales[coded[leaf]], b, members))
+        a = decode(fmt, was)
+        u = plain_kernels.unscaled(at(grads), inv, clip_div, clip_mul, k)
+        d = torch.sign(u * w1 + a * b1)
+        if decoupled != 0.0:
+            d = torch.add(d, m, alpha=decoupled)
+        nm = torch.addcmul(m, d, lr[k])
+        salt_ = None if rounding == 0 else salt(count[k], 0, salt_ids[leaf])
+        new = encode(fmt, u * w2 + a * b2, was, salt_)
+        ok = apply[k]
+        mo, po = at(master_out), at(params_out)
+        if po.data_ptr() != mo.data_ptr():
+            po.copy_(torch.where(ok, nm.to(po.dtype), at(params)))
+        mo.copy_(torch.where(ok, nm, m))
+        if isinstance(new, BlockCodes):
+            at(mu_out).copy_(torch.where(ok, new.codes, was.codes))
+            s_out = plain_kernels.member(mu_scales_out[coded[leaf]], b, members)
+            s_out.copy_(torch.where(ok, new.scales, was.scales))
+        else:
+            at(mu_out).copy_(torch.where(ok, new, was))
+
+
+def _stored_kernel_args(a: dict, used: list[str]) -> dict:
+    del used
+    names = ("grads", "master", "mu", "mu_scales", "params", "master_out", "mu_out")
+    names += ("mu_scales_out", "params_out", "inv", "clip_div", "clip_mul", "lr", "count")
+    names += ("block_size", "rounding", "salt_ids")
+    return dict(
+        {n: a[n] for n in names}, **dict(zip(("w1", "b1", "w2", "b2", "decoupled"), _hyper(a)))
+    )
+
+
+STORED_SPEC = StepSpec(
+    name="lion_stored_step",
+    states=("mu", "mu_scales"),
+    scalars=("count",),
+    bool_scalars=(),
+    hyper=(
+        ("b1", "float"),
+        ("b2", "float"),
+        ("decoupled", "float"),
+        ("block_size", "int"),
+        ("rounding", "int"),
+        ("salt_ids", "int[]"),
+    ),
+    entry="",  # no ctypes entry: the C kernel runs through its C++ op only
+    check=lambda op, a: stored.check_stored(op, a, ("mu",), ("count",)),
+    kernel_args=_stored_kernel_args,
+    generic=_stored_generic,
+    cpp_op="stored_step",
+    cpp_hyper=_hyper,
+    int_scalars=("count",),
+    side=("mu_scales",),
+    state_dtypes=STORED_DTYPES,
+    stored="lion_stored",
+)
+
+LION_STORED_OPS = define_step(
+    STORED_SPEC,
+    r"""One fused Lion step with a stored momentum into fresh tensors:
+    ``(master', mu', mu_scales', params', finite, leaf_finite)``.
+
+    Lion's arithmetic (the module docstring) between a decode and an encode of the
+    momentum (:mod:`functional_fp16._fused.stored`); ``count`` is each group's applied-step
+    count after this step, ``salt_ids`` each leaf's index in the optimiser's tree.
+    """,
+)
+
+
+def _stored_step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """:func:`_step` for a stored momentum: one ``lion_stored_step`` call."""
+    count = incremented(memo, shared["count"])
+    a = dict(grads=grads, master=masters, mu=roles["mu"], mu_scales=roles["mu_scales"])
+    a.update(params=own, **common, b1=plan.b1, b2=plan.b2, decoupled=plan.decoupled_decay)
+    a.update(count=count.to(torch.int64).reshape(1), block_size=plan.mu_format.block_size)
+    a.update(rounding=ROUNDINGS.index(plan.mu_format.rounding), salt_ids=list(memo["indices"]))
+    if donate:
+        decided = LION_STORED_OPS.call(True, a)
+        m_out, mu_out, sc_out, p_new = masters, a["mu"], a["mu_scales"], own
+    else:
+        m_out, mu_out, sc_out, p_new, *decided = LION_STORED_OPS.call(False, a)
+    roles_out = {"mu": list(mu_out), "mu_scales": list(sc_out)}
+    return list(m_out), roles_out, list(p_new), tuple(decided), {}
+
+
+register(Fusable("lion", _read, _positions, _step, _index))

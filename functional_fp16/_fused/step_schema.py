@@ -82,6 +82,12 @@ class StepSpec(NamedTuple):
     side: tuple[str, ...] = ()
     # The dtypes the states laid out like the leaves may have (float32 unless stored).
     state_dtypes: tuple = ()
+    # A step with stored states: the C kernel's name for it ("adam_stored"), run through the
+    # C++ op functional_fp16_cpu::stored_step, and the state coded through its root (-1:
+    # none). Its op takes int scalar ``count`` and hyperparameters ``block_size``,
+    # ``rounding`` and ``salt_ids``.
+    stored: str = ""
+    root_state: int = -1
 
 
 def schema(spec: StepSpec, donated: bool) -> str:

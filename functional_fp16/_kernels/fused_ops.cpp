@@ -582,19 +582,24 @@ int32_t stored_code(const Tensor &t) {
   }
 }
 
-// Adam/AdamW with stored moments (fused_step.c's ff_adam_stored_step): each moment of a
-// leaf is float32, float16, bfloat16 or uint8 E4M3 codes with float32 block scales:
-// `mu_scales` / `nu_scales` hold one tensor per coded moment, in leaf order, of
-// (members x) rows x blocks per row.
-std::tuple<TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, Tensor, Tensor>
-adam_stored(const TensorList &grads, const TensorList &master, const TensorList &mu,
-            const TensorList &nu, const TensorList &mu_scales, const TensorList &nu_scales,
-            const TensorList &params, const c10::List<bool> &separate_list, const OptTensor &inv,
-            const OptTensor &clip_div, const OptTensor &clip_mul, const Tensor &lr,
-            const OptTensor &apply, const OptTensor &require, const Tensor &inv_c1,
-            const Tensor &sqrt_c2, const Tensor &count, double l2, double w, double b2, double c2,
-            double eps, double decoupled, int64_t block_size, int64_t rounding,
-            c10::ArrayRef<int64_t> salt_ids, int64_t members, int64_t threads, bool donated) {
+// Any step with stored states (fused_step.c's stored steps, found by name: "adam_stored",
+// "lion_stored"): `states` holds its per-parameter states state-major (state j of leaf
+// l at j * n_leaves + l), each float32, float16, bfloat16 or uint8 E4M3 codes laid out like
+// the leaf; `scales` the float32 block scales of the coded ones, state-major and in leaf
+// order, each (members x) rows x blocks per row; `root` the state coded through its square
+// root (-1: none); `scalars` the optimiser's per-group float32 scalars, `count` each
+// group's step count (int64), `hyper` its fixed hyperparameters in declared order.
+std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> stored_step(
+    c10::string_view name, const TensorList &grads, const TensorList &master,
+    const TensorList &states, const TensorList &scales, const TensorList &params,
+    const c10::List<bool> &separate_list, const OptTensor &inv, const OptTensor &clip_div,
+    const OptTensor &clip_mul, const Tensor &lr, const OptTensor &apply,
+    const OptTensor &require, const TensorList &scalars, const Tensor &count,
+    c10::ArrayRef<double> hyper, int64_t block_size, int64_t rounding, int64_t root,
+    c10::ArrayRef<int64_t> salt_ids, int64_t members, int64_t threads, bool donated) {
+  const std::string key(name);
+  const ff_step_fn fn = ff_step_entry(key.c_str());
+  TORCH_CHECK(fn != nullptr, "no fused step named ", key);
   const std::vector<bool> separate(separate_list.begin(), separate_list.end());
   const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
                                       lr, apply, require, members);
@@ -603,26 +608,27 @@ adam_stored(const TensorList &grads, const TensorList &master, const TensorList 
   TORCH_CHECK(block_size >= 1 && (block_size & (block_size - 1)) == 0, "block_size");
   TORCH_CHECK(rounding == 0 || rounding == 1, "rounding");
   TORCH_CHECK(salt_ids.size() == n, "salt_ids: one per leaf");
-  check_group(inv_c1, groups, false, "inv_c1");
-  check_group(sqrt_c2, groups, false, "sqrt_c2");
+  TORCH_CHECK(!states.empty() && states.size() % n == 0 && states.size() / n <= 2,
+              "states: one or two lists of one per leaf");
+  const size_t n_states = states.size() / n;
+  TORCH_CHECK(root == -1 || root == static_cast<int64_t>(n_states) - 1, "root");
+  for (const Tensor &t : scalars) check_group(t, groups, false, "scalars");
   TORCH_CHECK(count.device().is_cpu() && count.scalar_type() == at::kLong && count.dim() == 1 &&
                   count.size(0) == groups && count.is_contiguous(),
               "count: a bad per-group scalar");
-  TORCH_CHECK(mu.size() == n && nu.size() == n, "moments: not one per leaf");
   std::vector<int64_t> rows(n, 1);
-  // scale_of[j][i]: the index in state j's scales of leaf i's (-1: not coded)
-  std::vector<int64_t> scale_of[2] = {std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1)};
-  for (int j = 0; j < 2; ++j) {
-    const TensorList &xs = j ? nu : mu, &scales = j ? nu_scales : mu_scales;
-    size_t next = 0;
+  // scale_of[j][i]: the index in `scales` of state j's leaf i's (-1: not coded)
+  std::vector<std::vector<int64_t>> scale_of(n_states, std::vector<int64_t>(n, -1));
+  size_t next = 0;
+  for (size_t j = 0; j < n_states; ++j) {
     for (size_t i = 0; i < n; ++i) {
-      const Tensor &x = xs[i], &gi = grads[i];
+      const Tensor &x = states[j * n + i], &gi = grads[i];
       TORCH_CHECK(x.defined() && x.device().is_cpu() && stored_code(x) >= 0,
-                  "moments: a bad leaf");
+                  "states: a bad leaf");
       TORCH_CHECK(x.sizes() == gi.sizes() && x.strides() == gi.strides(),
-                  "moments: a leaf of another layout");
+                  "states: a leaf of another layout");
       if (stored_code(x) != 3) continue;
-      TORCH_CHECK(next < scales.size(), "scales: fewer than the coded moments");
+      TORCH_CHECK(next < scales.size(), "scales: fewer than the coded states");
       const Tensor &sc = scales[next];
       TORCH_CHECK(sc.defined() && sc.device().is_cpu() && sc.scalar_type() == at::kFloat &&
                       sc.is_contiguous(), "scales: a bad leaf");
@@ -632,23 +638,23 @@ adam_stored(const TensorList &grads, const TensorList &master, const TensorList 
       const int64_t len = r ? gi.numel() / members / r : 0;
       TORCH_CHECK(sc.numel() == members * r * ((len + block_size - 1) / block_size),
                   "scales: not one per block");
+      TORCH_CHECK(rows[i] == 1 || rows[i] == r, "codes: rows");
       rows[i] = r;
       scale_of[j][i] = static_cast<int64_t>(next++);
     }
-    TORCH_CHECK(next == scales.size(), "scales: more than the coded moments");
   }
+  TORCH_CHECK(next == scales.size(), "scales: more than the coded states");
   const auto p_in = working(master, params, separate);
-  TensorList m_out, a_out, v_out, as_out, vs_out, p_new;
+  TensorList m_out, s_out, sc_out, p_new;
   if (donated) {
     std::vector<const Tensor *> written = g;
-    for (const TensorList *l : {&master, &mu, &nu, &mu_scales, &nu_scales, &params})
+    for (const TensorList *l : {&master, &states, &scales, &params})
       for (const Tensor &t : *l) written.push_back(&t);
     check_disjoint(written);
-    m_out = master, a_out = mu, v_out = nu, as_out = mu_scales, vs_out = nu_scales;
-    p_new = params;
+    m_out = master, s_out = states, sc_out = scales, p_new = params;
   } else {
     std::vector<const Tensor *> like = refs(master);
-    for (const TensorList *l : {&mu, &nu, &mu_scales, &nu_scales, &params})
+    for (const TensorList *l : {&states, &scales, &params})
       for (const Tensor &t : *l) like.push_back(&t);
     TensorList all = outputs(like);
     size_t from = 0;
@@ -657,8 +663,8 @@ adam_stored(const TensorList &grads, const TensorList &master, const TensorList 
       from += count_;
       return part;
     };
-    m_out = take(n), a_out = take(n), v_out = take(n);
-    as_out = take(mu_scales.size()), vs_out = take(nu_scales.size()), p_new = take(params.size());
+    m_out = take(n), s_out = take(states.size()), sc_out = take(scales.size());
+    p_new = take(params.size());
   }
   std::vector<const Tensor *> p_out;
   size_t k = 0;
@@ -667,51 +673,56 @@ adam_stored(const TensorList &grads, const TensorList &master, const TensorList 
       apply.has_value()
           ? given(*apply, require)
           : decide(grads, inv, require, groups, members, static_cast<int32_t>(threads));
-  Leaves G, M, P, MO, PO, A, V, AO, VO;
+  Leaves G, M, P, MO, PO;
   G.add(g, members), M.add(refs(master), members), P.add(p_in, members);
   MO.add(refs(m_out), members), PO.add(p_out, members);
-  A.add(refs(mu), members), V.add(refs(nu), members);
-  AO.add(refs(a_out), members), VO.add(refs(v_out), members);
-  std::vector<int32_t> code_a, code_v;
+  std::vector<Leaves> S(n_states), SO(n_states);
+  std::vector<std::vector<int32_t>> codes(n_states);
+  std::vector<std::vector<float *>> sc_in(n_states), sc_o(n_states);
   std::vector<int64_t> rows_all;
-  std::vector<float *> scale_ptr[4];  // mu in, nu in, mu out, nu out: per leaf, member-major
-  const TensorList *scale_lists[4] = {&mu_scales, &nu_scales, &as_out, &vs_out};
+  for (size_t j = 0; j < n_states; ++j) {
+    std::vector<const Tensor *> in, out;
+    for (size_t i = 0; i < n; ++i) in.push_back(&states[j * n + i]), out.push_back(&s_out[j * n + i]);
+    S[j].add(in, members), SO[j].add(out, members);
+  }
   for (int64_t b = 0; b < members; ++b)
     for (size_t i = 0; i < n; ++i) {
-      code_a.push_back(stored_code(mu[i])), code_v.push_back(stored_code(nu[i]));
       rows_all.push_back(rows[i]);
-      for (int q = 0; q < 4; ++q) {
-        const int64_t at = scale_of[q % 2][i];
-        float *ptr = nullptr;
-        if (at >= 0) {
-          const Tensor &t = (*scale_lists[q])[at];
-          ptr = t.data_ptr<float>() + b * (t.numel() / members);
+      for (size_t j = 0; j < n_states; ++j) {
+        codes[j].push_back(stored_code(states[j * n + i]));
+        float *pin = nullptr, *pout = nullptr;
+        if (scale_of[j][i] >= 0) {
+          const Tensor &t = scales[scale_of[j][i]], &o = sc_out[scale_of[j][i]];
+          pin = t.data_ptr<float>() + b * (t.numel() / members);
+          pout = o.data_ptr<float>() + b * (o.numel() / members);
         }
-        scale_ptr[q].push_back(ptr);
+        sc_in[j].push_back(pin), sc_o[j].push_back(pout);
       }
     }
-  float *const *s_ptr[2] = {reinterpret_cast<float *const *>(A.ptr.data()),
-                            reinterpret_cast<float *const *>(V.ptr.data())};
-  float *const *so_ptr[2] = {reinterpret_cast<float *const *>(AO.ptr.data()),
-                             reinterpret_cast<float *const *>(VO.ptr.data())};
-  float *const *sc_ptr[2] = {scale_ptr[0].data(), scale_ptr[1].data()};
-  float *const *sco_ptr[2] = {scale_ptr[2].data(), scale_ptr[3].data()};
-  const int32_t *sdt[2] = {code_a.data(), code_v.data()};
-  const float *sc[2] = {inv_c1.data_ptr<float>(), sqrt_c2.data_ptr<float>()};
-  const double hyper[6] = {l2, w, b2, c2, eps, decoupled};
+  std::vector<float *const *> s_ptr, so_ptr;
+  std::vector<float *const *> sc_ptr, sco_ptr;
+  std::vector<const int32_t *> sdt;
+  for (size_t j = 0; j < n_states; ++j) {
+    s_ptr.push_back(reinterpret_cast<float *const *>(S[j].ptr.data()));
+    so_ptr.push_back(reinterpret_cast<float *const *>(SO[j].ptr.data()));
+    sc_ptr.push_back(sc_in[j].data()), sco_ptr.push_back(sc_o[j].data());
+    sdt.push_back(codes[j].data());
+  }
+  std::vector<const float *> sc;
+  for (const Tensor &t : scalars) sc.push_back(t.data_ptr<float>());
   ff_step_args x{};
   x.n_leaves = static_cast<int64_t>(G.ptr.size());
   x.n_groups = groups;
-  x.n_states = 2;
-  x.n_scalars = 2;
-  x.n_hyper = 6;
+  x.n_states = static_cast<int32_t>(n_states);
+  x.n_scalars = static_cast<int32_t>(scalars.size());
+  x.n_hyper = static_cast<int32_t>(hyper.size());
   x.threads = static_cast<int32_t>(threads);
   x.g = G.ptr.data();
   x.m = reinterpret_cast<float *const *>(M.ptr.data());
-  x.s = s_ptr;
+  x.s = s_ptr.data();
   x.p = P.ptr.data();
   x.mo = reinterpret_cast<float *const *>(MO.ptr.data());
-  x.so = so_ptr;
+  x.so = so_ptr.data();
   x.po = PO.ptr.data();
   x.numel = G.numel.data();
   x.gdt = G.code.data();
@@ -721,21 +732,21 @@ adam_stored(const TensorList &grads, const TensorList &master, const TensorList 
   x.clip_mul = ptr_or_null<float>(clip_mul);
   x.lr = lr.data_ptr<float>();
   x.apply = reinterpret_cast<const uint8_t *>(d.finite.data_ptr<bool>());
-  x.scalars = sc;
-  x.hyper = hyper;
-  x.sdt = sdt;
-  x.sc = sc_ptr;
-  x.sco = sco_ptr;
+  x.scalars = sc.data();
+  x.hyper = hyper.data();
+  x.sdt = sdt.data();
+  x.sc = sc_ptr.data();
+  x.sco = sco_ptr.data();
   x.rows = rows_all.data();
   x.salt_ids = salt_ids.data();
   x.counts = count.data_ptr<int64_t>();
   x.block_size = block_size;
   x.n_members = members;
   x.rounding = static_cast<int32_t>(rounding);
-  x.root = 1;
-  ff_step_entry("adam_stored")(&x);
-  if (donated) return {{}, {}, {}, {}, {}, {}, d.finite, d.leaves};  // written in place
-  return {m_out, a_out, v_out, as_out, vs_out, p_new, d.finite, d.leaves};
+  x.root = root >= 0 ? 1 : 0;
+  fn(&x);
+  if (donated) return {{}, {}, {}, {}, d.finite, d.leaves};  // written in place
+  return {m_out, s_out, sc_out, p_new, d.finite, d.leaves};
 }
 
 std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &inv,
@@ -778,19 +789,18 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
       "Tensor? apply, Tensor? require, Tensor[] scalars, float[] hyper, int members, "
       "int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor)");
   m.def(
-      "adam_stored(Tensor[] grads, Tensor[] master, Tensor[] mu, Tensor[] nu, "
-      "Tensor[] mu_scales, Tensor[] nu_scales, Tensor[] params, bool[] separate, Tensor? inv, "
-      "Tensor? clip_div, Tensor? clip_mul, Tensor lr, Tensor? apply, Tensor? require, "
-      "Tensor inv_c1, Tensor sqrt_c2, Tensor count, float l2, float w, float b2, float c2, "
-      "float eps, float decoupled, int block_size, int rounding, int[] salt_ids, int members, "
-      "int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor[], "
-      "Tensor[], Tensor, Tensor)");
+      "stored_step(str name, Tensor[] grads, Tensor[] master, Tensor[] states, "
+      "Tensor[] scales, Tensor[] params, bool[] separate, Tensor? inv, Tensor? clip_div, "
+      "Tensor? clip_mul, Tensor lr, Tensor? apply, Tensor? require, Tensor[] scalars, "
+      "Tensor count, float[] hyper, int block_size, int rounding, int root, int[] salt_ids, "
+      "int members, int threads, bool donated) -> (Tensor[], Tensor[], Tensor[], Tensor[], "
+      "Tensor, Tensor)");
   m.def(
       "grad_stats(Tensor[] grads, Tensor? inv, int groups, int members, bool sum_squares, "
       "int threads) -> (Tensor, Tensor)");
   m.impl("sgd", c10::DispatchKey::CPU, TORCH_FN(sgd));
   m.impl("adam", c10::DispatchKey::CPU, TORCH_FN(adam));
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
-  m.impl("adam_stored", c10::DispatchKey::CPU, TORCH_FN(adam_stored));
+  m.impl("stored_step", c10::DispatchKey::CPU, TORCH_FN(stored_step));
   m.impl("grad_stats", c10::DispatchKey::CPU, TORCH_FN(grad_stats));
 }

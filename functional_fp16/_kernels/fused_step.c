@@ -1026,20 +1026,37 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
 #undef E4M3_CASE
 }
 
-/* The Adam/AdamW step of fused_step.h's convention with stored moments:
- * s[0], s[1] the moments (mu, nu) in the forms sdt[0][l], sdt[1][l]; sc[j][l]
- * the block scales of a coded one. scalars: inv_c1, sqrt_c2. hyper: l2, w, b2,
- * c2, eps, wd. counts[k]: group k's applied-step count (the salt), salt_ids[l]
- * each leaf's index in the optimiser's tree. */
-static void ff_adam_stored_step(const ff_step_args *x) {
+/* A step of fused_step.h's convention with stored states, for Adam/AdamW (kind ADAM:
+ * s[0], s[1] the moments mu, nu; scalars inv_c1, sqrt_c2; hyper l2, w, b2, c2, eps, wd)
+ * and Lion (kind LION: s[0] the momentum; hyper w1, b1, w2, b2, wd). sdt[j][l] says how
+ * state j of leaf l is stored, sc[j][l] holds its block scales where it is coded (the
+ * second state through its root where x->root). counts[k]: group k's applied-step count
+ * (the salt), salt_ids[l] each leaf's index in the optimiser's tree. */
+enum { STORED_ADAM = 0, STORED_LION = 1 };
+
+static void stored_step(const ff_step_args *x, const int kind) {
     const int64_t per_group = x->n_leaves / x->n_groups;
-    AdamHyper *hs = (AdamHyper *)malloc((size_t)x->n_groups * sizeof(AdamHyper));
+    const int n_states = kind == STORED_ADAM ? 2 : 1;
+    AdamHyper *hs = (AdamHyper *)calloc((size_t)x->n_groups, sizeof(AdamHyper));
+    LionHyper *hl = (LionHyper *)calloc((size_t)x->n_groups, sizeof(LionHyper));
     for (int64_t k = 0; k < x->n_groups; ++k) {
+        const float inv = x->inv ? x->inv[k] : 1.0f;
+        const int clip = x->clip_div != NULL;
+        const float cd = clip ? x->clip_div[k] : 1.0f, cm = clip ? x->clip_mul[k] : 1.0f;
+        if (kind == STORED_LION) {
+            LionHyper *h = &hl[k];
+            h->inv = inv, h->clip = clip, h->clip_div = cd, h->clip_mul = cm;
+            h->w1 = (float)x->hyper[0];
+            h->b1 = (float)x->hyper[1];
+            h->w2 = (float)x->hyper[2];
+            h->b2 = (float)x->hyper[3];
+            h->wd = (float)x->hyper[4];
+            h->decoupled = h->wd != 0.0f;
+            h->factor = x->lr[k];
+            continue;
+        }
         AdamHyper *h = &hs[k];
-        h->inv = x->inv ? x->inv[k] : 1.0f;
-        h->clip = x->clip_div != NULL;
-        h->clip_div = h->clip ? x->clip_div[k] : 1.0f;
-        h->clip_mul = h->clip ? x->clip_mul[k] : 1.0f;
+        h->inv = inv, h->clip = clip, h->clip_div = cd, h->clip_mul = cm;
         h->l2 = (float)x->hyper[0];
         h->has_l2 = h->l2 != 0.0f;
         h->w = (float)x->hyper[1];
@@ -1061,7 +1078,7 @@ static void ff_adam_stored_step(const ff_step_args *x) {
     int64_t n_units = 0;
     int64_t *seg = (int64_t *)malloc((size_t)x->n_leaves * 3 * sizeof(int64_t));
     for (int64_t l = 0; l < x->n_leaves; ++l) {
-        const int coded = x->sdt[0][l] == ST_E4M3 || x->sdt[1][l] == ST_E4M3;
+        const int coded = x->sdt[0][l] == ST_E4M3 || (n_states > 1 && x->sdt[1][l] == ST_E4M3);
         const int64_t rows = coded ? x->rows[l] : 1;
         const int64_t len = rows ? x->numel[l] / rows : 0;
         const int64_t width = coded ? bs : BLOCK;
@@ -1103,7 +1120,7 @@ static void ff_adam_stored_step(const ff_step_args *x) {
             float *const m = x->m[l], *const mo = x->mo[l];
             const int p_is_master = x->po[l] == (void *)mo;
             const int donated = mo == m;
-            const int st_a = x->sdt[0][l], st_v = x->sdt[1][l];
+            const int st_a = x->sdt[0][l], st_v = n_states > 1 ? x->sdt[1][l] : ST_F32;
             const int bytes_a = st_a == ST_F32 ? 4 : (st_a == ST_E4M3 ? 1 : 2);
             const int bytes_v = st_v == ST_F32 ? 4 : (st_v == ST_E4M3 ? 1 : 2);
             const int64_t len = seg[3 * l], width = seg[3 * l + 1];
@@ -1125,17 +1142,18 @@ static void ff_adam_stored_step(const ff_step_args *x) {
                         memcpy(mo + s, m + s, (size_t)n * 4);
                         memcpy((char *)x->so[0][l] + s * bytes_a,
                                (const char *)x->s[0][l] + s * bytes_a, (size_t)n * bytes_a);
-                        memcpy((char *)x->so[1][l] + s * bytes_v,
-                               (const char *)x->s[1][l] + s * bytes_v, (size_t)n * bytes_v);
+                        if (n_states > 1)
+                            memcpy((char *)x->so[1][l] + s * bytes_v,
+                                   (const char *)x->s[1][l] + s * bytes_v, (size_t)n * bytes_v);
                         if (st_a == ST_E4M3) x->sco[0][l][q] = x->sc[0][l][q];
-                        if (st_v == ST_E4M3) x->sco[1][l][q] = x->sc[1][l][q];
+                        if (n_states > 1 && st_v == ST_E4M3) x->sco[1][l][q] = x->sc[1][l][q];
                         if (!p_is_master)
                             memcpy(po_s, (const char *)x->p[l] + s * ps, (size_t)(n * ps));
                     }
                     continue;
                 }
                 to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
-                if (st_a == ST_BF16 && st_v == ST_BF16) { /* one loop, no moment buffers */
+                if (kind == STORED_ADAM && st_a == ST_BF16 && st_v == ST_BF16) { /* one loop */
                     float *m_to = donated ? mo + s : mbuf;
                     adam_bf16_dispatch(h, gbuf, m + s, (const uint16_t *)x->s[0][l] + s,
                                        (const uint16_t *)x->s[1][l] + s, m_to,
@@ -1149,7 +1167,12 @@ static void ff_adam_stored_step(const ff_step_args *x) {
                     continue;
                 }
                 float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
-                if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded in the loop */
+                if (kind == STORED_LION) {
+                    decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
+                                  0, abuf, s, n);
+                    lion_dispatch(&hl[grp], gbuf, m + s, abuf, m_to, nabuf,
+                                  p_is_master ? m_to : pbuf, n);
+                } else if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded inline */
                     adam_e4m3_dispatch(h, gbuf, m + s, (const uint8_t *)x->s[0][l] + s,
                                        (const uint8_t *)x->s[1][l] + s, x->sc[0][l][q],
                                        x->sc[1][l][q], m_to, nabuf, nvbuf,
@@ -1164,8 +1187,10 @@ static void ff_adam_stored_step(const ff_step_args *x) {
                 }
                 encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
                               0, sr, salt_a, tmp, s, n);
-                encode_moment(st_v, nvbuf, x->so[1][l], st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL,
-                              x->root, sr, salt_v, tmp, s, n);
+                if (n_states > 1)
+                    encode_moment(st_v, nvbuf, x->so[1][l],
+                                  st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL, x->root, sr, salt_v,
+                                  tmp, s, n);
                 if (!donated) stream_bytes(mo + s, mbuf, n * 4);
                 if (!p_is_master) {
                     from_f32(pbuf, hbuf, n, pd);
@@ -1178,7 +1203,11 @@ static void ff_adam_stored_step(const ff_step_args *x) {
     free(units);
     free(seg);
     free(hs);
+    free(hl);
 }
+
+static void ff_adam_stored_step(const ff_step_args *x) { stored_step(x, STORED_ADAM); }
+static void ff_lion_stored_step(const ff_step_args *x) { stored_step(x, STORED_LION); }
 
 /* ------------------------------------------------------------------------ */
 /* The steps of fused_step.h's convention, by name.                          */
@@ -1190,6 +1219,7 @@ static const struct {
 } STEPS[] = {
     {"lion", ff_lion_step},
     {"adam_stored", ff_adam_stored_step},
+    {"lion_stored", ff_lion_stored_step},
 };
 
 ff_step_fn ff_step_entry(const char *name) {
