@@ -42,6 +42,8 @@ FORMATS = {
     "fp16_mu_int8_nu": dict(mu_dtype=torch.float16, nu_dtype="int8", block_size=64),
     "lion_e4m3": dict(mu_dtype="e4m3", block_size=128),
     "lion_bf16": dict(mu_dtype=torch.bfloat16),
+    "sgd_e4m3": dict(momentum=0.9, nesterov=True, accumulator_dtype="e4m3"),
+    "sgd_bf16_dampened": dict(momentum=0.9, dampening=0.1, accumulator_dtype=torch.bfloat16),
 }
 
 
@@ -63,6 +65,10 @@ def _tx(fmt: str, rounding: str, l2: bool = False):
     kw = dict(FORMATS[fmt], moment_rounding=rounding)
     if fmt.startswith("lion"):
         return ff.chain(ff.clip_by_global_norm(1.0), ff.lion(1e-4, weight_decay=0.1, **kw))
+    if fmt.startswith("sgd"):  # SGD's trace keeps no count: it rounds to nearest
+        kw = {k: v for k, v in kw.items() if k != "moment_rounding"}
+        sgd = ff.sgd(0.05, **kw)
+        return ff.chain(ff.clip_by_global_norm(1.0), ff.add_decayed_weights(1e-3, mask=MASK), sgd)
     if l2:
         inner = ff.chain(ff.add_decayed_weights(0.01), ff.adam(1e-3, **kw))
     else:
@@ -128,7 +134,7 @@ def test_adam_with_l2_decay_matches_the_reference(monkeypatch, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("donate", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "lion_e4m3"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "lion_e4m3", "sgd_e4m3"])
 def test_a_skipped_step_leaves_every_byte(monkeypatch, kernel, donate, fmt):
     _use(monkeypatch, kernel)
     state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
@@ -167,10 +173,14 @@ def test_the_c_kernel_runs_the_stored_step_once_per_group(monkeypatch):
     state = ff.fp16_init(_params(), _tx("lion_e4m3", "stochastic"))
     ff.fp16_update(state, _grads(state, 0))
     assert calls.count("lion_stored_update") == 1, calls
+    calls.clear()
+    state = ff.fp16_init(_params(), _tx("sgd_e4m3", "nearest"))
+    ff.fp16_update(state, _grads(state, 0))
+    assert calls.count("sgd_stored_update") == 2, calls  # decayed and not
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("fmt", ["int8", "lion_e4m3"])
+@pytest.mark.parametrize("fmt", ["int8", "lion_e4m3", "sgd_e4m3"])
 def test_vmap_members_step_as_alone(monkeypatch, kernel, fmt):
     _use(monkeypatch, kernel)
     tx = _tx(fmt, "stochastic")
@@ -183,7 +193,7 @@ def test_vmap_members_step_as_alone(monkeypatch, kernel, fmt):
             assert_states_bitwise_equal(alone, states[i])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "lion_bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "lion_bf16", "sgd_e4m3"])
 def test_compiled_update_is_eager(fmt):
     state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
     step = torch.compile(ff.fp16_update, fullgraph=True)

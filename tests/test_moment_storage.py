@@ -680,14 +680,12 @@ _FP32 = {
 
 _AS_WRITTEN = {
     "adam_fp16": "a per-tensor scale needs the whole new moment before it codes any element",
-    "sgd_int8": "SGD's stored trace is not fused yet",
-    "sgd_bf16": "SGD's stored trace is not fused yet",
 }
 
 
 def test_update_path_names_the_route_stored_moments_take():
-    """Adam's and Lion's stored moments (BF16, FP16 without a scale, block codes) take the
-    fused step;
+    """Adam's and Lion's stored moments and SGD's stored trace (BF16, FP16 without a
+    scale, block codes) take the fused step;
     the formats in ``_AS_WRITTEN`` run as written; update_path says which."""
     for name, make in SETTINGS.items():
         expected = "foreach" if name in _AS_WRITTEN else "fused"

@@ -32,13 +32,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused import op_checks, plain_kernels
+from functional_fp16._fused import op_checks, plain_kernels, stored
 from functional_fp16._fused.chains import Path, chain_parts, lr_state_fits
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
+from functional_fp16._fused.stored import STORED_DTYPES
 from functional_fp16._util.tree import tree_flatten
+from functional_fp16.precision.moment_storage import (
+    FLOAT32,
+    BlockCodes,
+    MomentFormat,
+    decode,
+    encode,
+)
 from functional_fp16.transforms.base import GradientTransformation, state_at
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.sgd import (
@@ -67,11 +75,20 @@ class SGDPlan(NamedTuple):
     sign: float  # -1.0 to descend
     trace_path: Path | None
     lr_path: Path
+    trace_format: MomentFormat = FLOAT32
+
+    @property
+    def stored(self) -> bool:
+        """Whether the trace is stored in fewer bits (the ``sgd_stored_step`` op)."""
+        return self.trace_format is not FLOAT32
+
+    @property
+    def state_dtypes(self) -> tuple:
+        """The dtypes the trace of this plan's leaves may have."""
+        return STORED_DTYPES if self.stored else (torch.float32,)
 
 
 def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
-    if any(isinstance(s, TraceSpec) and s.accumulator_format.kind != "float32" for s, _ in parts):
-        return None  # a coded momentum: the chain runs as written
     # Pass-through parts change nothing; drop them.
     parts = [
         (s, p)
@@ -106,6 +123,7 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
         sign=lr.sign,
         trace_path=trace_path,
         lr_path=lr_path,
+        trace_format=trace.accumulator_format if trace is not None else FLOAT32,
     )
 
 
@@ -135,7 +153,10 @@ def _positions(plan: SGDPlan, by_key: dict) -> tuple[dict[str, int], dict[str, i
     if plan.trace_path is None:
         return {}, {}
     where = by_key[plan.trace_path]
-    return {"trace": where["trace"]}, {"started": where["initialized"]}
+    roles = {"trace": where["trace"]}
+    if plan.stored:  # block scales where the trace is coded, else -1
+        roles["trace_scales"] = where.get("trace_scales", -1)
+    return roles, {"started": where["initialized"]}
 
 
 # ---------------------------------------------------------------------------
@@ -338,6 +359,8 @@ sgd_step, sgd_step_ = SGD_OPS.functional, SGD_OPS.donated
 def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, memo):
     """One op call for a group: ``(masters', roles', params', decided, shared')``, where
     ``decided`` is the op's ``(finite, leaf_finite)``."""
+    if plan.stored:
+        return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     trace = roles.get("trace", [])
     started = None
     hyper = dict(weight_decay=plan.weight_decay, momentum=plan.momentum)
@@ -357,6 +380,124 @@ def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, mem
         flag = decided[0].reshape(())
         shared_out["started"] = torch.where(flag, torch.ones_like(old), old)
     return list(m_out), {"trace": list(t_out)}, list(p_new), tuple(decided), shared_out
+
+
+# ---------------------------------------------------------------------------
+# A stored trace (bf16, fp16, E4M3 block codes; rounded to nearest: it keeps no count).
+# ---------------------------------------------------------------------------
+
+
+def _stored_generic(
+    *, members, grads, master, trace, trace_scales, params, master_out, trace_out,
+    trace_scales_out, params_out, inv, clip_div, clip_mul, lr, apply, started, count,
+    weight_decay, momentum, take, nesterov, block_size, rounding, salt_ids,
+) -> None:  # fmt: skip
+    """The plain PyTorch kernel of a stored trace: the reference's decode, SGD's arithmetic
+    (as :func:`_generic` computes it) and encode, one leaf of one member at a time (bitwise
+    the C kernel on the CPU)."""
+    del count, salt_ids  # rounded to nearest
+    fmts = stored.formats(block_size, rounding)
+    take = f32(take)
+    coded = {j: i for i, j in enumerate(x for x, t in enumerate(trace) if t.dtype == torch.uint8)}
+    for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
+        m, was = at(master), at(trace)
+        fmt = fmts[(was.dtype, False)]
+        if leaf in coded:
+            was = BlockCodes(was, plain_kernels.member(trace_scales[coded[leaf]], b, members))
+        u = plain_kernels.unscaled(at(grads), inv, clip_div, clip_mul, k)
+        if weight_decay != 0.0:
+            u = torch.add(u, m, alpha=weight_decay)
+        on = started[k] != 0
+        keep = torch.where(on, momentum, 0.0).float()
+        nb = decode(fmt, was) * keep + u * torch.where(on, take, 1.0).float()
+        v = torch.add(u, nb, alpha=momentum) if nesterov else nb
+        nm = torch.addcmul(m, v, lr[k])
+        new = encode(fmt, nb, was)
+        ok = apply[k]
+        mo, po = at(master_out), at(params_out)
+        if po.data_ptr() != mo.data_ptr():
+            po.copy_(torch.where(ok, nm.to(po.dtype), at(params)))
+        mo.copy_(torch.where(ok, nm, m))
+        if isinstance(new, BlockCodes):
+            at(trace_out).copy_(torch.where(ok, new.codes, was.codes))
+            s_out = plain_kernels.member(trace_scales_out[coded[leaf]], b, members)
+            s_out.copy_(torch.where(ok, new.scales, was.scales))
+        else:
+            at(trace_out).copy_(torch.where(ok, new, was))
+
+
+def _stored_kernel_args(a: dict, used: list[str]) -> dict:
+    del used
+    names = ("grads", "master", "trace", "trace_scales", "params", "master_out", "trace_out")
+    names += ("trace_scales_out", "params_out", "inv", "clip_div", "clip_mul", "lr", "started")
+    names += ("count", "weight_decay", "momentum", "nesterov", "block_size", "rounding")
+    return dict({n: a[n] for n in names}, take=1.0 - a["dampening"], salt_ids=a["salt_ids"])
+
+
+STORED_SPEC = StepSpec(
+    name="sgd_stored_step",
+    states=("trace", "trace_scales"),
+    scalars=("started", "count"),
+    bool_scalars=(),
+    hyper=(
+        ("weight_decay", "float"),
+        ("momentum", "float"),
+        ("dampening", "float"),
+        ("nesterov", "bool"),
+        ("block_size", "int"),
+        ("rounding", "int"),
+        ("salt_ids", "int[]"),
+    ),
+    entry="",  # no ctypes entry: the C kernel runs through its C++ op only
+    check=lambda op, a: stored.check_stored(op, a, ("trace",), ("started", "count")),
+    kernel_args=_stored_kernel_args,
+    generic=_stored_generic,
+    cpp_op="stored_step",
+    cpp_hyper=lambda a: (
+        a["weight_decay"],
+        a["momentum"],
+        1.0 - a["dampening"],  # rounded once to float32 by the kernel
+        float(bool(a["nesterov"])),
+    ),
+    int_scalars=("count",),
+    side=("trace_scales",),
+    state_dtypes=STORED_DTYPES,
+    stored="sgd_stored",
+)
+
+SGD_STORED_OPS = define_step(
+    STORED_SPEC,
+    r"""One fused SGD step with momentum and a stored trace into fresh tensors:
+    ``(master', trace', trace_scales', params', finite, leaf_finite)``.
+
+    SGD's arithmetic (the module docstring) between a decode and an encode of the trace
+    (:mod:`functional_fp16._fused.stored`), rounded to nearest; ``started`` is each
+    group's flag as float32 (1: momentum has started).
+    """,
+)
+
+
+def _stored_step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """:func:`_step` for a stored trace: one ``sgd_stored_step`` call."""
+    old = memo["opt"][shared["started"]]
+    key = ("sgd_stored_count", old.device)
+    if key not in memo:  # the rounding is to nearest: the count is not read
+        memo[key] = torch.zeros(1, dtype=torch.int64, device=old.device)
+    a = dict(grads=grads, master=masters, trace=roles["trace"], trace_scales=roles["trace_scales"])
+    a.update(params=own, **common, started=old.reshape(1).float(), count=memo[key])
+    a.update(weight_decay=plan.weight_decay, momentum=plan.momentum, dampening=plan.dampening)
+    a.update(nesterov=plan.nesterov, block_size=plan.trace_format.block_size, rounding=0)
+    a.update(salt_ids=[0] * len(grads))
+    if donate:
+        decided = SGD_STORED_OPS.call(True, a)
+        m_out, t_out, sc_out, p_new = masters, a["trace"], a["trace_scales"], own
+    else:
+        m_out, t_out, sc_out, p_new, *decided = SGD_STORED_OPS.call(False, a)
+    flag = decided[0].reshape(())
+    shared_out = {"started": torch.where(flag, torch.ones_like(old), old)}
+    roles_out = {"trace": list(t_out), "trace_scales": list(sc_out)}
+    return list(m_out), roles_out, list(p_new), tuple(decided), shared_out
 
 
 register(Fusable("sgd", _read, _positions, _step))

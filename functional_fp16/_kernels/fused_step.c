@@ -1028,21 +1028,38 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
 
 /* A step of fused_step.h's convention with stored states, for Adam/AdamW (kind ADAM:
  * s[0], s[1] the moments mu, nu; scalars inv_c1, sqrt_c2; hyper l2, w, b2, c2, eps, wd)
- * and Lion (kind LION: s[0] the momentum; hyper w1, b1, w2, b2, wd). sdt[j][l] says how
+ * Lion (kind LION: s[0] the momentum; hyper w1, b1, w2, b2, wd) and SGD with momentum
+ * (kind SGD: s[0] the trace; scalars: started (0 or 1); hyper wd, momentum, 1 - dampening,
+ * nesterov). sdt[j][l] says how
  * state j of leaf l is stored, sc[j][l] holds its block scales where it is coded (the
  * second state through its root where x->root). counts[k]: group k's applied-step count
  * (the salt), salt_ids[l] each leaf's index in the optimiser's tree. */
-enum { STORED_ADAM = 0, STORED_LION = 1 };
+enum { STORED_ADAM = 0, STORED_LION = 1, STORED_SGD = 2 };
 
 static void stored_step(const ff_step_args *x, const int kind) {
     const int64_t per_group = x->n_leaves / x->n_groups;
     const int n_states = kind == STORED_ADAM ? 2 : 1;
     AdamHyper *hs = (AdamHyper *)calloc((size_t)x->n_groups, sizeof(AdamHyper));
     LionHyper *hl = (LionHyper *)calloc((size_t)x->n_groups, sizeof(LionHyper));
+    Hyper *hg = (Hyper *)calloc((size_t)x->n_groups, sizeof(Hyper));
     for (int64_t k = 0; k < x->n_groups; ++k) {
         const float inv = x->inv ? x->inv[k] : 1.0f;
         const int clip = x->clip_div != NULL;
         const float cd = clip ? x->clip_div[k] : 1.0f, cm = clip ? x->clip_mul[k] : 1.0f;
+        if (kind == STORED_SGD) { /* as ff_sgd_update, momentum on */
+            Hyper *h = &hg[k];
+            h->inv = inv, h->clip = clip, h->clip_div = cd, h->clip_mul = cm;
+            h->wd = (float)x->hyper[0];
+            h->decay = h->wd != 0.0f;
+            h->momentum = 1;
+            h->mu = (float)x->hyper[1];
+            const int started = x->scalars[0][k] != 0.0f;
+            h->keep = started ? h->mu : 0.0f;
+            h->take = started ? (float)x->hyper[2] : 1.0f;
+            h->nesterov = x->hyper[3] != 0.0;
+            h->factor = x->lr[k];
+            continue;
+        }
         if (kind == STORED_LION) {
             LionHyper *h = &hl[k];
             h->inv = inv, h->clip = clip, h->clip_div = cd, h->clip_mul = cm;
@@ -1167,11 +1184,15 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     continue;
                 }
                 float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
-                if (kind == STORED_LION) {
+                if (kind != STORED_ADAM) {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
                                   0, abuf, s, n);
-                    lion_dispatch(&hl[grp], gbuf, m + s, abuf, m_to, nabuf,
-                                  p_is_master ? m_to : pbuf, n);
+                    if (kind == STORED_LION)
+                        lion_dispatch(&hl[grp], gbuf, m + s, abuf, m_to, nabuf,
+                                      p_is_master ? m_to : pbuf, n);
+                    else
+                        sgd_dispatch(&hg[grp], gbuf, m + s, abuf, m_to, nabuf,
+                                     p_is_master ? m_to : pbuf, n);
                 } else if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded inline */
                     adam_e4m3_dispatch(h, gbuf, m + s, (const uint8_t *)x->s[0][l] + s,
                                        (const uint8_t *)x->s[1][l] + s, x->sc[0][l][q],
@@ -1204,10 +1225,12 @@ static void stored_step(const ff_step_args *x, const int kind) {
     free(seg);
     free(hs);
     free(hl);
+    free(hg);
 }
 
 static void ff_adam_stored_step(const ff_step_args *x) { stored_step(x, STORED_ADAM); }
 static void ff_lion_stored_step(const ff_step_args *x) { stored_step(x, STORED_LION); }
+static void ff_sgd_stored_step(const ff_step_args *x) { stored_step(x, STORED_SGD); }
 
 /* ------------------------------------------------------------------------ */
 /* The steps of fused_step.h's convention, by name.                          */
@@ -1220,6 +1243,7 @@ static const struct {
     {"lion", ff_lion_step},
     {"adam_stored", ff_adam_stored_step},
     {"lion_stored", ff_lion_stored_step},
+    {"sgd_stored", ff_sgd_stored_step},
 };
 
 ff_step_fn ff_step_entry(const char *name) {
