@@ -4,7 +4,7 @@ A moving average with ``b2 = 0.999`` changes by about 0.1 % a step; a stored
 format that rounds to nearest loses every change smaller than half its code
 step there, so its moment can stop moving while the FP32 one goes on. Each case
 steps ``tx.update`` directly (no loss scaling, no master) on a 64 x 256 matrix:
-each row is one block of the int8 codes, whose first element holds the block's
+each row is one block of the E4M3 codes, whose first element holds the block's
 largest moment (a constant gradient of 4) and whose other 255 elements are the
 elements under test (their gradients apart by at most 2^-10, relative, so that
 each holds bits of its own), so the table's figures are means over 16,320
@@ -20,7 +20,7 @@ elements (an unbiased rounding is judged by its mean, not by one element):
 
 Every figure is also given as the ratio to FP32's. Formats: ``float32`` (the
 reference), ``bfloat16``, ``float16`` (second moments with a per-tensor
-power-of-two scale) and ``int8`` (block codes), for both moments of Adam and for
+power-of-two scale) and ``e4m3`` (block codes), for both moments of Adam and for
 Lion's, each rounded to nearest and stochastically (``moment_rounding``).
 
 Usage::
@@ -45,7 +45,7 @@ import functional_fp16 as ff  # noqa: E402
 
 ROWS, ROW = 64, 256
 LR = 1e-3
-FORMATS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
+FORMATS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "e4m3": "e4m3"}
 ROUNDINGS = ("nearest", "stochastic")
 
 

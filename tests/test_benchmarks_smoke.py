@@ -127,7 +127,7 @@ def test_lion_benchmark_runs_both_optimisers_on_the_fused_path():
 
 def test_moment_fidelity_benchmark_prints_every_format_and_case():
     out = _run("bench_moment_fidelity.py", "--smoke")
-    for fmt in ("bfloat16", "float16", "int8"):
+    for fmt in ("bfloat16", "float16", "e4m3"):
         for rounding in ("nearest", "stochastic"):
             assert f"| {fmt}, {rounding} |" in out, out
     assert "| float32 | 1.000e-03 (1.00x) |" in out and "lion, +1 -> -1 (steps)" in out
@@ -135,7 +135,10 @@ def test_moment_fidelity_benchmark_prints_every_format_and_case():
 
 def test_moments_benchmark_counts_state_bytes_and_times_every_format():
     out = _run("bench_moments.py", "--smoke")
-    for row in ("| fp32 | 2.000 | 4.000 | 8.000", "| bf16 | 2.000 | 4.000 | 4.000", "| int8 |"):
+    for row in ("| fp32 | 2.000 | 4.000 | 8.000", "| bf16 | 2.000 | 4.000 | 4.000", "| e4m3 |"):
         assert row in out, out
-    for fmt in ("fp32", "bf16", "fp16 (scaled v)", "int8"):
+    for fmt in ("fp32", "bf16", "fp16 (scaled v)", "e4m3", "e4m3, nearest", "bf16, nearest"):
         assert f"| recipe, {fmt} moments |" in out
+    for fmt in ("fp32", "bf16", "e4m3"):  # stored moments take the fused step
+        assert f"| recipe, {fmt} moments | fused |" in out, out
+    assert "| recipe, fp16 (scaled v) moments | foreach |" in out, out

@@ -20,12 +20,12 @@ format         stored per parameter element            decode (to float32)
                                                        (second moments)
 =============  ======================================  ====================================
 
-:math:`\operatorname{rn}` above is rounding to nearest, the default. With
-``moment_rounding="stochastic"`` (Adam, AdamW, Lion) the moments are rounded
-*stochastically* instead (:func:`encode_all` with the optimiser's step count),
-onto the same grids, so that a moving average whose change per step is under
-half a code step still follows it in expectation
-(:mod:`functional_fp16.precision.stochastic_rounding`).
+:math:`\operatorname{rn}` above is rounding to nearest. Adam's, AdamW's and Lion's
+moments are rounded *stochastically* by default (``moment_rounding="stochastic"``;
+:func:`encode_all` with the optimiser's step count), onto the same grids, so that a
+moving average whose change per step is under half a code step still follows it in
+expectation (:mod:`functional_fp16.precision.stochastic_rounding`); SGD's trace,
+which keeps no step count, is rounded to nearest.
 
 **FP16 second moments** carry a scale: :math:`v \approx g^2` leaves FP16's
 range (:math:`g = 10^{-4}` gives :math:`10^{-8}`, below its smallest normal
