@@ -193,9 +193,20 @@ def test_vmap_members_step_as_alone(monkeypatch, kernel, fmt):
             assert_states_bitwise_equal(alone, states[i])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "lion_bf16", "sgd_e4m3"])
-def test_compiled_update_is_eager(fmt):
-    state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
+def test_compiled_update_is_eager():
+    """One compiled graph runs the three stored steps (a group each, by label) as eager
+    mode does, bitwise."""
+    labels = {"w": "adam", "v": "lion", "t": "sgd", "n": "adam", "b": "adam"}
+    tx = ff.multi_transform(
+        {
+            "adam": ff.adamw(1e-3, weight_decay=0.1, mu_dtype="e4m3", nu_dtype="e4m3"),
+            "lion": ff.lion(1e-4, mu_dtype=torch.bfloat16),
+            "sgd": ff.sgd(0.05, momentum=0.9, accumulator_dtype="e4m3"),
+        },
+        labels,
+    )
+    state = ff.fp16_init(_params(), tx, ff.DynamicLossScale(2.0**10))
+    assert ff.update_path(state) == "fused"
     step = torch.compile(ff.fp16_update, fullgraph=True)
     for i in range(2):
         grads = _grads(state, i)
