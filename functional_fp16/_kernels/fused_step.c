@@ -879,6 +879,9 @@ static void decode_moment(int st, const void *src, const float *scale, int root,
     }
 }
 
+static void encode_block(const float *y, float peak, uint8_t *q, float *scale_out, int root,
+                         int sr, uint32_t salt, int64_t n);
+
 /* Encodes n float32 values x (the new moment) into dst at element s; for a coded
  * moment, x is one block and its scale goes to *scale_out. salt: 0 and sr false
  * for rounding to nearest. tmp: n floats of scratch. */
@@ -914,10 +917,16 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
         m = m < INFINITY ? m : 0.0f; /* an inf or NaN is left out */
         peak = m > peak ? m : peak;
     }
+    encode_block(y, peak, (uint8_t *)dst + s, scale_out, root, sr, salt, n);
+}
+
+/* The codes of one block y (a second moment's roots where root) whose largest finite
+ * magnitude is peak, and its scale into *scale_out. */
+static void encode_block(const float *y, float peak, uint8_t *q, float *scale_out, int root,
+                         int sr, uint32_t salt, int64_t n) {
     float a = peak / E4M3_MAX;
     if (!(a > 0.0f)) a = 1.0f;
     *scale_out = a;
-    uint8_t *q = (uint8_t *)dst + s;
     /* y / a, clamped to +-448 (a NaN stays NaN), rounded onto E4M3's grid and coded */
 #define E4M3_LOOP(ROUND)                                                      \
     for (int64_t i = 0; i < n; ++i) {                                         \
@@ -983,18 +992,21 @@ static void adam_bf16_dispatch(const AdamHyper *h, const float *g, const float *
 }
 
 /* adam_block reading both moments as E4M3 codes of one block (scales sa, sv; the second
- * moment through its root), decoded in the element loop itself; the new moments go to
- * float32 buffers (na, nv) for the block's encoding. */
+ * moment through its root), decoded in the element loop itself; the new first moment and
+ * the new second moment's root (the denominator's own sqrtf(v')) go to float32 buffers
+ * for the block's encoding, with each one's largest finite magnitude (peaks[0], [1]). */
 static inline __attribute__((always_inline)) void adam_block_e4m3(
     const AdamHyper *h, const float *restrict g, const float *restrict m,
     const uint8_t *restrict a, const uint8_t *restrict v, float sa, float sv, float *m_out,
-    float *restrict na_out, float *restrict nv_out, float *p_out, int64_t n, const int CLIP,
-    const int L2, const int DECOUPLED) {
+    float *restrict na_out, float *restrict nr_out, float *p_out, float *peaks, int64_t n,
+    const int CLIP, const int L2, const int DECOUPLED) {
     const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, l2 = h->l2, b2 = h->b2,
                 c2 = h->c2, sqrt_c2 = h->sqrt_c2, inv_c1 = h->inv_c1, eps = h->eps, wd = h->wd,
                 factor = h->factor;
     const float coef = h->small_w ? h->w : h->w_minus_1;
     const int small_w = h->small_w;
+    float pa = 0.0f, pr = 0.0f;
+#pragma omp simd reduction(max : pa, pr)
     for (int64_t i = 0; i < n; ++i) {
         float u = g[i] * inv;
         if (CLIP) u = (u / cd) * cm;
@@ -1003,23 +1015,31 @@ static inline __attribute__((always_inline)) void adam_block_e4m3(
         if (L2) u = fmaf(mi, l2, u);
         const float na = fmaf(coef, u - ai, small_w ? ai : u);
         const float nv = fmaf(c2 * u, u, vi * b2);
-        float s_ = (na / (sqrtf(nv) / sqrt_c2 + eps)) * inv_c1;
+        const float nr = sqrtf(nv);
+        float s_ = (na / (nr / sqrt_c2 + eps)) * inv_c1;
         if (DECOUPLED) s_ = fmaf(mi, wd, s_);
         const float nm = fmaf(s_, factor, mi);
         m_out[i] = nm;
         p_out[i] = nm;
         na_out[i] = na;
-        nv_out[i] = nv;
+        nr_out[i] = nr;
+        float fa = fabsf(na), fr = fabsf(nr);
+        fa = fa < INFINITY ? fa : 0.0f; /* an inf or NaN is left out of its block's scale */
+        fr = fr < INFINITY ? fr : 0.0f;
+        pa = fa > pa ? fa : pa;
+        pr = fr > pr ? fr : pr;
     }
+    peaks[0] = pa;
+    peaks[1] = pr;
 }
 
 static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *m,
                                const uint8_t *a, const uint8_t *v, float sa, float sv, float *mo,
-                               float *na, float *nv, float *po, int64_t n) {
-#define E4M3_CASE(C, L, D)                                                  \
-    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {              \
-        adam_block_e4m3(h, g, m, a, v, sa, sv, mo, na, nv, po, n, C, L, D); \
-        return;                                                             \
+                               float *na, float *nr, float *po, float *peaks, int64_t n) {
+#define E4M3_CASE(C, L, D)                                                         \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {                     \
+        adam_block_e4m3(h, g, m, a, v, sa, sv, mo, na, nr, po, peaks, n, C, L, D); \
+        return;                                                                    \
     }
     E4M3_CASE(0, 0, 0) E4M3_CASE(0, 0, 1) E4M3_CASE(0, 1, 0) E4M3_CASE(1, 0, 0)
     E4M3_CASE(1, 0, 1) E4M3_CASE(1, 1, 0) E4M3_CASE(0, 1, 1) E4M3_CASE(1, 1, 1)
@@ -1194,10 +1214,21 @@ static void stored_step(const ff_step_args *x, const int kind) {
                         sgd_dispatch(&hg[grp], gbuf, m + s, abuf, m_to, nabuf,
                                      p_is_master ? m_to : pbuf, n);
                 } else if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded inline */
+                    float peaks[2] = {0.0f, 0.0f};
                     adam_e4m3_dispatch(h, gbuf, m + s, (const uint8_t *)x->s[0][l] + s,
                                        (const uint8_t *)x->s[1][l] + s, x->sc[0][l][q],
                                        x->sc[1][l][q], m_to, nabuf, nvbuf,
-                                       p_is_master ? m_to : pbuf, n);
+                                       p_is_master ? m_to : pbuf, peaks, n);
+                    encode_block(nabuf, peaks[0], (uint8_t *)x->so[0][l] + s, &x->sco[0][l][q],
+                                 0, sr, salt_a, n);
+                    encode_block(nvbuf, peaks[1], (uint8_t *)x->so[1][l] + s, &x->sco[1][l][q],
+                                 1, sr, salt_v, n);
+                    if (!donated) stream_bytes(mo + s, mbuf, n * 4);
+                    if (!p_is_master) {
+                        from_f32(pbuf, hbuf, n, pd);
+                        memcpy(po_s, hbuf, (size_t)(n * ps));
+                    }
+                    continue;
                 } else {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
                                   0, abuf, s, n);
