@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--smoke", action="store_true", help="tiny step counts, for tests")
     args = parser.parse_args()
-    k = 20 if args.smoke else 1
+    k = 50 if args.smoke else 1
     constant = [(3000 // k, 1.0)]
     drops = {
         "0.3": [(1000 // k, 1.0), (2800 // k, 0.3)],

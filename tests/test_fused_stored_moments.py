@@ -102,9 +102,13 @@ def _assert_step_matches(new, ref, old):
             assert torch.equal(bits(new.params[k]), bits(new.master[k].to(new.params[k].dtype)))
 
 
+# SGD's trace rounds to nearest whatever is asked: its one case is "nearest".
+CASES = [(f, r) for f in sorted(FORMATS) for r in ("nearest", "stochastic")]
+CASES = [(f, r) for f, r in CASES if not (f.startswith("sgd") and r == "stochastic")]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt, rounding", CASES)
 def test_each_step_matches_the_reference(monkeypatch, kernel, fmt, rounding):
     _use(monkeypatch, kernel)
     state = ff.fp16_init(_params(), _tx(fmt, rounding), ff.DynamicLossScale(2.0**10))
