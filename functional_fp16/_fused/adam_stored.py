@@ -88,22 +88,13 @@ def _generic(
             step = torch.add(step, m, alpha=decoupled)
         nm = torch.addcmul(m, step, lr[k])
         ok = apply[k]
-        mo, po = at(master_out), at(params_out)
-        if po.data_ptr() != mo.data_ptr():
-            po.copy_(torch.where(ok, nm.to(po.dtype), at(params)))
-        mo.copy_(torch.where(ok, nm, m))
+        stored.write_master(ok, nm, m, at(master_out), at(params_out), at(params))
         for name, new, stream in (("mu", na, 0), ("nu", nv, 1)):
             salt_ = None if rounding == 0 else salt(count[k], stream, salt_ids[leaf])
             coded = encode(fmt[name], new, old[name], salt_)
-            out = at(mu_out if name == "mu" else nu_out)
-            if isinstance(coded, BlockCodes):
-                out.copy_(torch.where(ok, coded.codes, old[name].codes))
-                s_out = scales[name][1][where[name][leaf]]
-                plain_kernels.member(s_out, b, members).copy_(
-                    torch.where(ok, coded.scales, old[name].scales)
-                )
-            else:
-                out.copy_(torch.where(ok, coded, old[name]))
+            s_out = scales[name][1][where[name][leaf]] if leaf in where[name] else None
+            s_out = None if s_out is None else plain_kernels.member(s_out, b, members)
+            stored.write_state(ok, coded, old[name], at(mu_out if name == "mu" else nu_out), s_out)
 
 
 def _lists(

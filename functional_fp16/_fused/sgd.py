@@ -415,16 +415,10 @@ def _stored_generic(
         nm = torch.addcmul(m, v, lr[k])
         new = encode(fmt, nb, was)
         ok = apply[k]
-        mo, po = at(master_out), at(params_out)
-        if po.data_ptr() != mo.data_ptr():
-            po.copy_(torch.where(ok, nm.to(po.dtype), at(params)))
-        mo.copy_(torch.where(ok, nm, m))
-        if isinstance(new, BlockCodes):
-            at(trace_out).copy_(torch.where(ok, new.codes, was.codes))
-            s_out = plain_kernels.member(trace_scales_out[coded[leaf]], b, members)
-            s_out.copy_(torch.where(ok, new.scales, was.scales))
-        else:
-            at(trace_out).copy_(torch.where(ok, new, was))
+        stored.write_master(ok, nm, m, at(master_out), at(params_out), at(params))
+        s_out = trace_scales_out[coded[leaf]] if leaf in coded else None
+        s_out = None if s_out is None else plain_kernels.member(s_out, b, members)
+        stored.write_state(ok, new, was, at(trace_out), s_out)
 
 
 def _stored_kernel_args(a: dict, used: list[str]) -> dict:

@@ -17,9 +17,14 @@ from __future__ import annotations
 import torch
 
 from functional_fp16._fused import op_checks
-from functional_fp16.precision.moment_storage import MIN_ROW, MomentFormat, scales_shape
+from functional_fp16.precision.moment_storage import (
+    MIN_ROW,
+    BlockCodes,
+    MomentFormat,
+    scales_shape,
+)
 
-__all__ = ["STORED_DTYPES", "ROUNDINGS", "check_stored", "formats"]
+__all__ = ["STORED_DTYPES", "ROUNDINGS", "check_stored", "formats", "write_master", "write_state"]
 
 STORED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 """How the op takes a moment: as it is, in 16 bits, or as E4M3 codes (``uint8``)."""
@@ -89,3 +94,21 @@ def formats(block_size: int, rounding: int) -> dict:
         )
         for second in (False, True)
     }
+
+
+def write_master(ok, new, old, master_out, params_out, params_old) -> None:
+    """One leaf of one member of a plain kernel: the master ``where(ok, new, old)`` and
+    its working copy refreshed where it is its own tensor (else kept bit for bit)."""
+    if params_out.data_ptr() != master_out.data_ptr():
+        params_out.copy_(torch.where(ok, new.to(params_out.dtype), params_old))
+    master_out.copy_(torch.where(ok, new, old))
+
+
+def write_state(ok, new, old, out, scales_out=None) -> None:
+    """One stored state of one leaf of one member: ``where(ok, new, old)`` on its values,
+    or on its codes and (into ``scales_out``) its block scales."""
+    if isinstance(new, BlockCodes):
+        out.copy_(torch.where(ok, new.codes, old.codes))
+        scales_out.copy_(torch.where(ok, new.scales, old.scales))
+    else:
+        out.copy_(torch.where(ok, new, old))
