@@ -266,15 +266,9 @@ def _lists(
         del nv
         denom = plain_kernels.correct_sqrt(nu_out)
     # Where the step applies, mu_out and nu_out hold the new moments; where it skips, the
-    # step below is computed from the old ones and not applied.
-    torch._foreach_div_(denom, sqrt_c2.reshape(()))
-    torch._foreach_add_(denom, eps)
-    step = plain_kernels.start_from(u, mu_out)  # u's buffers: a' / denom, as one division
-    torch._foreach_div_(step, denom)
+    # step is computed from the old ones and not applied.
+    step = plain_kernels.adam_direction_(u, mu_out, denom, master, inv_c1, sqrt_c2, eps, decoupled)
     del denom
-    torch._foreach_mul_(step, inv_c1.reshape(()))
-    if decoupled != 0.0:
-        torch._foreach_add_(step, master, alpha=decoupled)
     plain_kernels.fma_step_(master_out, master, step, lr, plain_kernels.skip_flag(apply))
     del step, u
     plain_kernels.refresh_params(apply, master_out, params, params_out)
@@ -338,12 +332,7 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
-    position = shared["count"]
-    key = ("adam", position, plan.b1, plan.b2)
-    if key not in memo:
-        inv_c1, sqrt_c2 = bias_corrections(incremented(memo, position), plan.b1, plan.b2)
-        memo[key] = (inv_c1.reshape(1), sqrt_c2.reshape(1))
-    inv_c1, sqrt_c2 = memo[key]
+    inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
     hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
     hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
     a = dict(grads=grads, master=masters, mu=mu, nu=nu, params=own, **common, **hyper)
@@ -356,15 +345,20 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     return list(m_out), roles_out, list(p_new), tuple(decided), {}
 
 
-def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
-    """:func:`_step` for stored moments: one ``adam_stored_step`` call."""
-    position = shared["count"]
-    count = incremented(memo, position)
+def _corrections(plan: AdamPlan, position: int, memo: dict):
+    """The bias corrections ``(inv_c1, sqrt_c2)`` of the count at ``position`` after this
+    step, as ``(1,)`` tensors, once per call for every group that shares them."""
     key = ("adam", position, plan.b1, plan.b2)
     if key not in memo:
-        inv_c1, sqrt_c2 = bias_corrections(count, plan.b1, plan.b2)
+        inv_c1, sqrt_c2 = bias_corrections(incremented(memo, position), plan.b1, plan.b2)
         memo[key] = (inv_c1.reshape(1), sqrt_c2.reshape(1))
-    inv_c1, sqrt_c2 = memo[key]
+    return memo[key]
+
+
+def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
+    """:func:`_step` for stored moments: one ``adam_stored_step`` call."""
+    count = incremented(memo, shared["count"])
+    inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
     rounding = ROUNDINGS.index(
         plan.nu_format.rounding if plan.nu_format is not FLOAT32 else plan.mu_format.rounding
     )

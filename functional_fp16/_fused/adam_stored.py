@@ -122,14 +122,8 @@ def _lists(
     torch._foreach_addcmul_(nv, u, u, value=c2)
     del a32, v32
     denom = plain_kernels.correct_sqrt(nv)
-    torch._foreach_div_(denom, sqrt_c2.reshape(()))
-    torch._foreach_add_(denom, eps)
-    step = plain_kernels.start_from(u, na)  # u's buffers: a' / denom, as one division
-    torch._foreach_div_(step, denom)
+    step = plain_kernels.adam_direction_(u, na, denom, master, inv_c1, sqrt_c2, eps, decoupled)
     del denom
-    torch._foreach_mul_(step, inv_c1.reshape(()))
-    if decoupled != 0.0:
-        torch._foreach_add_(step, master, alpha=decoupled)
     plain_kernels.fma_step_(master_out, master, step, lr, plain_kernels.skip_flag(apply))
     del step, u
     plain_kernels.refresh_params(apply, master_out, params, params_out)

@@ -277,6 +277,23 @@ def write_lists(apply: Tensor, new: dict, direction: list[Tensor], lr: Tensor, *
     refresh_params(apply, lists["master_out"], lists["params"], lists["params_out"])
 
 
+def adam_direction_(u, new_mu, denom, master, inv_c1, sqrt_c2, eps, decoupled) -> list:
+    r"""Adam's direction on lists, in ``u``'s buffers (returned), from the new first
+    moments and the square roots of the new second moments (``denom``, overwritten):
+
+    .. math:: \sigma = \frac{a'}{\sqrt{v'} / \sqrt{c_2} + \epsilon}\, c_1^{-1}
+              \;(+\, \lambda_d\, m)
+    """
+    torch._foreach_div_(denom, sqrt_c2.reshape(()))
+    torch._foreach_add_(denom, eps)
+    step = start_from(u, new_mu)  # u's buffers: a' / denom, as one division
+    torch._foreach_div_(step, denom)
+    torch._foreach_mul_(step, inv_c1.reshape(()))
+    if decoupled != 0.0:
+        torch._foreach_add_(step, master, alpha=decoupled)
+    return step
+
+
 def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
     """The working copies that are their own tensors: ``fl16`` of the new master where
     ``apply``, else the old ones bit for bit (one FP16 temporary, 2 B a parameter)."""
