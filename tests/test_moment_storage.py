@@ -93,22 +93,28 @@ def _grid(dtype) -> np.ndarray:
 
 
 def _ref_round(q: torch.Tensor, dtype, salt: int | None, square: bool = False) -> torch.Tensor:
-    """``q`` (float32) rounded onto ``dtype``'s grid: to nearest without ``salt``, else up to
-    the next grid value with probability (q - lo) / (hi - lo) (of the squares with
-    ``square``, in float32) where the hash of q's bits and the salt falls under it."""
+    """``q`` (float32) rounded onto ``dtype``'s grid: to nearest without ``salt``, else its
+    magnitude up to the next grid value where the hash of q's bits and the salt gives a u
+    under (|q| - lo) / (hi - lo) (with ``square``: u * (lo + hi) under that ratio times
+    (|q| + lo), in float32), down otherwise."""
     if salt is None:
         return q.to(dtype)
     grid = _grid(dtype)
+    grid = grid[grid >= 0]
     qs = q.detach().numpy().astype(np.float32)
-    i = np.clip(np.searchsorted(grid, qs.astype(np.float64), side="right") - 1, 0, len(grid) - 2)
+    mag = np.abs(qs)
+    i = np.clip(np.searchsorted(grid, mag.astype(np.float64), side="right") - 1, 0, len(grid) - 2)
     lo, hi = grid[i].astype(np.float32), grid[i + 1].astype(np.float32)
-    on_grid = lo == qs
-    frac = (qs - lo) / (hi - lo)
-    if square:  # the squares' ratio, as the format defines it: two ratios, in float32
-        frac = frac * ((qs + lo) / (hi + lo))
+    on_grid = lo == mag
+    frac = (mag - lo) / (hi - lo)  # exact: hi - lo is a power of two
     bits = qs.view(np.uint32).astype(np.uint64)
-    u = (_ref_mix(bits ^ np.uint64(salt)) >> np.uint64(8)).astype(np.float64) * 2.0**-24
-    out = np.where(on_grid | ~(u < frac), lo, hi)
+    u = ((_ref_mix(bits ^ np.uint64(salt)) >> np.uint64(8)).astype(np.float64) * 2.0**-24)
+    u = u.astype(np.float32)
+    if square:
+        away = u * (lo + hi) < frac * (mag + lo)
+    else:
+        away = u < frac
+    out = np.copysign(np.where(on_grid | ~away, lo, hi), qs)
     return torch.from_numpy(out.astype(np.float32)).to(dtype)
 
 

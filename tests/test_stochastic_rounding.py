@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -72,9 +73,9 @@ def _neighbours(x: float, dtype) -> tuple[float, float]:
 def test_a_value_rounds_to_one_of_its_neighbours(dtype, x, count, leaf):
     bits, emin = FORMATS[dtype]
     t = torch.tensor([x], dtype=torch.float32)
-    u = sr.uniform(t, sr.salt(torch.tensor(count, dtype=torch.int32), 0, leaf))
-    assert 0.0 <= float(u) < 1.0
-    out = sr.round_stochastic(t, bits, emin, u)
+    r = sr.random_bits(t, sr.salt(torch.tensor(count, dtype=torch.int32), 0, leaf))
+    assert 0 <= int(r) < 2**32
+    out = sr.round_stochastic(t, bits, emin, r)
     assert torch.equal(out.to(dtype).float(), out)  # on the grid: the conversion is exact
     if float(t.to(dtype).float()) == float(t):
         assert float(out) == float(t)  # on the grid: itself
@@ -98,7 +99,7 @@ def test_the_rounding_is_unbiased(dtype, square):
     counts = torch.arange(n, dtype=torch.int32)
     salts = torch.stack([sr.salt(c, 1, 7) for c in counts])
     xs = x.expand(n, -1)
-    out = sr.round_stochastic(xs, bits, emin, sr.uniform(xs, salts[:, None]), square=square)
+    out = sr.round_stochastic(xs, bits, emin, sr.random_bits(xs, salts[:, None]), square=square)
     got = (out.double().square() if square else out.double()).mean(0)
     want = x.double().square() if square else x.double()
     exponent = torch.clamp(torch.frexp(x)[1] - 1, min=emin)
@@ -109,9 +110,33 @@ def test_the_rounding_is_unbiased(dtype, square):
 
 def test_non_finite_values_and_zero_pass_through():
     t = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
-    out = sr.round_stochastic(t, 3, -6, torch.zeros_like(t))
-    assert torch.equal(out[:4], t[:4]) and bool(out[4].isnan())
-    assert torch.equal(out[:2].signbit(), t[:2].signbit())
+    for r in (0, 2**32 - 1):
+        out = sr.round_stochastic(t, 3, -6, torch.full(t.shape, r, dtype=torch.int64))
+        assert torch.equal(out[:4], t[:4]) and bool(out[4].isnan())
+        assert torch.equal(out[:2].signbit(), t[:2].signbit())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(FORMATS, key=str)),
+    x=st.floats(-400.0, 400.0, allow_nan=False, allow_subnormal=True, width=32),
+    r=st.integers(0, 2**32 - 1),
+)
+def test_the_rule_is_the_exact_fraction_and_symmetric(dtype, x, r):
+    """Away from zero exactly where u = floor(r / 2^8) / 2^24 is under (|x| - l) / (h - l),
+    taken in exact rationals (the integer and float forms of the definition agree with it);
+    -x rounds to the negation of x's result with the same bits."""
+    bits, emin = FORMATS[dtype]
+    t = torch.tensor([x, -x], dtype=torch.float32)
+    out = sr.round_stochastic(t, bits, emin, torch.tensor([r, r], dtype=torch.int64))
+    assert torch.equal(out[1].view(torch.int32), (-out[0]).view(torch.int32))
+    mag = abs(float(t[0]))
+    lo, hi = _neighbours(mag, dtype)
+    if lo == mag:
+        assert float(out[0].abs()) == mag
+        return
+    away = Fraction(r >> 8, 2**24) < (Fraction(mag) - Fraction(lo)) / (Fraction(hi) - Fraction(lo))
+    assert float(out[0].abs()) == (hi if away else lo)
 
 
 # -- the transforms: a stored moment follows its average -----------------------------------

@@ -833,32 +833,38 @@ static uint32_t sr_salt(int64_t count, uint32_t stream, int64_t leaf) {
     return mix32((uint32_t)count * GOLDEN + fixed);
 }
 
-/* stochastic_rounding.round_stochastic(x, mb, emin, u(x, salt), square=sq), branch-free. */
+/* stochastic_rounding.round_stochastic(x, mb, emin, random_bits(x, salt), square=sq),
+ * branch-free: the magnitude's neighbours l <= |x| < l + s on the grid (s = 2^t), away
+ * from zero where the top d bits of the hash are under the d bits of |x|'s pattern below
+ * s (|x| >= s), where u s < |x| (|x| < s, l = 0), or (sq) where u (2l + s) < f (|x| + l). */
 static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
-    const uint32_t bx = f32_bits(x);
-    const float u = (float)(mix32(bx ^ salt) >> 8) * 0x1p-24f;
-    const uint32_t a = bx & 0x7FFFFFFFu;
-    /* floor(log2 |x|): frexp's exponent - 1 (-1 for a zero, as frexp gives 0); a
-     * subnormal's from its integer significand, converted exactly to float */
-    const int normal_e = (int)(a >> 23) - 127;
-    const int sub_e = (int)(f32_bits((float)(int32_t)a) >> 23) - 127 - 149;
-    int e = a == 0 ? -1 : (a < 0x00800000u ? sub_e : normal_e);
-    e = e < emin ? emin : e;
-    const int k = e - mb; /* the spacing 2^k, a normal or subnormal float32 */
-    const float spacing =
-        k >= -126 ? bits_f32((uint32_t)(k + 127) << 23) : bits_f32(1u << ((k + 149) & 31));
-    /* x / 2^k, exactly: two multiplications by powers of two (2^-k alone may not be a float) */
-    const int h1 = -k / 2, h2 = -k - h1;
-    const float scaled =
-        (x * bits_f32((uint32_t)(h1 + 127) << 23)) * bits_f32((uint32_t)(h2 + 127) << 23);
-    const float low = floorf(scaled);
-    float frac = scaled - low;
-    if (sq) {
-        const float lo = low * spacing, hi = (low + 1.0f) * spacing;
-        frac = frac * ((x + lo) / (hi + lo));
-    }
-    const float up = u < frac ? low + 1.0f : low;
-    return a >= 0x7F800000u ? x : up * spacing;
+    const uint32_t bx = f32_bits(x), r = mix32(bx ^ salt);
+    const uint32_t mag = bx & 0x7FFFFFFFu;
+    const int b = (int)(mag >> 23);
+    const int t = (b - 127 > emin ? b - 127 : emin) - mb;
+    const int d = t - ((b > 1 ? b : 1) - 150); /* bits of the pattern below 2^t */
+    const int tiny = d > 23;
+    const int dn = tiny ? 23 : d;
+    const uint32_t low = mag & ((1u << dn) - 1u);
+    const float l = bits_f32(tiny ? 0u : mag - low);
+    const float s = t >= -126 ? bits_f32((uint32_t)(t + 127) << 23)
+                              : bits_f32(1u << ((t + 149) & 31));
+    const float xa = bits_f32(mag), u = (float)(r >> 8) * 0x1p-24f;
+    int away;
+    if (sq)
+        away = u * (l + l + s) < ((xa - l) / s) * (xa + l);
+    else
+        away = tiny ? u * s < xa : (r >> (32 - dn)) < low;
+    const float out = away ? l + s : l;
+    return b == 255 ? x : copysignf(out, x);
+}
+
+/* round_sr onto bfloat16's grid, straight to its bits: every float32 pattern has 16 bits
+ * below bfloat16's spacing, so adding 2^16 - 1 - (r >> 16) carries into the kept bits
+ * exactly where r >> 16 is under them. */
+static inline uint16_t bf16_sr(float x, uint32_t salt) {
+    const uint32_t bx = f32_bits(x), r = mix32(bx ^ salt);
+    return x != x ? (uint16_t)0x7FC0u : (uint16_t)((bx + (~r >> 16)) >> 16);
 }
 
 /* Decodes n elements of a stored moment starting at element s into dst. */
@@ -897,10 +903,12 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
             from_f32(x, (uint16_t *)dst + s, n, dt);
             return;
         }
-        if (st == ST_BF16)
-            for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 7, -126, salt, 0);
-        else
-            for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 10, -14, salt, 0);
+        if (st == ST_BF16) {
+            uint16_t *d = (uint16_t *)dst + s;
+            for (int64_t i = 0; i < n; ++i) d[i] = bf16_sr(x[i], salt);
+            return;
+        }
+        for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 10, -14, salt, 0);
         from_f32(tmp, (uint16_t *)dst + s, n, dt);
         return;
     }
@@ -966,8 +974,8 @@ static inline __attribute__((always_inline)) void adam_block_bf16(
         m_out[i] = nm;
         p_out[i] = nm;
         if (SR) {
-            a_out[i] = f32_to_bf16(round_sr(na, 7, -126, salt_a, 0));
-            v_out[i] = f32_to_bf16(round_sr(nv, 7, -126, salt_v, 0));
+            a_out[i] = bf16_sr(na, salt_a);
+            v_out[i] = bf16_sr(nv, salt_v);
         } else {
             a_out[i] = f32_to_bf16(na);
             v_out[i] = f32_to_bf16(nv);

@@ -88,7 +88,7 @@ import torch
 
 from functional_fp16._util import validate
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
-from functional_fp16.precision.stochastic_rounding import round_stochastic, salt, uniform
+from functional_fp16.precision.stochastic_rounding import random_bits, round_stochastic, salt
 
 __all__ = [
     "MomentFormat",
@@ -346,7 +346,7 @@ def encode(fmt: MomentFormat, x: torch.Tensor, like: Any, salt_: torch.Tensor | 
     if salt_ is None or like.dtype == torch.float32:
         return x.to(like.dtype)
     bits, emin = _GRIDS[like.dtype]
-    return round_stochastic(x, bits, emin, uniform(x, salt_)).to(like.dtype)
+    return round_stochastic(x, bits, emin, random_bits(x, salt_)).to(like.dtype)
 
 
 _GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}  # mantissa bits, min exponent
@@ -363,7 +363,7 @@ def _encode_scaled(fmt: MomentFormat, x: torch.Tensor, salt_=None) -> ScaledHalf
         scale = torch.full((), fmt.scale, dtype=torch.float32, device=x.device)
         q = torch.clamp(x / scale, -_F16_MAX, _F16_MAX)
     if salt_ is not None:
-        q = torch.clamp(round_stochastic(q, 10, -14, uniform(q, salt_)), -_F16_MAX, _F16_MAX)
+        q = torch.clamp(round_stochastic(q, 10, -14, random_bits(q, salt_)), -_F16_MAX, _F16_MAX)
     return ScaledHalf(q.to(torch.float16), scale)
 
 
@@ -419,8 +419,8 @@ def _encode_blocks(x: torch.Tensor, block_size: int, root: bool, salt_=None) -> 
         quotient = torch.cat([quotient, rest / scales[:, n_full:]], dim=1)
     quotient = torch.clamp(quotient, -_E4M3_MAX, _E4M3_MAX)
     if salt_ is not None:  # on E4M3's grid (3 mantissa bits, subnormal below 2^-6)
-        u = uniform(quotient, salt_)
-        quotient = round_stochastic(quotient, 3, -6, u, square=root)
+        r = random_bits(quotient, salt_)
+        quotient = round_stochastic(quotient, 3, -6, r, square=root)
     codes = quotient.to(_E4M3).view(torch.uint8)
     return BlockCodes(codes.view(x.shape), scales.view(scales_shape(x.shape, block_size)))
 

@@ -4,10 +4,11 @@ A moving average :math:`m \leftarrow \beta m + (1 - \beta) g` stored by rounding
 to nearest loses every change smaller than half its code step: with
 :math:`\beta_2 = 0.999` a second moment moves by about 0.1 % a step, under half
 a bfloat16 step (0.4 %) and far under half an 8-bit code step (3 to 6 %), so it
-stops following its average. Rounded stochastically, a value :math:`x` between
-two neighbours :math:`l \le x < h` of the format's grid is stored as
+stops following its average. Rounded stochastically, a value whose magnitude lies
+between two neighbours :math:`l \le |x| < h` of the format's grid is stored with
+magnitude
 
-.. math:: \hat x = \begin{cases} h & u < (x - l) / (h - l) \\ l & \text{otherwise}\end{cases},
+.. math:: |\hat x| = \begin{cases} h & u < (|x| - l) / (h - l) \\ l & \text{otherwise}\end{cases},
     \qquad \mathbb E[\hat x] = x,
 
 so the stored moment follows its average in expectation, however small the
@@ -15,11 +16,11 @@ step. (Through a square root, as second moments are coded, the probability is
 taken on the squares, :math:`(x^2 - l^2) / (h^2 - l^2)`, so that the decoded
 :math:`\hat x^2` is the unbiased one.)
 
-The uniform :math:`u \in [0, 1)` (24 bits) is a hash of the value's own float32
+The uniform :math:`u \in [0, 1)` (24 bits) comes from a hash of the value's own float32
 bits and a *salt* made of the optimiser's applied-step count, the leaf's
 position in its tree and which moment it is:
 
-.. math:: u = \operatorname{mix}(\operatorname{bits}(x) \oplus \text{salt}) / 2^{32},
+.. math:: u = \lfloor \operatorname{mix}(\operatorname{bits}(x) \oplus \text{salt}) / 2^8 \rfloor / 2^{24},
     \qquad \text{salt} = \operatorname{mix}(t \cdot \phi + \operatorname{mix}(\text{stream}, \text{leaf}))
 
 (``mix`` is a 32-bit integer finaliser, :func:`mix32`). No element index enters
@@ -29,13 +30,18 @@ element exactly as one process does, a run resumed from a checkpoint rounds as
 the uninterrupted run, and each member of a ``vmap`` rounds as it would alone.
 The count changes at every applied step, so an element that holds the same
 value step after step is rounded afresh each time.
+
+The test is on the magnitude, so that a value and its negation round alike;
+:func:`round_stochastic` spells it out in the operations that every kernel
+repeats bit for bit (integers where the spacing is above the value's own last
+bit, two float32 products where a square is rounded).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mix32", "salt", "salt_table", "uniform", "round_stochastic"]
+__all__ = ["mix32", "salt", "salt_table", "random_bits", "round_stochastic"]
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # 2^32 / phi, odd
@@ -101,37 +107,65 @@ def _fixed(stream: int, leaf: int) -> int:
     return mix32((mix32(stream & _M32) + leaf * _GOLDEN) & _M32)
 
 
-def uniform(x: torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
-    """A float32 in ``[0, 1)`` per element of the float32 tensor ``x``, from a hash of its
-    bits and ``salt_`` (see the module docstring): 24 bits, exact in float32."""
+def random_bits(x: torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
+    """32 random bits per element of the float32 tensor ``x``: ``mix32(bits(x) ^ salt_)``,
+    an int64 tensor in ``[0, 2^32)`` (see the module docstring)."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
-    h = mix32(bits ^ salt_)
-    return (h >> 8).to(torch.float32) * 2.0**-24
+    return mix32(bits ^ salt_)
 
 
 def round_stochastic(
-    x: torch.Tensor, mantissa_bits: int, min_exponent: int, u: torch.Tensor, *, square=False
+    x: torch.Tensor, mantissa_bits: int, min_exponent: int, r: torch.Tensor, *, square=False
 ) -> torch.Tensor:
     r"""``x`` (float32) rounded to the grid of a binary format with ``mantissa_bits``
     stored mantissa bits and smallest normal exponent ``min_exponent`` (below it, the
-    format's subnormal spacing), up with probability :math:`p = (x - l)/(h - l)` (with
-    ``square``, for non-negative ``x``, :math:`p = \frac{x - l}{h - l} \cdot \frac{x + l}{h + l}`,
-    the ratio of the squares' differences) where :math:`u` (uniform, in ``[0, 1)``)
-    falls under it.
+    format's subnormal spacing), its magnitude away from zero with probability
+    :math:`p = (|x| - l)/s` and towards zero otherwise, where :math:`l \le |x| < l + s`
+    are the grid's neighbours of :math:`|x|` (``square``: :math:`p = \frac{|x|^2 -
+    l^2}{(l + s)^2 - l^2}`, so that the square is the unbiased one).
+
+    ``r``: the random bits (:func:`random_bits`), int64 in ``[0, 2^32)``. With
+    :math:`u = \lfloor r / 2^8 \rfloor / 2^{24}`, the value goes away from zero where
+
+    .. math:: u \cdot s < |x| - l \qquad\text{or, with square,}\qquad
+        u \cdot (2 l + s) < f \cdot (|x| + l), \quad f = (|x| - l) / s
+
+    (float32 operations in this order; :math:`u s`, :math:`|x| - l`, :math:`2l + s` and
+    :math:`f` are exact, and no square is formed, so nothing underflows). Where
+    :math:`|x| \ge s` the first is the integer test :math:`\lfloor r / 2^{32-d}
+    \rfloor < |x|`'s :math:`d` dropped bits, with :math:`d` the bits of :math:`|x|`'s
+    float32 pattern below the spacing: adding :math:`2^d - 1 - \lfloor r / 2^{32-d}
+    \rfloor` to the pattern and clearing those bits rounds it (the kernels' form).
 
     The result is float32 and lies on the format's grid (so converting it is exact),
     except where it rounds past the format's largest value (clamp first). Values on
-    the grid, zeros, infinities and NaNs are returned as they are. bfloat16: ``(7,
-    -126)``; float16: ``(10, -14)``; E4M3: ``(3, -6)``.
+    the grid, zeros (with their sign), infinities and NaNs are returned as they are.
+    bfloat16: ``(7, -126)``; float16: ``(10, -14)``; E4M3: ``(3, -6)``.
     """
-    exponent = torch.clamp(torch.frexp(x)[1] - 1, min=min_exponent)  # floor(log2 |x|)
-    spacing = torch.ldexp(torch.ones_like(x), exponent - mantissa_bits)
-    scaled = x / spacing  # exact: spacing is a power of two
-    low = torch.floor(scaled)
-    frac = scaled - low  # (x - l) / (h - l), exact
-    if square:  # (x^2 - l^2) / (h^2 - l^2), as a product of ratios: no square underflows
-        lo, hi = low * spacing, (low + 1.0) * spacing
-        frac = frac * ((x + lo) / (hi + lo))
-    up = torch.where(u < frac, low + 1.0, low)
-    out = up * spacing
-    return torch.where(torch.isfinite(x), out, x)
+    mag = x.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    biased = mag >> 23
+    t = torch.clamp(biased - 127, min=min_exponent) - mantissa_bits  # the spacing is 2^t
+    d = t - (torch.clamp(biased, min=1) - 150)  # bits of the pattern below 2^t
+    tiny = d > 23  # |x| < 2^t: its neighbours are 0 and 2^t
+    dn = torch.clamp(d, max=23)
+    low = mag & ((1 << dn) - 1)
+    l_bits = torch.where(tiny, torch.zeros_like(mag), mag - low)
+    l = l_bits.to(torch.int32).view(torch.float32)
+    s = _power_of_two(t)
+    xa = mag.to(torch.int32).view(torch.float32)
+    u = (r >> 8).to(torch.float32) * 2.0**-24
+    if square:
+        away = u * (l + l + s) < ((xa - l) / s) * (xa + l)
+    else:
+        away = torch.where(tiny, u * s < xa, (r >> (32 - dn)) < low)
+    out = torch.copysign(torch.where(away, l + s, l), x)
+    return torch.where(biased == 255, x, out)
+
+
+def _power_of_two(t: torch.Tensor) -> torch.Tensor:
+    """``2^t`` as float32 for int64 ``t`` in ``[-149, 127]``, built from its bit pattern
+    (a normal's exponent field, or a subnormal's one set bit)."""
+    normal = (torch.clamp(t, min=-126) + 127) << 23
+    subnormal = 1 << torch.clamp(t + 149, 0, 22)
+    bits = torch.where(t >= -126, normal, subnormal)
+    return bits.to(torch.int32).view(torch.float32)
