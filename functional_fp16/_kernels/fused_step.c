@@ -126,13 +126,21 @@ static void from_f32(const float *restrict src, void *restrict dst, int64_t n, i
  * read the line it overwrites (no read-for-ownership). */
 static void stream_bytes(void *restrict dst, const void *restrict src, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+    /* the bytes up to dst's first aligned line are stored as usual (a partial line) */
+    const int64_t head = (int64_t)((64u - ((uintptr_t)dst & 63u)) & 63u);
+    if (head && n >= head + 64) {
+        memcpy(dst, src, (size_t)head);
+        i = head;
+    }
+#endif
 #if defined(__AVX512F__)
-    if (((uintptr_t)dst & 63u) == 0)
+    if ((((uintptr_t)dst + (uintptr_t)i) & 63u) == 0)
         for (; i + 64 <= n; i += 64)
             _mm512_stream_si512((void *)((char *)dst + i),
                                 _mm512_loadu_si512((const void *)((const char *)src + i)));
 #elif defined(__AVX__)
-    if (((uintptr_t)dst & 31u) == 0)
+    if ((((uintptr_t)dst + (uintptr_t)i) & 31u) == 0)
         for (; i + 32 <= n; i += 32)
             _mm256_stream_si256((__m256i *)((char *)dst + i),
                                 _mm256_loadu_si256((const __m256i *)((const char *)src + i)));
@@ -867,6 +875,32 @@ static inline uint16_t bf16_sr(float x, uint32_t salt) {
     return x != x ? (uint16_t)0x7FC0u : (uint16_t)((bx + (~r >> 16)) >> 16);
 }
 
+/* e4m3_code(round_sr(v, 3, -6, salt, SQ)) for |v| <= 448 or NaN, mostly in integers: E4M3's
+ * codes count its grid, so the code of |v|'s lower neighbour is the bits of |v|'s pattern
+ * above the spacing (from 2^-6, b >= 121: (mag >> 20) - 960; below it the significand's
+ * bits above 2^-9: sig >> (141 - b)) and the upper neighbour's is one more. */
+static inline uint8_t e4m3_sr_code(float v, uint32_t salt, const int SQ) {
+    const uint32_t bx = f32_bits(v), r = mix32(bx ^ salt);
+    const uint32_t mag = bx & 0x7FFFFFFFu, sign = (bx >> 24) & 0x80u;
+    const int b = (int)(mag >> 23);
+    const int normal = b >= 121, tiny = b < 118; /* tiny: |v| < 2^-9, neighbours 0 and 2^-9 */
+    const int d = normal ? 20 : (tiny ? 23 : 141 - b);
+    const uint32_t low = mag & ((1u << d) - 1u);
+    const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
+    const uint32_t base = normal ? (mag >> 20) - 960u : (tiny ? 0u : sig >> d);
+    const float xa = bits_f32(mag), u = (float)(r >> 8) * 0x1p-24f;
+    int away;
+    if (SQ) {
+        const float l = bits_f32(tiny ? 0u : mag - low);
+        const float s = bits_f32((uint32_t)(normal ? b - 3 : 118) << 23);      /* 2^t */
+        const float inv_s = bits_f32((uint32_t)(normal ? 257 - b : 136) << 23); /* 2^-t */
+        away = u * (l + l + s) < ((xa - l) * inv_s) * (xa + l);
+    } else {
+        away = tiny ? u * 0x1p-9f < xa : (r >> (32 - d)) < low;
+    }
+    return (uint8_t)(sign | (b == 255 ? 0x7Fu : base + (uint32_t)away));
+}
+
 /* Decodes n elements of a stored moment starting at element s into dst. */
 static void decode_moment(int st, const void *src, const float *scale, int root, float *dst,
                           int64_t s, int64_t n) {
@@ -930,22 +964,51 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
 
 /* The codes of one block y (a second moment's roots where root) whose largest finite
  * magnitude is peak, and its scale into *scale_out. */
+static inline __attribute__((always_inline)) float e4m3_quotient(float y, float a) {
+    const float v = y / a; /* clamped to +-448 (a NaN stays NaN) */
+    return v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);
+}
+
+/* The codes of n values y with scale a (n a multiple of TAIL, or any n where speed does not
+ * matter): y / a clamped, rounded to nearest or stochastically (SR; SQ: of the squares). */
+static inline __attribute__((always_inline)) void e4m3_codes(const float *restrict y, float a,
+                                                             uint8_t *restrict q, uint32_t salt,
+                                                             int64_t n, const int SR,
+                                                             const int SQ) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = e4m3_quotient(y[i], a);
+        q[i] = SR ? e4m3_sr_code(v, salt, SQ) : e4m3_code(v);
+    }
+}
+
+/* Element loops run whole vectors: the last n % TAIL elements of a block go through the
+ * same loop as one padded run of TAIL (a remainder loop the compiler leaves scalar made
+ * a row of 1000 elements' last block cost as much as the rest of the row). */
+#define TAIL 64
+
+static void e4m3_codes_of(const float *y, float a, uint8_t *q, int sr, int root, uint32_t salt,
+                          int64_t n) {
+    if (!sr) e4m3_codes(y, a, q, 0, n, 0, 0);
+    else if (root) e4m3_codes(y, a, q, salt, n, 1, 1);
+    else e4m3_codes(y, a, q, salt, n, 1, 0);
+}
+
+/* The codes of one block y (a second moment's roots where root) whose largest finite
+ * magnitude is peak, and its scale into *scale_out. */
 static void encode_block(const float *y, float peak, uint8_t *q, float *scale_out, int root,
                          int sr, uint32_t salt, int64_t n) {
     float a = peak / E4M3_MAX;
     if (!(a > 0.0f)) a = 1.0f;
     *scale_out = a;
-    /* y / a, clamped to +-448 (a NaN stays NaN), rounded onto E4M3's grid and coded */
-#define E4M3_LOOP(ROUND)                                                      \
-    for (int64_t i = 0; i < n; ++i) {                                         \
-        float v = y[i] / a;                                                   \
-        v = v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);        \
-        q[i] = e4m3_code(ROUND);                                              \
+    const int64_t whole = n - n % TAIL;
+    e4m3_codes_of(y, a, q, sr, root, salt, whole);
+    if (whole < n) {
+        float ty[TAIL] = {0.0f};
+        uint8_t tq[TAIL];
+        memcpy(ty, y + whole, (size_t)(n - whole) * 4);
+        e4m3_codes_of(ty, a, tq, sr, root, salt, TAIL);
+        memcpy(q + whole, tq, (size_t)(n - whole));
     }
-    if (!sr) E4M3_LOOP(v)
-    else if (root) E4M3_LOOP(round_sr(v, 3, -6, salt, 1))
-    else E4M3_LOOP(round_sr(v, 3, -6, salt, 0))
-#undef E4M3_LOOP
 }
 
 /* adam_block with both moments in bfloat16, read and written in the element loop itself
@@ -1041,9 +1104,9 @@ static inline __attribute__((always_inline)) void adam_block_e4m3(
     peaks[1] = pr;
 }
 
-static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *m,
-                               const uint8_t *a, const uint8_t *v, float sa, float sv, float *mo,
-                               float *na, float *nr, float *po, float *peaks, int64_t n) {
+static void adam_e4m3_whole(const AdamHyper *h, const float *g, const float *m,
+                            const uint8_t *a, const uint8_t *v, float sa, float sv, float *mo,
+                            float *na, float *nr, float *po, float *peaks, int64_t n) {
 #define E4M3_CASE(C, L, D)                                                         \
     if (h->clip == C && h->has_l2 == L && h->decoupled == D) {                     \
         adam_block_e4m3(h, g, m, a, v, sa, sv, mo, na, nr, po, peaks, n, C, L, D); \
@@ -1052,6 +1115,30 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
     E4M3_CASE(0, 0, 0) E4M3_CASE(0, 0, 1) E4M3_CASE(0, 1, 0) E4M3_CASE(1, 0, 0)
     E4M3_CASE(1, 0, 1) E4M3_CASE(1, 1, 0) E4M3_CASE(0, 1, 1) E4M3_CASE(1, 1, 1)
 #undef E4M3_CASE
+}
+
+/* adam_block_e4m3 over n elements in whole vectors (TAIL): the last n % TAIL run padded with
+ * zeros (a zero gradient, master and code give zero moments, so the peaks stand). na and nr
+ * hold n rounded up to TAIL floats. */
+static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *m,
+                               const uint8_t *a, const uint8_t *v, float sa, float sv, float *mo,
+                               float *na, float *nr, float *po, float *peaks, int64_t n) {
+    const int64_t whole = n - n % TAIL, rest = n - whole;
+    peaks[0] = peaks[1] = 0.0f;
+    if (whole) adam_e4m3_whole(h, g, m, a, v, sa, sv, mo, na, nr, po, peaks, whole);
+    if (!rest) return;
+    float tg[TAIL] = {0.0f}, tm[TAIL] = {0.0f}, tmo[TAIL], tpo[TAIL], tail_peaks[2];
+    uint8_t ta[TAIL] = {0}, tv[TAIL] = {0};
+    memcpy(tg, g + whole, (size_t)rest * 4);
+    memcpy(tm, m + whole, (size_t)rest * 4);
+    memcpy(ta, a + whole, (size_t)rest);
+    memcpy(tv, v + whole, (size_t)rest);
+    adam_e4m3_whole(h, tg, tm, ta, tv, sa, sv, tmo, na + whole, nr + whole, tpo, tail_peaks,
+                    TAIL);
+    memcpy(mo + whole, tmo, (size_t)rest * 4);
+    memcpy(po + whole, tpo, (size_t)rest * 4);
+    peaks[0] = tail_peaks[0] > peaks[0] ? tail_peaks[0] : peaks[0];
+    peaks[1] = tail_peaks[1] > peaks[1] ? tail_peaks[1] : peaks[1];
 }
 
 /* A step of fused_step.h's convention with stored states, for Adam/AdamW (kind ADAM:
@@ -1207,7 +1294,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     if (!donated) stream_bytes(mo + s, mbuf, n * 4);
                     if (!p_is_master) {
                         from_f32(pbuf, hbuf, n, pd);
-                        memcpy(po_s, hbuf, (size_t)(n * ps));
+                        stream_bytes(po_s, hbuf, n * ps);
                     }
                     continue;
                 }
@@ -1234,7 +1321,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     if (!donated) stream_bytes(mo + s, mbuf, n * 4);
                     if (!p_is_master) {
                         from_f32(pbuf, hbuf, n, pd);
-                        memcpy(po_s, hbuf, (size_t)(n * ps));
+                        stream_bytes(po_s, hbuf, n * ps);
                     }
                     continue;
                 } else {
@@ -1254,10 +1341,11 @@ static void stored_step(const ff_step_args *x, const int kind) {
                 if (!donated) stream_bytes(mo + s, mbuf, n * 4);
                 if (!p_is_master) {
                     from_f32(pbuf, hbuf, n, pd);
-                    memcpy(po_s, hbuf, (size_t)(n * ps));
+                    stream_bytes(po_s, hbuf, n * ps);
                 }
             }
         }
+        stream_fence(); /* each thread orders its own streaming stores */
         free(buf);
     }
     free(units);
