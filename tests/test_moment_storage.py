@@ -108,7 +108,7 @@ def _ref_round(q: torch.Tensor, dtype, salt: int | None, square: bool = False) -
     on_grid = lo == mag
     frac = (mag - lo) / (hi - lo)  # exact: hi - lo is a power of two
     bits = qs.view(np.uint32).astype(np.uint64)
-    u = ((_ref_mix(bits ^ np.uint64(salt)) >> np.uint64(8)).astype(np.float64) * 2.0**-24)
+    u = (_ref_mix(bits ^ np.uint64(salt)) >> np.uint64(8)).astype(np.float64) * 2.0**-24
     u = u.astype(np.float32)
     if square:
         away = u * (lo + hi) < frac * (mag + lo)

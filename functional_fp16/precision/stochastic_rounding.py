@@ -150,15 +150,15 @@ def round_stochastic(
     dn = torch.clamp(d, max=23)
     low = mag & ((1 << dn) - 1)
     l_bits = torch.where(tiny, torch.zeros_like(mag), mag - low)
-    l = l_bits.to(torch.int32).view(torch.float32)
+    lower = l_bits.to(torch.int32).view(torch.float32)
     s = _power_of_two(t)
     xa = mag.to(torch.int32).view(torch.float32)
     u = (r >> 8).to(torch.float32) * 2.0**-24
     if square:
-        away = u * (l + l + s) < ((xa - l) / s) * (xa + l)
+        away = u * (lower + lower + s) < ((xa - lower) / s) * (xa + lower)
     else:
         away = torch.where(tiny, u * s < xa, (r >> (32 - dn)) < low)
-    out = torch.copysign(torch.where(away, l + s, l), x)
+    out = torch.copysign(torch.where(away, lower + s, lower), x)
     return torch.where(biased == 255, x, out)
 
 
