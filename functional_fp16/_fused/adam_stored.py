@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_fp16._fused import plain_kernels, stored
+from functional_fp16._fused import plain_kernels, stored, triton_stored
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
@@ -57,10 +57,24 @@ def _generic(
     c2 = f32(c2)
     formats = stored.formats(block_size, rounding)
     if plain_kernels.one_group(lr, members):
-        return _lists(
+        rest = _triton_leaves(
             grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
             mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply,
-            inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, formats, rounding, salt_ids,
+            inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding,
+            salt_ids,
+        )  # fmt: skip
+        if not rest:
+            return None
+        pick = lambda xs: [xs[i] for i in rest]  # noqa: E731
+        coded = lambda xs, scales: [  # noqa: E731
+            scales[_scale_index(xs)[i]] for i in rest if xs[i].dtype == torch.uint8
+        ]
+        return _lists(
+            pick(grads), pick(master), pick(mu), pick(nu), coded(mu, mu_scales),
+            coded(nu, nu_scales), pick(params), pick(master_out), pick(mu_out), pick(nu_out),
+            coded(mu, mu_scales_out), coded(nu, nu_scales_out), pick(params_out), inv,
+            clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, count, l2, w, b2, c2, eps,
+            decoupled, formats, rounding, pick(salt_ids),
         )  # fmt: skip
     scales = {"mu": (mu_scales, mu_scales_out), "nu": (nu_scales, nu_scales_out)}
     where = {name: _scale_index(xs) for name, xs in (("mu", mu), ("nu", nu))}
@@ -144,6 +158,37 @@ def _lists(
                 kept.append(was)
                 into.append(values_out[i])
         plain_kernels.select_into(apply, fresh, kept, into, consume=True)
+
+
+def _triton_leaves(
+    grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
+    mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply, inv_c1,
+    sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding, salt_ids,
+) -> list[int]:  # fmt: skip
+    """Runs the Triton kernel (:mod:`.triton_stored`: one launch a leaf) on every leaf of
+    one group of one member that it takes; returns the indices of the others."""
+    if not grads or not triton_stored.available(grads[0].device):
+        return list(range(len(grads)))
+    where = {"mu": _scale_index(mu), "nu": _scale_index(nu)}
+    rest = []
+    for i in range(len(grads)):
+        coded = mu[i].dtype == torch.uint8
+        scale = lambda xs, name: xs[where[name][i]] if coded else None  # noqa: E731
+        scales = [scale(xs, n) for xs, n in ((mu_scales, "mu"), (nu_scales, "nu"))]
+        if not triton_stored.takes(mu[i], nu[i], grads[i], params[i], scales):
+            rest.append(i)
+            continue
+        triton_stored.adam_leaf(
+            grad=grads[i], master=master[i], mu=mu[i], nu=nu[i],
+            mu_scales=scale(mu_scales, "mu"), nu_scales=scale(nu_scales, "nu"), param=params[i],
+            master_out=master_out[i], mu_out=mu_out[i], nu_out=nu_out[i],
+            mu_scales_out=scale(mu_scales_out, "mu"), nu_scales_out=scale(nu_scales_out, "nu"),
+            param_out=params_out[i], inv=inv, clip_div=clip_div, clip_mul=clip_mul, lr=lr,
+            apply=apply, inv_c1=inv_c1, sqrt_c2=sqrt_c2, count=count, l2=l2, w=w, b2=b2, c2=c2,
+            eps=eps, decoupled=decoupled, block_size=block_size, rounding=rounding,
+            salt_id=salt_ids[i],
+        )  # fmt: skip
+    return rest
 
 
 def _scale_index(xs: list[torch.Tensor]) -> dict[int, int]:
