@@ -92,9 +92,9 @@ def shapes_of(args) -> dict[str, tuple[int, ...]]:
 def worker(args) -> dict:
     """One version's rows and the yardstick, interleaved call by call: medians in ms (and
     where the package was imported from)."""
-    import functional_fp16 as ff  # first: from $PYTHONPATH, before bench_update adds the checkout
-
     from bench_update import GradScalerSGD
+
+    import functional_fp16 as ff  # first: from $PYTHONPATH, before bench_update adds the checkout
 
     C.set_threads(args.threads)
     shapes = shapes_of(args)

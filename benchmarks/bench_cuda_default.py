@@ -2,13 +2,15 @@
 
 This process sets ``FUNCTIONAL_FP16_CPU_KERNEL=cuda-default``, so the CPU runs
 exactly the kernel CUDA runs by default (the plain PyTorch kernel, see
-``docs/fused_optimisers.md``, "Running the CUDA default on the CPU"), and
+``docs/fused_optimisers.md``, "Running the CUDA default on the CPU"; and with
+``TRITON_INTERPRET=1``, set here, its Triton kernels in Triton's interpreter), and
 measures one update of each row against torch's own recipes in the same run:
 
 * **launches**: ``torch.profiler`` (CPU activity) around one update after two
   warm-up calls; the top-level ``aten::*`` ops, those with no ``aten::*``
   ancestor (a ``functional_fp16::*`` op is transparent: the aten ops inside it
-  count), that compute: an op counts if it is not one that only allocates or
+  count; a ``triton::*`` range is one Triton kernel launch, and what its
+  interpreter does inside it is not counted), that compute: an op counts if it is not one that only allocates or
   makes a view (``empty``, ``view``, ``reshape``, ``select``, ``item``, ...:
   :data:`NO_LAUNCH`) or, for those and the conversions (``to``,
   ``_to_copy``, ``contiguous``, ``type_as``), if one of the ops inside it
@@ -42,7 +44,7 @@ their ``.grad``, ``GradScaler``: ``unscale_`` + ``clip_grad_norm_(foreach)``
 Usage::
 
     python benchmarks/bench_cuda_default.py [--json [FILE]] [--ops] [--out FILE.md]
-        [--layers 12] [--small-layers 1] [--width 32] [--params 10000000]
+        [--layers 12] [--small-layers 1] [--width 32] [--params 10000000] [--only WORD ...]
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import time
 from collections.abc import Callable
 
 os.environ["FUNCTIONAL_FP16_CPU_KERNEL"] = "cuda-default"  # this process: CUDA's default path
+os.environ.setdefault("TRITON_INTERPRET", "1")  # its Triton kernels, in Triton's interpreter
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -87,6 +90,8 @@ NO_LAUNCH = frozenset(
 WRAPPERS = frozenset(f"aten::{n}" for n in ("to", "_to_copy", "contiguous", "type_as"))
 """Ops that compute only through an op inside them (a ``to`` to its own dtype does nothing)."""
 
+TRITON = "triton::"
+"""Profiler ranges of Triton kernel launches: one launch each (see ``triton_stored``)."""
 HOST_READS = frozenset(f"aten::{n}" for n in ("item", "_local_scalar_dense", "is_nonzero"))
 """Top-level ops that read a tensor's value on the host (on a GPU: a synchronisation)."""
 
@@ -229,13 +234,18 @@ def count_launches(events) -> tuple[int, int, collections.Counter]:
     reads = 0
     memo: dict = {}
     for e in events:
+        if e.name.startswith(TRITON):  # one Triton kernel launch (run by its interpreter)
+            tops[e.name] += 1
+            continue
         if not e.name.startswith("aten::"):
             if e.name.startswith("functional_fp16_cpu::"):
                 raise RuntimeError(f"{e.name} ran: the C++ kernel, not CUDA's default path")
             continue
         parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
+        while parent is not None and not parent.name.startswith(("aten::", TRITON)):
             parent = parent.cpu_parent
+        if parent is not None and parent.name.startswith(TRITON):
+            continue  # the interpreter's own work inside a launch
         if parent is None and e.name in HOST_READS:
             reads += 1
         elif parent is None and _computes(e, memo):
@@ -370,6 +380,8 @@ def run(args) -> dict:
     specs += [
         (name, "in place", lambda p, g, k=kind: Torch(p, g, k)) for name, kind in TORCH.items()
     ]
+    if getattr(args, "only", None):
+        specs = [spec for spec in specs if any(w in spec[0] for w in args.only)]
     results: dict = {}
     for name, mode, make in specs:
         calls = CYCLE.get(name, 1)
@@ -493,6 +505,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--ops", action="store_true", help="also list each row's launches by op")
     ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--only", nargs="*", help="only the rows whose name holds one of these")
     args = ap.parse_args(argv)
     if args.layers == args.small_layers:
         ap.error("--layers and --small-layers must differ")

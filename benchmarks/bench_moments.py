@@ -44,7 +44,9 @@ FORMATS = {
     "fp16 (scaled v)": {"mu_dtype": torch.float16, "nu_dtype": torch.float16, "nu_scale": "tensor"},
     "e4m3": {"mu_dtype": "e4m3", "nu_dtype": "e4m3"},
     "bf16, nearest": {
-        "mu_dtype": torch.bfloat16, "nu_dtype": torch.bfloat16, "moment_rounding": "nearest"
+        "mu_dtype": torch.bfloat16,
+        "nu_dtype": torch.bfloat16,
+        "moment_rounding": "nearest",
     },
     "e4m3, nearest": {"mu_dtype": "e4m3", "nu_dtype": "e4m3", "moment_rounding": "nearest"},
 }

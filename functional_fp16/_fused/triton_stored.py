@@ -29,6 +29,7 @@ is given a single rounding (:func:`_exact_fma`), as a GPU's is.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -44,6 +45,9 @@ __all__ = ["available", "adam_leaf", "takes"]
 
 BF16_PIECE = 256
 """A leaf with bfloat16 moments is cut into pieces of this many elements (its blocks)."""
+
+LAUNCH_LABEL = "triton::adam_stored_leaf"
+"""The profiler range of one launch in the interpreter (``bench_cuda_default`` counts it)."""
 
 TILE = 2048
 """Elements a program takes on a GPU: whole blocks, at least one."""
@@ -357,6 +361,23 @@ def adam_leaf(
     bs = _next_pow2(block)
     interpreted = master.device.type != "cuda"
     gb = _blocks_per_program(bs, interpreted)
+    # In the interpreter the launch is a profiler range (on a GPU, the kernel's own event).
+    label = torch.profiler.record_function(LAUNCH_LABEL) if interpreted else nullcontext()
+    with label:
+        _launch(
+            gb, bs, n_blocks, grad, master, mu, nu, mu_scales, nu_scales, param, master_out,
+            mu_out, nu_out, mu_scales_out, nu_scales_out, param_out, inv, clip_div, clip_mul,
+            lr, apply, inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, rounding,
+            salt_id, coded, row_len, per_row, block,
+        )  # fmt: skip
+
+
+def _launch(
+    gb, bs, n_blocks, grad, master, mu, nu, mu_scales, nu_scales, param, master_out, mu_out,
+    nu_out, mu_scales_out, nu_scales_out, param_out, inv, clip_div, clip_mul, lr, apply, inv_c1,
+    sqrt_c2, count, l2, w, b2, c2, eps, decoupled, rounding, salt_id, coded, row_len, per_row,
+    block,
+) -> None:  # fmt: skip
     small_w = abs(w) < 0.5
     own_p = param_out.data_ptr() != master_out.data_ptr()
     p_kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[param.dtype]
