@@ -94,14 +94,15 @@ def _grads(state, seed, bad=None):
 
 @pytest.fixture
 def launches(monkeypatch):
+    """Each kernel launch's leaf shape (``triton_stored._run`` launches every kernel)."""
     calls = []
-    real = triton_stored.adam_leaf
+    real = triton_stored._run
 
-    def counted(**kw):
-        calls.append(kw["master"].shape)
-        return real(**kw)
+    def counted(kernel, master, *rest):
+        calls.append(master.shape)
+        return real(kernel, master, *rest)
 
-    monkeypatch.setattr(triton_stored, "adam_leaf", counted)
+    monkeypatch.setattr(triton_stored, "_run", counted)
     return calls
 
 
@@ -203,6 +204,62 @@ def test_donated_and_skipped_steps(monkeypatch, launches, fmt):
     assert_bitwise_unchanged(kept, before)
 
 
+OTHERS = {
+    "lion_e4m3": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.lion(1e-4, weight_decay=0.1, mu_dtype="e4m3", block_size=128),
+    ),
+    "lion_bf16": lambda: ff.lion(1e-4, mu_dtype=torch.bfloat16),
+    "lion_fp16_nearest": lambda: ff.lion(
+        1e-4, weight_decay=0.1, mu_dtype=torch.float16, moment_rounding="nearest"
+    ),
+    "sgd_e4m3_nesterov": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.add_decayed_weights(1e-3, mask=MASK),
+        ff.sgd(0.05, momentum=0.9, nesterov=True, accumulator_dtype="e4m3"),
+    ),
+    "sgd_bf16_dampened": lambda: ff.sgd(
+        0.05, momentum=0.9, dampening=0.1, accumulator_dtype=torch.bfloat16
+    ),
+    "adam_fp16_mu_e4m3_nu": lambda: ff.adamw(
+        1e-3, mu_dtype=torch.float16, nu_dtype="e4m3", block_size=64, weight_decay=0.1
+    ),
+}
+
+
+def _stored_leaves(state) -> int:
+    """Leaves whose optimiser state is stored in fewer bits (each one launch)."""
+    stored = set()
+    for found in _moments(state):
+        for k, x in found.items():
+            if any(t.dtype in (torch.uint8, torch.bfloat16, torch.float16) for t in tree_leaves(x)):
+                stored.add(k)
+    return len(stored)
+
+
+@in_child
+@pytest.mark.parametrize("name", sorted(OTHERS))
+def test_lion_sgd_and_mixed_adam_are_the_c_kernels(monkeypatch, launches, name):
+    """Lion's momentum and SGD's trace (E4M3, BF16, FP16) and Adam with an FP16 first and
+    an E4M3 second moment: every byte of every leaf the kernels take, step after step."""
+    state = ff.fp16_init(_params(torch.float16), OTHERS[name](), ff.DynamicLossScale(2.0**10))
+    n = _stored_leaves(state)
+    assert n >= 3
+    for step in range(4):
+        grads = _grads(state, step, bad=float("nan") if step == 2 else None)
+        want = _update(monkeypatch, "c", state, grads)
+        launches.clear()
+        got = _update(monkeypatch, "cuda-default", state, grads)
+        assert len(launches) == n, (launches, n)
+        assert bool(got.grads_finite) == (step != 2)
+        for x, y in zip(tree_leaves(_moments(got)), tree_leaves(_moments(want)), strict=True):
+            assert torch.equal(bits(x), bits(y))
+        for k in ("w", "v", "t"):
+            assert torch.equal(bits(got.master[k]), bits(want.master[k])), k
+            assert torch.equal(bits(got.params[k]), bits(want.params[k])), k
+        state = want
+
+
 @in_child
 def test_the_interpreters_fma_rounds_once():
     """The interpreter's ``tl.fma`` given one rounding: against exact rationals."""
@@ -242,4 +299,4 @@ def _round_to_float32(exact, near: float) -> float:
     return (lo if int(lo.view(torch.int32)) % 2 == 0 else hi).item()
 
 
-N_CASES = len(CASES) + 2 * len(FORMATS) + 1
+N_CASES = len(CASES) + 2 * len(FORMATS) + len(OTHERS) + 1

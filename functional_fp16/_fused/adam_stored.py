@@ -172,10 +172,9 @@ def _triton_leaves(
     where = {"mu": _scale_index(mu), "nu": _scale_index(nu)}
     rest = []
     for i in range(len(grads)):
-        coded = mu[i].dtype == torch.uint8
-        scale = lambda xs, name: xs[where[name][i]] if coded else None  # noqa: E731
+        scale = lambda xs, name: xs[where[name][i]] if i in where[name] else None  # noqa: E731
         scales = [scale(xs, n) for xs, n in ((mu_scales, "mu"), (nu_scales, "nu"))]
-        if not triton_stored.takes(mu[i], nu[i], grads[i], params[i], scales):
+        if not triton_stored.takes(list(zip((mu[i], nu[i]), scales)), grads[i], params[i]):
             rest.append(i)
             continue
         triton_stored.adam_leaf(

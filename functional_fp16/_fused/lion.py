@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused import plain_kernels, stored
+from functional_fp16._fused import plain_kernels, stored, triton_stored
 from functional_fp16._fused.chains import Path
 from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
@@ -271,7 +271,21 @@ def _stored_generic(
     coded = {
         leaf: j for j, leaf in enumerate(i for i, x in enumerate(mu) if x.dtype == torch.uint8)
     }
+    kernel = plain_kernels.one_group(lr, members) and triton_stored.available(lr.device)
     for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        scales = (
+            (mu_scales[coded[leaf]], mu_scales_out[coded[leaf]]) if leaf in coded else (None,) * 2
+        )
+        if kernel and triton_stored.takes([(mu[leaf], scales[0])], grads[leaf], params[leaf]):
+            triton_stored.lion_leaf(
+                grad=grads[leaf], master=master[leaf], mu=mu[leaf], mu_scales=scales[0],
+                param=params[leaf], master_out=master_out[leaf], mu_out=mu_out[leaf],
+                mu_scales_out=scales[1], param_out=params_out[leaf], inv=inv,
+                clip_div=clip_div, clip_mul=clip_mul, lr=lr, apply=apply, count=count, w1=w1,
+                b1=b1, w2=w2, b2=b2, decoupled=decoupled, block_size=block_size,
+                rounding=rounding, salt_id=salt_ids[leaf],
+            )  # fmt: skip
+            continue
         at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
         m, was = at(master), at(mu)
         fmt = fmts[(was.dtype, False)]

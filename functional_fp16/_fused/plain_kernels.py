@@ -130,6 +130,19 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     return u
 
 
+def _unscaled_pieces(grads, inv):
+    """:func:`unscaled_lists` of ``grads`` in pieces of at most ``SQRT_BATCH`` elements
+    (flat slices of the contiguous ones, as :func:`_batches` cuts them), made one piece at
+    a time; a tree with a non-contiguous gradient is unscaled whole first, then cut."""
+    if all(g.is_contiguous() for g in grads):
+        for piece, _ in _batches(grads, grads, SQRT_BATCH):
+            yield unscaled_lists(piece, piece, inv, None, None)
+        return
+    u = unscaled_lists(grads, grads, inv, None, None)
+    for piece, _ in _batches(u, u, SQRT_BATCH):
+        yield piece
+
+
 def skip_flag(apply: Tensor) -> Tensor:
     """``1.0`` where the step is skipped, else ``0.0``: the ``found_inf`` PyTorch's fused
     optimiser kernels take (a float32 0-d tensor on ``apply``'s device; no host read)."""
@@ -317,11 +330,11 @@ def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
     peak.copy_(torch.where(torch.isnan(tops), float("inf"), tops))
     if sum_squares:
-        u = unscaled_lists(grads, grads, inv, None, None)
         sums = []
-        for src, _ in _batches(u, u, SQRT_BATCH):  # a bounded float64 temporary
+        for src in _unscaled_pieces(grads, inv):  # bounded float32 and float64 temporaries
             wide = [torch.empty_like(x, dtype=torch.float64) for x in src]
             torch._foreach_copy_(wide, src)
+            del src
             torch._foreach_mul_(wide, wide)  # the squares, exact in float64
             sums += torch._foreach_norm(wide, 1)  # each piece's sum
         sq[0] = torch.stack(sums).sum()

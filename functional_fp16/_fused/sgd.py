@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused import op_checks, plain_kernels, stored
+from functional_fp16._fused import op_checks, plain_kernels, stored, triton_stored
 from functional_fp16._fused.chains import Path, chain_parts, lr_state_fits
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
@@ -399,7 +399,23 @@ def _stored_generic(
     fmts = stored.formats(block_size, rounding)
     take = f32(take)
     coded = {j: i for i, j in enumerate(x for x, t in enumerate(trace) if t.dtype == torch.uint8)}
+    kernel = plain_kernels.one_group(lr, members) and triton_stored.available(lr.device)
     for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
+        scales = (
+            (trace_scales[coded[leaf]], trace_scales_out[coded[leaf]])
+            if leaf in coded
+            else (None, None)
+        )
+        if kernel and triton_stored.takes([(trace[leaf], scales[0])], grads[leaf], params[leaf]):
+            triton_stored.sgd_leaf(
+                grad=grads[leaf], master=master[leaf], trace=trace[leaf],
+                trace_scales=scales[0], param=params[leaf], master_out=master_out[leaf],
+                trace_out=trace_out[leaf], trace_scales_out=scales[1],
+                param_out=params_out[leaf], inv=inv, clip_div=clip_div, clip_mul=clip_mul,
+                lr=lr, apply=apply, started=started, weight_decay=weight_decay,
+                momentum=momentum, take=take, nesterov=nesterov, block_size=block_size,
+            )  # fmt: skip
+            continue
         at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
         m, was = at(master), at(trace)
         fmt = fmts[(was.dtype, False)]

@@ -46,7 +46,7 @@ __all__ = ["available", "adam_leaf", "takes"]
 BF16_PIECE = 256
 """A leaf with bfloat16 moments is cut into pieces of this many elements (its blocks)."""
 
-LAUNCH_LABEL = "triton::adam_stored_leaf"
+LAUNCH_LABEL = "triton::stored_leaf"
 """The profiler range of one launch in the interpreter (``bench_cuda_default`` counts it)."""
 
 TILE = 2048
@@ -70,18 +70,27 @@ def available(device: torch.device) -> bool:
     return False
 
 
-def takes(mu, nu, grad, param, scales=(None, None)) -> bool:
-    """Whether one leaf goes through the kernel: both moments E4M3 codes (with contiguous
-    float32 block scales) or both bfloat16, 16- or 32-bit float gradients and working
-    copy, dense row-major tensors (the op's checks have passed: shapes agree)."""
-    pair = (mu.dtype, nu.dtype) in ((torch.uint8, torch.uint8), (torch.bfloat16, torch.bfloat16))
+def takes(states, grad, param) -> bool:
+    """Whether one leaf goes through a kernel: ``states`` its states as ``(tensor, block
+    scales or None)``, at least one stored in fewer bits (E4M3 codes with contiguous
+    float32 scales, bfloat16 or float16; the others float32: a leaf of float32 states
+    goes with its kind through the multi-tensor ops); 16- or 32-bit float gradients and
+    working copy; dense row-major tensors (the op's checks have passed: shapes agree)."""
     floats = (torch.float16, torch.bfloat16, torch.float32)
-    dense = all(t.is_contiguous() for t in (mu, nu, grad, param))
-    if mu.dtype == torch.uint8:
-        dense = dense and all(
-            s is not None and s.dtype == torch.float32 and s.is_contiguous() for s in scales
-        )
-    return pair and grad.dtype in floats and param.dtype in floats and dense
+    if grad.dtype not in floats or param.dtype not in floats:
+        return False
+    if not (grad.is_contiguous() and param.is_contiguous()):
+        return False
+    if all(x.dtype == torch.float32 for x, _ in states):
+        return False
+    for x, scales in states:
+        if x.dtype not in KINDS or not x.is_contiguous():
+            return False
+        if x.dtype == torch.uint8 and not (
+            scales is not None and scales.dtype == torch.float32 and scales.is_contiguous()
+        ):
+            return False
+    return True
 
 
 if triton is not None:
@@ -103,14 +112,35 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def load_f32(ptr, off, mask, IS_BF16: tl.constexpr):
-        """A 16- or 32-bit float tensor's elements as float32 (bfloat16 through its bits,
-        passed as int16)."""
-        if IS_BF16:
-            h = tl.load(ptr + off, mask=mask, other=0).to(tl.uint16, bitcast=True)
-            return value(h.to(tl.uint32) << 16)
+    def salt_of(count_ptr, fixed):
+        """stochastic_rounding.salt: mix(count * phi + fixed), the count read on the device."""
+        return mix32(tl.load(count_ptr).to(tl.uint32) * 0x9E3779B1 + fixed.to(tl.uint32))
+
+    @triton.jit
+    def tile(GB: tl.constexpr, BS: tl.constexpr, row_len, per_row, n_blocks, block):
+        """The program's GB blocks, one a row of the tile: block k is row k // per_row's
+        (k % per_row)-th piece of ``block`` elements. (k, live, offsets, mask)."""
+        k = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+        live = k < n_blocks
+        lane = tl.arange(0, BS)
+        col = (k % per_row)[:, None] * block + lane[None, :]
+        mask = live[:, None] & (lane < block)[None, :] & (col < row_len)
+        return k, live, (k // per_row)[:, None] * row_len + col, mask
+
+    @triton.jit
+    def unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16: tl.constexpr,
+                 HAS_INV: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+        """fl32(g) * inv, then (u / c_d) * c_m when clipping (bfloat16 g passed as int16)."""
+        if G_BF16:
+            h = tl.load(g_ptr + off, mask=mask, other=0).to(tl.uint16, bitcast=True)
+            u = value(h.to(tl.uint32) << 16)
         else:
-            return tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_INV:
+            u = u * tl.load(inv_ptr)
+        if CLIP:
+            u = tl.math.div_rn(u, tl.load(cd_ptr)) * tl.load(cm_ptr)
+        return u
 
     @triton.jit
     def bf16_bits(x):
@@ -122,7 +152,8 @@ if triton is not None:
 
     @triton.jit
     def bf16_sr_bits(x, salt):
-        """Stochastic rounding onto bfloat16 (the reference's rule), as int16 bits."""
+        """Stochastic rounding onto bfloat16 (the reference's rule), as int16 bits: adding
+        2^16 - 1 - (r >> 16) to the pattern carries where r >> 16 is under its low bits."""
         u = bits(x)
         r = mix32(u ^ salt)
         b = (u + ((r ^ 0xFFFFFFFF) >> 16)) >> 16
@@ -130,15 +161,24 @@ if triton is not None:
         return b.to(tl.uint16).to(tl.int16, bitcast=True)
 
     @triton.jit
-    def store_f(ptr, off, x, mask, KIND: tl.constexpr):
-        """Stores float32 x as the working copy's dtype (0 float32, 1 float16, 2 bfloat16
-        through int16 bits)."""
-        if KIND == 0:
-            tl.store(ptr + off, x, mask=mask)
-        elif KIND == 1:
-            tl.store(ptr + off, x.to(tl.float16), mask=mask)
-        else:
-            tl.store(ptr + off, bf16_bits(x), mask=mask)
+    def f16_sr(x, salt):
+        """round_stochastic(x, 10, -14, random_bits(x, salt)) as float16 (on its grid)."""
+        bx = bits(x)
+        r = mix32(bx ^ salt)
+        mag = bx & 0x7FFFFFFF
+        b = (mag >> 23).to(tl.int32)
+        t = tl.maximum(b - 127, -14) - 10  # the spacing 2^t, t >= -24: a normal float32
+        d = t - (tl.maximum(b, 1) - 150)
+        tiny = d > 23
+        dn = tl.minimum(d, 23).to(tl.uint32)
+        low = mag & ((tl.full(mag.shape, 1, tl.uint32) << dn) - 1)
+        lo = value(tl.where(tiny, 0, mag - low))
+        s = value((t + 127).to(tl.uint32) << 23)
+        xa = value(mag)
+        uu = (r >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+        away = tl.where(tiny, uu * s < xa, (r >> (32 - dn)) < low)
+        out = value(bits(tl.where(away, lo + s, lo)) | (bx & 0x80000000))
+        return tl.where(b == 255, x, out).to(tl.float16)
 
     @triton.jit
     def e4m3_value(code):
@@ -189,20 +229,65 @@ if triton is not None:
         return (sign | code).to(tl.uint8)
 
     @triton.jit
-    def encode(x, mask, salt, SR: tl.constexpr, SQ: tl.constexpr):
-        """Each block's (row of x's) scale, its largest finite |x| over 448 (1 where that is
-        0), and codes."""
-        ax = tl.abs(x)
-        peak = tl.max(tl.where(mask & (ax < float("inf")), ax, 0.0), axis=1)
-        scale = tl.math.div_rn(peak, 448.0)
-        scale = tl.where(scale > 0.0, scale, 1.0)
-        q = tl.math.div_rn(x, scale[:, None])
-        q = tl.where(q > 448.0, 448.0, tl.where(q < -448.0, -448.0, q))
-        if SR:
-            codes = e4m3_sr_code(q, salt, SQ)
+    def load_state(ptr, s_ptr, off, mask, k, live, KIND: tl.constexpr, ROOT: tl.constexpr):
+        """A stored state's raw bits (codes, or int16 bits), its block scales (E4M3; else
+        ones) and its float32 values (a root's square)."""
+        raw = tl.load(ptr + off, mask=mask, other=0)
+        scale = tl.load(s_ptr + k, mask=live & (KIND == 3), other=1.0)
+        if KIND == 3:
+            x = e4m3_value(raw) * scale[:, None]
+            if ROOT:
+                x = x * x
+        elif KIND == 2:
+            x = value(raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+        elif KIND == 1:
+            x = raw.to(tl.float16, bitcast=True).to(tl.float32)
         else:
-            codes = e4m3_code(q)
-        return scale, codes
+            x = raw
+        return raw, scale, x
+
+    @triton.jit
+    def store_state(out_ptr, so_ptr, off, mask, k, live, ok, x, raw, scale, salt,
+                    KIND: tl.constexpr, SR: tl.constexpr, SQ: tl.constexpr):  # fmt: skip
+        """x encoded as the state is stored (E4M3: each block's scale from its largest
+        finite |x|, SQ: x is a second moment's root), where ok; else the old bits."""
+        if KIND == 3:
+            ax = tl.abs(x)
+            peak = tl.max(tl.where(mask & (ax < float("inf")), ax, 0.0), axis=1)
+            new_scale = tl.math.div_rn(peak, 448.0)
+            new_scale = tl.where(new_scale > 0.0, new_scale, 1.0)
+            q = tl.math.div_rn(x, new_scale[:, None])
+            q = tl.where(q > 448.0, 448.0, tl.where(q < -448.0, -448.0, q))
+            if SR:
+                codes = e4m3_sr_code(q, salt, SQ)
+            else:
+                codes = e4m3_code(q)
+            tl.store(out_ptr + off, tl.where(ok, codes, raw), mask=mask)
+            tl.store(so_ptr + k, tl.where(ok, new_scale, scale), mask=live)
+        elif KIND == 2:
+            new = bf16_sr_bits(x, salt) if SR else bf16_bits(x)
+            tl.store(out_ptr + off, tl.where(ok, new, raw), mask=mask)
+        elif KIND == 0:
+            tl.store(out_ptr + off, tl.where(ok, x, raw), mask=mask)
+        else:
+            h = f16_sr(x, salt) if SR else x.to(tl.float16)
+            tl.store(out_ptr + off, tl.where(ok, h.to(tl.int16, bitcast=True), raw), mask=mask)
+
+    @triton.jit
+    def store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND: tl.constexpr,
+                     OWN_P: tl.constexpr):  # fmt: skip
+        """The master where ok (else the old one) and its working copy where it is its own
+        tensor (0 float32, 1 float16, 2 bfloat16 as int16 bits)."""
+        tl.store(mo_ptr + off, tl.where(ok, nm, m), mask=mask)
+        if OWN_P:
+            old_p = tl.load(p_ptr + off, mask=mask, other=0)
+            if P_KIND == 2:
+                new_p = bf16_bits(nm)
+            elif P_KIND == 1:
+                new_p = nm.to(tl.float16)
+            else:
+                new_p = nm
+            tl.store(po_ptr + off, tl.where(ok, new_p, old_p), mask=mask)
 
     @triton.jit
     def adam_leaf_kernel(
@@ -211,39 +296,17 @@ if triton is not None:
         inv_ptr, cd_ptr, cm_ptr, lr_ptr, apply_ptr, ic1_ptr, sc2_ptr, count_ptr,
         row_len, per_row, n_blocks, block, fixed_a, fixed_v,
         l2, coef, b2, c2, eps, wd,
-        GB: tl.constexpr, BS: tl.constexpr, CODED: tl.constexpr, SR: tl.constexpr, HAS_INV: tl.constexpr,
-        CLIP: tl.constexpr, L2: tl.constexpr, DECOUPLED: tl.constexpr, SMALL_W: tl.constexpr,
-        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+        GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, KIND_V: tl.constexpr,
+        SR: tl.constexpr, HAS_INV: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr,
+        DECOUPLED: tl.constexpr, SMALL_W: tl.constexpr, G_BF16: tl.constexpr,
+        P_KIND: tl.constexpr, OWN_P: tl.constexpr,
     ):  # fmt: skip
-        # GB blocks a program, one a row of the tile: block k is row k // per_row's
-        # (k % per_row)-th piece of `block` elements
-        k = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-        live = k < n_blocks
-        lane = tl.arange(0, BS)
-        col = (k % per_row)[:, None] * block + lane[None, :]
-        mask = live[:, None] & (lane < block)[None, :] & (col < row_len)
-        off = (k // per_row)[:, None] * row_len + col
+        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
         ok = tl.load(apply_ptr) != 0
-
         m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        u = load_f32(g_ptr, off, mask, G_BF16)
-        if HAS_INV:
-            u = u * tl.load(inv_ptr)
-        if CLIP:
-            u = tl.math.div_rn(u, tl.load(cd_ptr)) * tl.load(cm_ptr)
-        if CODED:
-            ca = tl.load(a_ptr + off, mask=mask, other=0)
-            cv = tl.load(v_ptr + off, mask=mask, other=0)
-            sa = tl.load(sa_ptr + k, mask=live, other=1.0)
-            sv = tl.load(sv_ptr + k, mask=live, other=1.0)
-            a = e4m3_value(ca) * sa[:, None]
-            root = e4m3_value(cv) * sv[:, None]
-            v = root * root
-        else:
-            ha = tl.load(a_ptr + off, mask=mask, other=0)
-            hv = tl.load(v_ptr + off, mask=mask, other=0)
-            a = value(ha.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-            v = value(hv.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
+        raw_v, scale_v, v = load_state(v_ptr, sv_ptr, off, mask, k, live, KIND_V, True)
         if L2:
             u = tl.fma(m, l2, u)
         if SMALL_W:
@@ -256,38 +319,77 @@ if triton is not None:
         if DECOUPLED:
             step = tl.fma(m, wd, step)
         nm = tl.fma(step, tl.load(lr_ptr), m)
-        tl.store(mo_ptr + off, tl.where(ok, nm, m), mask=mask)
-        if OWN_P:
-            if P_KIND == 2:
-                old_p = tl.load(p_ptr + off, mask=mask, other=0)
-                tl.store(po_ptr + off, tl.where(ok, bf16_bits(nm), old_p), mask=mask)
-            else:
-                old_p = tl.load(p_ptr + off, mask=mask, other=0.0)
-                new_p = nm.to(tl.float16) if P_KIND == 1 else nm
-                tl.store(po_ptr + off, tl.where(ok, new_p, old_p), mask=mask)
-
+        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
         salt_a = 0
         salt_v = 0
         if SR:
-            t = tl.load(count_ptr).to(tl.uint32) * 0x9E3779B1
-            salt_a = mix32(t + fixed_a.to(tl.uint32))
-            salt_v = mix32(t + fixed_v.to(tl.uint32))
-        if CODED:
-            scale_a, codes_a = encode(na, mask, salt_a, SR, False)
-            scale_v, codes_v = encode(nr, mask, salt_v, SR, True)
-            tl.store(ao_ptr + off, tl.where(ok, codes_a, ca), mask=mask)
-            tl.store(vo_ptr + off, tl.where(ok, codes_v, cv), mask=mask)
-            tl.store(sao_ptr + k, tl.where(ok, scale_a, sa), mask=live)
-            tl.store(svo_ptr + k, tl.where(ok, scale_v, sv), mask=live)
+            salt_a = salt_of(count_ptr, fixed_a)
+            salt_v = salt_of(count_ptr, fixed_v)
+        store_state(ao_ptr, sao_ptr, off, mask, k, live, ok, na, raw_a, scale_a, salt_a,
+                    KIND_A, SR, False)  # fmt: skip
+        if KIND_V == 3:  # the second moment is coded through its root
+            store_state(vo_ptr, svo_ptr, off, mask, k, live, ok, nr, raw_v, scale_v, salt_v,
+                        KIND_V, SR, True)  # fmt: skip
         else:
-            if SR:
-                new_a = bf16_sr_bits(na, salt_a)
-                new_v = bf16_sr_bits(nv, salt_v)
-            else:
-                new_a = bf16_bits(na)
-                new_v = bf16_bits(nv)
-            tl.store(ao_ptr + off, tl.where(ok, new_a, ha), mask=mask)
-            tl.store(vo_ptr + off, tl.where(ok, new_v, hv), mask=mask)
+            store_state(vo_ptr, svo_ptr, off, mask, k, live, ok, nv, raw_v, scale_v, salt_v,
+                        KIND_V, SR, False)  # fmt: skip
+
+    @triton.jit
+    def lion_leaf_kernel(
+        g_ptr, m_ptr, a_ptr, sa_ptr, p_ptr, mo_ptr, ao_ptr, sao_ptr, po_ptr,
+        inv_ptr, cd_ptr, cm_ptr, lr_ptr, apply_ptr, count_ptr,
+        row_len, per_row, n_blocks, block, fixed_a,
+        w1, b1, w2, b2, wd,
+        GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, SR: tl.constexpr,
+        HAS_INV: tl.constexpr, CLIP: tl.constexpr, DECOUPLED: tl.constexpr,
+        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+    ):  # fmt: skip
+        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
+        ok = tl.load(apply_ptr) != 0
+        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
+        c = u * w1 + a * b1  # two products and a sum, each rounded (no fusion: see launch)
+        d = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
+        if DECOUPLED:
+            d = tl.fma(m, wd, d)
+        nm = tl.fma(d, tl.load(lr_ptr), m)
+        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
+        salt_a = 0
+        if SR:
+            salt_a = salt_of(count_ptr, fixed_a)
+        store_state(ao_ptr, sao_ptr, off, mask, k, live, ok, u * w2 + a * b2, raw_a, scale_a,
+                    salt_a, KIND_A, SR, False)  # fmt: skip
+
+    @triton.jit
+    def sgd_leaf_kernel(
+        g_ptr, m_ptr, a_ptr, sa_ptr, p_ptr, mo_ptr, ao_ptr, sao_ptr, po_ptr,
+        inv_ptr, cd_ptr, cm_ptr, lr_ptr, apply_ptr, started_ptr,
+        row_len, per_row, n_blocks, block,
+        wd, mu, take,
+        GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, HAS_INV: tl.constexpr,
+        CLIP: tl.constexpr, DECAY: tl.constexpr, NESTEROV: tl.constexpr,
+        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+    ):  # fmt: skip
+        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
+        ok = tl.load(apply_ptr) != 0
+        on = tl.load(started_ptr) != 0.0
+        keep = tl.where(on, mu, 0.0)
+        take_ = tl.where(on, take, 1.0)
+        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        if DECAY:
+            u = tl.fma(m, wd, u)
+        raw_a, scale_a, b = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
+        nb = b * keep + u * take_
+        if NESTEROV:
+            v = tl.fma(nb, mu, u)
+        else:
+            v = nb
+        nm = tl.fma(v, tl.load(lr_ptr), m)
+        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
+        store_state(ao_ptr, sao_ptr, off, mask, k, live, ok, nb, raw_a, scale_a, 0,
+                    KIND_A, False, False)  # fmt: skip
 
 
 def _interpreted() -> bool:
@@ -338,6 +440,77 @@ def _blocks_per_program(bs: int, interpreted: bool) -> int:
     return max(1, (INTERPRETED_TILE if interpreted else TILE) // bs)
 
 
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
+"""A state's kind in the kernels (the C kernel's ST_F32, ST_F16, ST_BF16, ST_E4M3)."""
+
+_P_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _geometry(master: torch.Tensor, coded: bool, block_size: int) -> tuple[int, int, int, int]:
+    """(row length, blocks a row, blocks, block): E4M3 blocks cut each row (everything after
+    the first dimension; a vector is one row); otherwise pieces of the flat tensor."""
+    n = master.numel()
+    if coded:
+        rows = master.shape[0] if master.ndim >= 2 else 1
+        row_len, block = (n // rows if rows else 0), block_size
+    else:
+        rows, row_len, block = 1, n, BF16_PIECE
+    per_row = math.ceil(row_len / block) if row_len else 0
+    return row_len, per_row, rows * per_row, block
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A bfloat16 tensor as int16 (the kernels convert it by its bits)."""
+    return t.view(torch.int16) if t is not None and t.dtype == torch.bfloat16 else t
+
+
+def _state(t: torch.Tensor) -> torch.Tensor:
+    """A stored state as the kernels read it: 16-bit floats as int16 bits, codes as they are."""
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _run(kernel, master, coded, block_size, args, constants) -> None:
+    """One launch of ``kernel`` over the leaf's blocks: ``args`` (positional, after the
+    geometry's) and ``constants`` (the flags)."""
+    row_len, per_row, n_blocks, block = _geometry(master, coded, block_size)
+    if n_blocks == 0:
+        return
+    bs = _next_pow2(block)
+    interpreted = master.device.type != "cuda"
+    gb = _blocks_per_program(bs, interpreted)
+    head, tail = args
+    options = {} if interpreted else {"enable_fp_fusion": False}  # the C kernel's roundings
+    # In the interpreter a launch is a profiler range (on a GPU, the kernel's own event).
+    with torch.profiler.record_function(LAUNCH_LABEL) if interpreted else nullcontext():
+        kernel[(math.ceil(n_blocks / gb),)](
+            *head,
+            row_len,
+            per_row,
+            n_blocks,
+            block,
+            *tail,
+            GB=gb,
+            BS=bs,
+            **constants,
+            **options,
+        )
+
+
+def _front(grad, param, param_out, master_out, inv, clip_div, clip_mul, lr) -> tuple:
+    """The flags every kernel takes, and the stand-ins for absent scalars."""
+    dummy = lr
+    scalars = (
+        inv if inv is not None else dummy,
+        clip_div if clip_div is not None else dummy,
+        clip_mul if clip_mul is not None else dummy,
+    )
+    flags = dict(
+        HAS_INV=inv is not None, CLIP=clip_div is not None, G_BF16=grad.dtype == torch.bfloat16,
+        P_KIND=_P_KINDS[param.dtype], OWN_P=param_out.data_ptr() != master_out.data_ptr(),
+    )  # fmt: skip
+    return scalars, flags
+
+
 def adam_leaf(
     *, grad, master, mu, nu, mu_scales, nu_scales, param, master_out, mu_out, nu_out,
     mu_scales_out, nu_scales_out, param_out, inv, clip_div, clip_mul, lr, apply, inv_c1,
@@ -345,58 +518,64 @@ def adam_leaf(
 ) -> None:  # fmt: skip
     """One kernel launch: the stored Adam step of one leaf of one group (see the module
     docstring) into its outputs (which may be its inputs: a donated step). ``mu``/``nu``:
-    ``uint8`` codes with their ``*_scales``, or bfloat16 (scales ``None``)."""
-    coded = mu.dtype == torch.uint8
-    n = master.numel()
-    if coded:
-        rows = master.shape[0] if master.ndim >= 2 else 1
-        row_len = n // rows if rows else 0
-        block = block_size
-    else:  # one row of pieces
-        rows, row_len, block = 1, n, BF16_PIECE
-    per_row = math.ceil(row_len / block) if row_len else 0
-    n_blocks = rows * per_row
-    if n_blocks == 0:
-        return
-    bs = _next_pow2(block)
-    interpreted = master.device.type != "cuda"
-    gb = _blocks_per_program(bs, interpreted)
-    # In the interpreter the launch is a profiler range (on a GPU, the kernel's own event).
-    label = torch.profiler.record_function(LAUNCH_LABEL) if interpreted else nullcontext()
-    with label:
-        _launch(
-            gb, bs, n_blocks, grad, master, mu, nu, mu_scales, nu_scales, param, master_out,
-            mu_out, nu_out, mu_scales_out, nu_scales_out, param_out, inv, clip_div, clip_mul,
-            lr, apply, inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, rounding,
-            salt_id, coded, row_len, per_row, block,
-        )  # fmt: skip
-
-
-def _launch(
-    gb, bs, n_blocks, grad, master, mu, nu, mu_scales, nu_scales, param, master_out, mu_out,
-    nu_out, mu_scales_out, nu_scales_out, param_out, inv, clip_div, clip_mul, lr, apply, inv_c1,
-    sqrt_c2, count, l2, w, b2, c2, eps, decoupled, rounding, salt_id, coded, row_len, per_row,
-    block,
-) -> None:  # fmt: skip
+    ``uint8`` codes with their ``*_scales`` (else ``None``), bfloat16 or float16."""
+    scalars, flags = _front(grad, param, param_out, master_out, inv, clip_div, clip_mul, lr)
     small_w = abs(w) < 0.5
-    own_p = param_out.data_ptr() != master_out.data_ptr()
-    p_kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[param.dtype]
-    as_bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
-    dummy = lr
-    adam_leaf_kernel[(math.ceil(n_blocks / gb),)](
-        as_bits(grad), master, as_bits(mu), as_bits(nu),
-        mu_scales if coded else dummy, nu_scales if coded else dummy, as_bits(param),
-        master_out, as_bits(mu_out), as_bits(nu_out),
-        mu_scales_out if coded else dummy, nu_scales_out if coded else dummy, as_bits(param_out),
-        inv if inv is not None else dummy, clip_div if clip_div is not None else dummy,
-        clip_mul if clip_mul is not None else dummy, lr, apply, inv_c1, sqrt_c2, count,
-        row_len, per_row, n_blocks, block, _fixed(0, salt_id), _fixed(1, salt_id),
-        float(l2), float(w if small_w else _f32(w - 1.0)), float(b2), float(c2), float(eps),
-        float(decoupled),
-        GB=gb, BS=bs, CODED=coded, SR=rounding != 0, HAS_INV=inv is not None,
-        CLIP=clip_div is not None, L2=l2 != 0.0, DECOUPLED=decoupled != 0.0, SMALL_W=small_w,
-        G_BF16=grad.dtype == torch.bfloat16, P_KIND=p_kind, OWN_P=own_p,
+    coded = torch.uint8 in (mu.dtype, nu.dtype)
+    head = (
+        _bits(grad), master, _state(mu), _state(nu), _or(mu_scales, lr), _or(nu_scales, lr),
+        _bits(param), master_out, _state(mu_out), _state(nu_out), _or(mu_scales_out, lr),
+        _or(nu_scales_out, lr), _bits(param_out), *scalars, lr, apply, inv_c1, sqrt_c2, count,
     )  # fmt: skip
+    tail = (
+        _fixed(0, salt_id), _fixed(1, salt_id), float(l2),
+        float(w if small_w else _f32(w - 1.0)), float(b2), float(c2), float(eps),
+        float(decoupled),
+    )  # fmt: skip
+    flags.update(
+        KIND_A=KINDS[mu.dtype], KIND_V=KINDS[nu.dtype], SR=rounding != 0, L2=l2 != 0.0,
+        DECOUPLED=decoupled != 0.0, SMALL_W=small_w,
+    )  # fmt: skip
+    _run(adam_leaf_kernel, master, coded, block_size, (head, tail), flags)
+
+
+def lion_leaf(
+    *, grad, master, mu, mu_scales, param, master_out, mu_out, mu_scales_out, param_out, inv,
+    clip_div, clip_mul, lr, apply, count, w1, b1, w2, b2, decoupled, block_size, rounding,
+    salt_id,
+) -> None:  # fmt: skip
+    """One kernel launch: Lion's stored step of one leaf of one group (the C kernel's
+    ``lion_block`` between a decode and an encode)."""
+    scalars, flags = _front(grad, param, param_out, master_out, inv, clip_div, clip_mul, lr)
+    head = (
+        _bits(grad), master, _state(mu), _or(mu_scales, lr), _bits(param), master_out,
+        _state(mu_out), _or(mu_scales_out, lr), _bits(param_out), *scalars, lr, apply, count,
+    )  # fmt: skip
+    tail = (_fixed(0, salt_id), float(w1), float(b1), float(w2), float(b2), float(decoupled))
+    flags.update(KIND_A=KINDS[mu.dtype], SR=rounding != 0, DECOUPLED=decoupled != 0.0)
+    _run(lion_leaf_kernel, master, mu.dtype == torch.uint8, block_size, (head, tail), flags)
+
+
+def sgd_leaf(
+    *, grad, master, trace, trace_scales, param, master_out, trace_out, trace_scales_out,
+    param_out, inv, clip_div, clip_mul, lr, apply, started, weight_decay, momentum, take,
+    nesterov, block_size,
+) -> None:  # fmt: skip
+    """One kernel launch: SGD's stored trace step of one leaf of one group (the C kernel's
+    ``sgd_block`` with momentum between a decode and an encode; rounded to nearest)."""
+    scalars, flags = _front(grad, param, param_out, master_out, inv, clip_div, clip_mul, lr)
+    head = (
+        _bits(grad), master, _state(trace), _or(trace_scales, lr), _bits(param), master_out,
+        _state(trace_out), _or(trace_scales_out, lr), _bits(param_out), *scalars, lr, apply,
+        started,
+    )  # fmt: skip
+    tail = (float(weight_decay), float(momentum), float(take))
+    flags.update(KIND_A=KINDS[trace.dtype], DECAY=weight_decay != 0.0, NESTEROV=bool(nesterov))
+    _run(sgd_leaf_kernel, master, trace.dtype == torch.uint8, block_size, (head, tail), flags)
+
+
+def _or(x, stand_in):
+    return stand_in if x is None else x
 
 
 def _f32(x: float) -> float:
