@@ -126,6 +126,8 @@ OURS: dict[str, Callable[[], ff.GradientTransformation]] = {
     "recipe, bf16 moments": lambda: recipe(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
     "recipe, e4m3 moments": lambda: recipe(mu_dtype="e4m3", nu_dtype="e4m3"),
     "sgd(0.05, momentum=0.9)": lambda: ff.sgd(0.05, momentum=0.9),
+    "sgd, e4m3 trace": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="e4m3"),
+    "lion, e4m3 momentum": lambda: ff.lion(1e-4, weight_decay=0.1, mu_dtype="e4m3"),
     "adam(1e-3)": lambda: ff.adam(1e-3),
     "lion(1e-4, weight_decay=0.1)": lambda: ff.lion(1e-4, weight_decay=0.1),
     "rmsprop(1e-3)": lambda: ff.rmsprop(1e-3),

@@ -26,8 +26,10 @@ The op ``functional_fp16::adam_stored_step`` takes each moment as one tensor
 per leaf (float32, float16, bfloat16, or ``uint8`` codes laid out like the
 leaf) and the block scales of the coded ones as ``mu_scales`` / ``nu_scales``:
 one tensor per coded moment, in leaf order. On the CPU the C kernel
-(``ff_adam_stored_step``) runs it; elsewhere the plain kernel below (the
-reference's operations, leaf by leaf).
+(``ff_adam_stored_step``) runs it; on CUDA one Triton kernel launch per leaf with a
+stored moment (:mod:`.triton_stored`), the multi-tensor ops of the FP32 step for
+the leaves with FP32 moments, and the plain kernel below (the reference's
+operations, leaf by leaf) for a call of several members or groups.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def _generic(
     nu_out, mu_scales_out, nu_scales_out, params_out, inv, clip_div, clip_mul, lr, apply,
     inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding, salt_ids,
 ) -> None:  # fmt: skip
-    """The plain PyTorch kernel: the reference's decode, arithmetic and encode (bitwise
-    the C kernel on the CPU); one group of one member as lists (:func:`_lists`), else one
-    leaf of one member at a time."""
+    """CUDA's default: for one group of one member, the Triton kernel on each leaf with a
+    stored moment (:func:`_triton_leaves`) and the rest as lists (:func:`_lists`); else
+    the reference's decode, arithmetic and encode one leaf of one member at a time
+    (bitwise the C kernel on the CPU)."""
     c2 = f32(c2)
     formats = stored.formats(block_size, rounding)
     if plain_kernels.one_group(lr, members):

@@ -264,9 +264,10 @@ def _stored_generic(
     params_out, inv, clip_div, clip_mul, lr, apply, count, w1, b1, w2, b2, decoupled,
     block_size, rounding, salt_ids,
 ) -> None:  # fmt: skip
-    """The plain PyTorch kernel of a stored momentum: the reference's decode, Lion's
-    arithmetic (as :func:`_generic` computes it) and encode, one leaf of one member at a
-    time (bitwise the C kernel on the CPU)."""
+    """CUDA's default for a stored momentum: for one group of one member, the Triton
+    kernel (:func:`.triton_stored.lion_leaf`) on each leaf it takes; else the reference's
+    decode, Lion's arithmetic (as :func:`_generic` computes it) and encode, one leaf of
+    one member at a time (bitwise the C kernel on the CPU)."""
     fmts = stored.formats(block_size, rounding)
     coded = {
         leaf: j for j, leaf in enumerate(i for i, x in enumerate(mu) if x.dtype == torch.uint8)
@@ -276,7 +277,7 @@ def _stored_generic(
         scales = (
             (mu_scales[coded[leaf]], mu_scales_out[coded[leaf]]) if leaf in coded else (None,) * 2
         )
-        if kernel and triton_stored.takes([(mu[leaf], scales[0])], grads[leaf], params[leaf]):
+        if kernel and triton_stored.takes([(mu[leaf], scales[0])], grads[leaf], params[leaf], True):
             triton_stored.lion_leaf(
                 grad=grads[leaf], master=master[leaf], mu=mu[leaf], mu_scales=scales[0],
                 param=params[leaf], master_out=master_out[leaf], mu_out=mu_out[leaf],

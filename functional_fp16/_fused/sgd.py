@@ -392,9 +392,10 @@ def _stored_generic(
     trace_scales_out, params_out, inv, clip_div, clip_mul, lr, apply, started, count,
     weight_decay, momentum, take, nesterov, block_size, rounding, salt_ids,
 ) -> None:  # fmt: skip
-    """The plain PyTorch kernel of a stored trace: the reference's decode, SGD's arithmetic
-    (as :func:`_generic` computes it) and encode, one leaf of one member at a time (bitwise
-    the C kernel on the CPU)."""
+    """CUDA's default for a stored trace: for one group of one member, the Triton kernel
+    (:func:`.triton_stored.sgd_leaf`) on each leaf it takes; else the reference's decode,
+    SGD's arithmetic (as :func:`_generic` computes it) and encode, one leaf of one member
+    at a time (bitwise the C kernel on the CPU)."""
     del count, salt_ids  # rounded to nearest
     fmts = stored.formats(block_size, rounding)
     take = f32(take)
@@ -406,7 +407,9 @@ def _stored_generic(
             if leaf in coded
             else (None, None)
         )
-        if kernel and triton_stored.takes([(trace[leaf], scales[0])], grads[leaf], params[leaf]):
+        if kernel and triton_stored.takes(
+            [(trace[leaf], scales[0])], grads[leaf], params[leaf], True
+        ):
             triton_stored.sgd_leaf(
                 grad=grads[leaf], master=master[leaf], trace=trace[leaf],
                 trace_scales=scales[0], param=params[leaf], master_out=master_out[leaf],

@@ -1,8 +1,9 @@
-r"""The CUDA default of Adam's stored-moment step: one Triton kernel launch per leaf.
+r"""The CUDA default of the stored-state steps: one Triton kernel launch per leaf.
 
-For a leaf whose two moments are both 8-bit E4M3 block codes (the second through
-its root) or both bfloat16, one program per block (per 1024 elements for
-bfloat16) runs the whole step of its elements, as the C kernel does:
+For a leaf with a state stored in fewer bytes (8-bit E4M3 block codes, a second
+moment through its root; bfloat16; float16; float32 beside a stored one), one
+program per run of whole blocks (``TILE`` elements on a GPU) runs the whole step
+of its elements as the C kernel does. Adam/AdamW (:func:`adam_leaf`):
 
 .. math::
     u = \operatorname{fl}_{32}(g)\, \iota\;[/\, c_d \cdot c_m], \quad
@@ -11,19 +12,25 @@ bfloat16) runs the whole step of its elements, as the C kernel does:
     \quad \sigma = \frac{a'}{\sqrt{v'} / \sqrt{c_2^t} + \epsilon}\, c_1^{-1}\;
     [+\, \lambda m], \quad m' = \operatorname{fma}(\sigma, \eta, m)
 
-then the block's new scales (its largest finite :math:`|a'|` and :math:`\sqrt{v'}`
-over 448) and codes, rounded to nearest or stochastically with the reference's
-hash (:mod:`~functional_fp16.precision.stochastic_rounding`), and the FP16
-working copy. Nothing is read on the host: the loss-scale factor, clip factors,
-learning rate, bias corrections, applied-step count and the skip flag are read
-by the kernel from device memory, and a skipped step stores every input back
-unchanged (bit for bit). It allocates nothing beyond the outputs.
+Lion (:func:`lion_leaf`): :math:`d = \operatorname{sign}(u w_1 + a \beta_1)\,[+\lambda m]`,
+:math:`m' = \operatorname{fma}(d, \eta, m)`, :math:`a' = u w_2 + a \beta_2`. SGD's trace
+(:func:`sgd_leaf`): :math:`b' = b\,k + u\,t` (:math:`k, t` by ``started``),
+:math:`m' = \operatorname{fma}(b' [+ \mu\text{-Nesterov}], \eta, m)`.
+
+Then each coded block's new scale (its largest finite magnitude over 448) and
+codes, rounded to nearest or stochastically with the reference's hash
+(:mod:`~functional_fp16.precision.stochastic_rounding`), and the FP16 working
+copy. Nothing is read on the host: the loss-scale factor, clip factors,
+learning rate, bias corrections, applied-step count, ``started`` and the skip
+flag are read by the kernel from device memory, and a skipped step stores every
+input back unchanged (bit for bit). It allocates nothing beyond the outputs.
 
 Divisions and square roots are the correctly rounded ones (``div_rn``,
-``sqrt_rn``), multiply-adds are ``tl.fma`` where the C kernel has ``fmaf``, so
-the arithmetic is the C kernel's. On the CPU (``$FUNCTIONAL_FP16_CPU_KERNEL=
-cuda-default``) the same kernel runs in Triton's interpreter, whose ``tl.fma``
-is given a single rounding (:func:`_exact_fma`), as a GPU's is.
+``sqrt_rn``), multiply-adds are ``tl.fma`` where the C kernel has ``fmaf`` and
+nowhere else (GPU launches pass ``enable_fp_fusion=False``), so the arithmetic
+is the C kernel's. On the CPU (``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default`` with
+``TRITON_INTERPRET=1``) the same kernels run in Triton's interpreter, whose
+``tl.fma`` is given a single rounding (:func:`_exact_fma`), as a GPU's is.
 """
 
 from __future__ import annotations
@@ -70,18 +77,19 @@ def available(device: torch.device) -> bool:
     return False
 
 
-def takes(states, grad, param) -> bool:
+def takes(states, grad, param, float32=False) -> bool:
     """Whether one leaf goes through a kernel: ``states`` its states as ``(tensor, block
-    scales or None)``, at least one stored in fewer bits (E4M3 codes with contiguous
-    float32 scales, bfloat16 or float16; the others float32: a leaf of float32 states
-    goes with its kind through the multi-tensor ops); 16- or 32-bit float gradients and
-    working copy; dense row-major tensors (the op's checks have passed: shapes agree)."""
+    scales or None)``, stored in fewer bits (E4M3 codes with contiguous float32 scales,
+    bfloat16 or float16) or float32, at least one not float32 unless ``float32`` (Adam's
+    leaves of float32 moments go through the FP32 step's multi-tensor ops; Lion's and
+    SGD's stored steps have no such form); 16- or 32-bit float gradients and working copy;
+    dense row-major tensors (the op's checks have passed: the shapes agree)."""
     floats = (torch.float16, torch.bfloat16, torch.float32)
     if grad.dtype not in floats or param.dtype not in floats:
         return False
     if not (grad.is_contiguous() and param.is_contiguous()):
         return False
-    if all(x.dtype == torch.float32 for x, _ in states):
+    if not float32 and all(x.dtype == torch.float32 for x, _ in states):
         return False
     for x, scales in states:
         if x.dtype not in KINDS or not x.is_contiguous():
