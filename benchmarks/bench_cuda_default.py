@@ -44,7 +44,7 @@ their ``.grad``, ``GradScaler``: ``unscale_`` + ``clip_grad_norm_(foreach)``
 Usage::
 
     python benchmarks/bench_cuda_default.py [--json [FILE]] [--ops] [--out FILE.md]
-        [--layers 12] [--small-layers 1] [--width 32] [--params 10000000] [--only WORD ...]
+        [--layers 12] [--small-layers 1] [--width 32] [--params 10000000] [--only WORD ...] [--c-kernel]
 """
 
 from __future__ import annotations
@@ -408,6 +408,22 @@ def run(args) -> dict:
             "transient_bytes_per_param": [None if x is None else x / n_params for x in transient],
             "state_bytes_per_param": state_bytes / n_params,
         }
+    c_kernel = {}
+    if getattr(args, "c_kernel", False):  # the C kernel's memory on the same rows
+        os.environ["FUNCTIONAL_FP16_CPU_KERNEL"] = "c"
+        try:
+            for name, mode, make in specs:
+                if mode == "in place":
+                    continue
+                row_mem = make(flat, flat_g)
+                growth = measure_growth(row_mem, CYCLE.get(name, 1))
+                beyond = mode == "pure"
+                c_kernel.setdefault(name, {})[mode] = [
+                    None if p is None else max(0, p - f * beyond) / n_params for p, f in growth
+                ]
+                del row_mem
+        finally:
+            os.environ["FUNCTIONAL_FP16_CPU_KERNEL"] = "cuda-default"
     leaves = (len(big), len(small))
     for r in results.values():
         for mode in ("pure", "donated", "in place"):
@@ -425,6 +441,7 @@ def run(args) -> dict:
         "launch_method": "torch.profiler (CPU): top-level aten ops that compute, see the docstring",
         "memory_method": MEMORY_METHOD,
         "rows": rows,
+        "c_kernel_transient_bytes_per_param": c_kernel,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -468,6 +485,19 @@ def markdown(res: dict, ops: bool) -> list[str]:
             f"| {_fmt_bpp(p['transient_bytes_per_param'], 1)} "
             f"| {d['state_bytes_per_param']:.0f} |"
         )
+    if res.get("c_kernel_transient_bytes_per_param"):
+        md += [
+            "",
+            "The C kernel (FUNCTIONAL_FP16_CPU_KERNEL=c), the same rows' transient memory at "
+            f"{res['params'] / 1e6:.1f}M parameters:",
+            "",
+            "| row | transient B/param donated | transient B/param pure, beyond new state |",
+            "|---|---:|---:|",
+        ]
+        for name, m in res["c_kernel_transient_bytes_per_param"].items():
+            md.append(
+                f"| {name} | {_fmt_bpp(m.get('donated', []), 1)} | {_fmt_bpp(m.get('pure', []), 1)} |"
+            )
     md += [
         "",
         "Launches: " + res["launch_method"] + ". Host reads: top-level aten::item, "
@@ -508,6 +538,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", action="store_true", help="also list each row's launches by op")
     ap.add_argument("--out", help="also write the report to this file")
     ap.add_argument("--only", nargs="*", help="only the rows whose name holds one of these")
+    ap.add_argument(
+        "--c-kernel", action="store_true", help="also the C kernel's transient memory, same rows"
+    )
     args = ap.parse_args(argv)
     if args.layers == args.small_layers:
         ap.error("--layers and --small-layers must differ")

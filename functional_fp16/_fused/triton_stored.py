@@ -46,7 +46,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch's builds
     triton = tl = None
 
-from functional_fp16.precision.stochastic_rounding import _fixed
+from functional_fp16.precision.stochastic_rounding import salt_base
 
 __all__ = ["available", "adam_leaf", "takes"]
 
@@ -536,7 +536,7 @@ def adam_leaf(
         _or(nu_scales_out, lr), _bits(param_out), *scalars, lr, apply, inv_c1, sqrt_c2, count,
     )  # fmt: skip
     tail = (
-        _fixed(0, salt_id), _fixed(1, salt_id), float(l2),
+        salt_base(0, salt_id), salt_base(1, salt_id), float(l2),
         float(w if small_w else _f32(w - 1.0)), float(b2), float(c2), float(eps),
         float(decoupled),
     )  # fmt: skip
@@ -559,7 +559,7 @@ def lion_leaf(
         _bits(grad), master, _state(mu), _or(mu_scales, lr), _bits(param), master_out,
         _state(mu_out), _or(mu_scales_out, lr), _bits(param_out), *scalars, lr, apply, count,
     )  # fmt: skip
-    tail = (_fixed(0, salt_id), float(w1), float(b1), float(w2), float(b2), float(decoupled))
+    tail = (salt_base(0, salt_id), float(w1), float(b1), float(w2), float(b2), float(decoupled))
     flags.update(KIND_A=KINDS[mu.dtype], SR=rounding != 0, DECOUPLED=decoupled != 0.0)
     _run(lion_leaf_kernel, master, mu.dtype == torch.uint8, block_size, (head, tail), flags)
 

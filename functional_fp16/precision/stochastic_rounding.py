@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mix32", "salt", "salt_table", "random_bits", "round_stochastic"]
+__all__ = ["mix32", "salt", "salt_base", "salt_table", "random_bits", "round_stochastic"]
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # 2^32 / phi, odd
@@ -82,7 +82,7 @@ def salt(count: torch.Tensor, stream: int, leaf: int) -> torch.Tensor:
       leaf: the leaf's position in its tree.
     """
     t = count.to(torch.int64) & _M32
-    return mix32((_mul32(t, _GOLDEN) + _fixed(stream, leaf)) & _M32)
+    return mix32((_mul32(t, _GOLDEN) + salt_base(stream, leaf)) & _M32)
 
 
 _FIXED: dict = {}
@@ -95,15 +95,17 @@ def salt_table(count: torch.Tensor, leaves: list[int]) -> torch.Tensor:
     made once per list of leaves and device."""
     key = (tuple(leaves), count.device)
     if key not in _FIXED:
-        fixed = [[_fixed(stream, leaf) for leaf in leaves] for stream in (0, 1)]
+        fixed = [[salt_base(stream, leaf) for leaf in leaves] for stream in (0, 1)]
         _FIXED[key] = torch.tensor(fixed, dtype=torch.int64, device=count.device)
     t = count.to(torch.int64) & _M32
     return mix32((_mul32(t, _GOLDEN) + _FIXED[key]) & _M32)
 
 
-def _fixed(stream: int, leaf: int) -> int:
-    """The part of a salt that does not change with the step: ``mix(mix(stream) + leaf
-    * phi)``, an int in ``[0, 2^32)``."""
+def salt_base(stream: int, leaf: int) -> int:
+    r"""The part of a salt that does not change with the step, :math:`\operatorname{mix}
+    (\operatorname{mix}(\text{stream}) + \text{leaf} \cdot \phi)`, an int in ``[0, 2^32)``:
+    ``salt(t, stream, leaf) == mix32((t * phi + salt_base(stream, leaf)) mod 2^32)`` (the
+    form a kernel that reads the count on the device computes)."""
     return mix32((mix32(stream & _M32) + leaf * _GOLDEN) & _M32)
 
 
