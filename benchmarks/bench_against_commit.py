@@ -92,11 +92,11 @@ def shapes_of(args) -> dict[str, tuple[int, ...]]:
 def worker(args) -> dict:
     """One version's rows and the yardstick, interleaved call by call: medians in ms (and
     where the package was imported from)."""
-    from bench_update import GradScalerSGD
-
     import functional_fp16 as ff  # first: from $PYTHONPATH, before bench_update adds the checkout
 
     C.set_threads(args.threads)
+    from bench_update import GradScalerSGD  # after a statement: import sorting keeps it here
+
     shapes = shapes_of(args)
     g = torch.Generator().manual_seed(0)
     p0 = {k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
