@@ -442,3 +442,17 @@ def top_level_ops(prof) -> list[str]:
 def computing_ops(prof) -> list[str]:
     """:func:`top_level_ops` that compute (each at least one launch on a GPU)."""
     return [n for n in top_level_ops(prof) if not any(w in n for w in NO_LAUNCH)]
+
+
+def stored_step_grads(state, seed, bad=None):
+    """Gradients of the stored-state step tests: seeded, scaled by the loss scale, in the
+    params' dtypes; ``bad`` put at ``v[7, 290]``."""
+    g = torch.Generator().manual_seed(100 + seed)
+    s = float(state.loss_scale.loss_scale)
+    out = {
+        k: (torch.randn(m.shape, generator=g) * (0.5 + seed % 3) * s).to(p.dtype)
+        for (k, m), p in zip(state.master.items(), state.params.values())
+    }
+    if bad is not None:
+        out["v"][7, 290] = bad
+    return out

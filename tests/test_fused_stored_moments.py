@@ -32,6 +32,7 @@ from tests.helpers import (
     bit_snapshot,
     bits,
     count_c_kernel_calls,
+    stored_step_grads,
 )
 
 KERNELS = ["c", "cuda-default"]
@@ -76,18 +77,6 @@ def _tx(fmt: str, rounding: str, l2: bool = False):
     return ff.chain(ff.clip_by_global_norm(1.0), inner)
 
 
-def _grads(state, seed, bad=None):
-    g = torch.Generator().manual_seed(100 + seed)
-    s = float(state.loss_scale.loss_scale)
-    out = {
-        k: (torch.randn(m.shape, generator=g) * (0.5 + seed % 3) * s).to(p.dtype)
-        for (k, m), p in zip(state.master.items(), state.params.values())
-    }
-    if bad is not None:
-        out["v"][7, 290] = bad
-    return out
-
-
 def _use(monkeypatch, kernel):
     monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, kernel)
 
@@ -116,7 +105,7 @@ def test_each_step_matches_the_reference(monkeypatch, kernel, fmt, rounding):
     stored = {x.dtype for x in tree_leaves(state.opt_state)}
     assert stored & {torch.uint8, torch.bfloat16, torch.float16}, stored
     for step in range(5):
-        grads = _grads(state, step, bad=float("inf") if step == 3 else None)
+        grads = stored_step_grads(state, step, bad=float("inf") if step == 3 else None)
         ref = ff.fp16_update(state, grads, impl="reference")
         new = ff.fp16_update(state, grads)
         assert bool(new.grads_finite) == (step != 3)
@@ -130,7 +119,7 @@ def test_adam_with_l2_decay_matches_the_reference(monkeypatch, kernel):
     _use(monkeypatch, kernel)
     state = ff.fp16_init(_params(1), _tx("int8", "stochastic", l2=True))
     for step in range(3):
-        grads = _grads(state, step)
+        grads = stored_step_grads(state, step)
         ref = ff.fp16_update(state, grads, impl="reference")
         _assert_step_matches(ff.fp16_update(state, grads), ref, state)
         state = ref
@@ -143,12 +132,12 @@ def test_a_skipped_step_leaves_every_byte(monkeypatch, kernel, donate, fmt):
     _use(monkeypatch, kernel)
     state = ff.fp16_init(_params(), _tx(fmt, "stochastic"), ff.DynamicLossScale(2.0**10))
     for step in range(2):
-        state = ff.fp16_update(state, _grads(state, step))
+        state = ff.fp16_update(state, stored_step_grads(state, step))
     kept = (state.master, state.params, state.opt_state)
     before = bit_snapshot(kept)
     for bad in (float("inf"), float("nan")):
         copy = tree_map(torch.clone, state) if donate else state
-        skipped = ff.fp16_update(copy, _grads(state, 5, bad=bad), donate=donate)
+        skipped = ff.fp16_update(copy, stored_step_grads(state, 5, bad=bad), donate=donate)
         assert not bool(skipped.grads_finite)
         assert_bitwise_unchanged((skipped.master, skipped.params, skipped.opt_state), before)
     assert_bitwise_unchanged(kept, before)
@@ -160,7 +149,7 @@ def test_donation_is_the_pure_step(monkeypatch, kernel):
     state = ff.fp16_init(_params(), _tx("int8", "stochastic"), ff.DynamicLossScale(2.0**10))
     donated = tree_map(torch.clone, state)
     for step in range(3):
-        grads = _grads(state, step)
+        grads = stored_step_grads(state, step)
         state = ff.fp16_update(state, grads)
         donated = ff.fp16_update(donated, grads, donate=True)
         assert_states_bitwise_equal(donated, state)
@@ -170,16 +159,16 @@ def test_the_c_kernel_runs_the_stored_step_once_per_group(monkeypatch):
     """One C++ op call per group of the plan (decayed and not), and no call as written."""
     calls = count_c_kernel_calls(monkeypatch, [])
     state = ff.fp16_init(_params(), _tx("int8", "stochastic"))
-    ff.fp16_update(state, _grads(state, 0))
+    ff.fp16_update(state, stored_step_grads(state, 0))
     assert calls.count("adam_stored_update") == 2, calls
     assert set(calls) <= {"adam_stored_update", "grad_stats"}, calls
     calls.clear()
     state = ff.fp16_init(_params(), _tx("lion_e4m3", "stochastic"))
-    ff.fp16_update(state, _grads(state, 0))
+    ff.fp16_update(state, stored_step_grads(state, 0))
     assert calls.count("lion_stored_update") == 1, calls
     calls.clear()
     state = ff.fp16_init(_params(), _tx("sgd_e4m3", "nearest"))
-    ff.fp16_update(state, _grads(state, 0))
+    ff.fp16_update(state, stored_step_grads(state, 0))
     assert calls.count("sgd_stored_update") == 2, calls  # decayed and not
 
 
@@ -190,7 +179,7 @@ def test_vmap_members_step_as_alone(monkeypatch, kernel, fmt):
     tx = _tx(fmt, "stochastic")
     states = [ff.fp16_init(_params(seed), tx, ff.DynamicLossScale(2.0**10)) for seed in (0, 1)]
     for step in range(2):
-        grads = [_grads(s, step + 3 * i) for i, s in enumerate(states)]
+        grads = [stored_step_grads(s, step + 3 * i) for i, s in enumerate(states)]
         batched = torch.func.vmap(ff.fp16_update)(ff.tree_stack(states), ff.tree_stack(grads))
         states = [ff.fp16_update(s, g) for s, g in zip(states, grads)]
         for i, alone in enumerate(ff.tree_unstack(batched)):
@@ -214,7 +203,7 @@ def test_compiled_update_is_eager():
     torch._dynamo.reset()  # no dynamic shapes carried over from an earlier test's compiles
     step = torch.compile(ff.fp16_update, fullgraph=True)
     for i in range(2):
-        grads = _grads(state, i)
+        grads = stored_step_grads(state, i)
         eager = ff.fp16_update(state, grads)
         assert_states_bitwise_equal(step(state, grads), eager)
         state = eager

@@ -27,7 +27,7 @@ import functional_fp16 as ff
 from functional_fp16._fused import device_kernels as dk
 from functional_fp16._fused import triton_stored
 from functional_fp16._util.tree import tree_leaves, tree_map
-from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits
+from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits, stored_step_grads
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_child = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter's process")
@@ -78,18 +78,6 @@ def _tx(fmt, rounding, l2=False, clip=True):
     else:
         inner = ff.adamw(1e-3, weight_decay=0.1, mask=MASK, **kw)
     return ff.chain(ff.clip_by_global_norm(1.0), inner) if clip else inner
-
-
-def _grads(state, seed, bad=None):
-    g = torch.Generator().manual_seed(100 + seed)
-    s = float(state.loss_scale.loss_scale)
-    out = {
-        k: (torch.randn(m.shape, generator=g) * (0.5 + seed % 3) * s).to(p.dtype)
-        for (k, m), p in zip(state.master.items(), state.params.values())
-    }
-    if bad is not None:
-        out["v"][7, 290] = bad
-    return out
 
 
 @pytest.fixture
@@ -157,7 +145,7 @@ CASES = [  # each format and rounding; FP16 and BF16 gradients and params in tur
 def test_each_step_is_the_c_kernels(monkeypatch, launches, fmt, rounding, dtype):
     state = ff.fp16_init(_params(dtype), _tx(fmt, rounding), ff.DynamicLossScale(2.0**10))
     for step in range(3):
-        grads = _grads(state, step, bad=float("inf") if step == 2 else None)
+        grads = stored_step_grads(state, step, bad=float("inf") if step == 2 else None)
         want = _update(monkeypatch, "c", state, grads)
         launches.clear()
         got = _update(monkeypatch, "cuda-default", state, grads)
@@ -174,7 +162,7 @@ def test_l2_decay_fp32_grads_and_no_loss_scale(monkeypatch, launches, fmt):
     params = {k: v.float() for k, v in _params(torch.float16, 3).items()}
     state = ff.fp16_init(params, _tx(fmt, "stochastic", l2=True, clip=False), ff.NoOpLossScale())
     for step in range(3):
-        grads = _grads(state, step)
+        grads = stored_step_grads(state, step)
         want = _update(monkeypatch, "c", state, grads)
         launches.clear()
         got = _update(monkeypatch, "cuda-default", state, grads)
@@ -189,7 +177,7 @@ def test_donated_and_skipped_steps(monkeypatch, launches, fmt):
     """Donated steps are the pure ones; a skipped step (inf, NaN) keeps every byte."""
     state = ff.fp16_init(_params(torch.float16), _tx(fmt, "stochastic"))
     for step in range(2):
-        grads = _grads(state, step)
+        grads = stored_step_grads(state, step)
         pure = _update(monkeypatch, "cuda-default", state, grads)
         donated = _update(monkeypatch, "cuda-default", state, grads, donate=True)
         _assert_taken_leaves_equal(donated, pure, fmt)
@@ -198,7 +186,9 @@ def test_donated_and_skipped_steps(monkeypatch, launches, fmt):
     before = bit_snapshot(kept)
     for bad in (float("inf"), float("nan")):
         for donate in (False, True):
-            skipped = _update(monkeypatch, "cuda-default", state, _grads(state, 5, bad), donate)
+            skipped = _update(
+                monkeypatch, "cuda-default", state, stored_step_grads(state, 5, bad), donate
+            )
             assert not bool(skipped.grads_finite)
             assert_bitwise_unchanged((skipped.master, skipped.params, skipped.opt_state), before)
     assert_bitwise_unchanged(kept, before)
@@ -249,7 +239,7 @@ def test_lion_sgd_and_mixed_adam_are_the_c_kernels(monkeypatch, launches, name):
     n = _stored_leaves(state) if name.startswith("adam") else len(state.master)
     assert n >= 3
     for step in range(3):
-        grads = _grads(state, step, bad=float("nan") if step == 2 else None)
+        grads = stored_step_grads(state, step, bad=float("nan") if step == 2 else None)
         want = _update(monkeypatch, "c", state, grads)
         launches.clear()
         got = _update(monkeypatch, "cuda-default", state, grads)

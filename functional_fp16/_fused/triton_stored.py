@@ -298,6 +298,17 @@ if triton is not None:
             tl.store(po_ptr + off, tl.where(ok, new_p, old_p), mask=mask)
 
     @triton.jit
+    def front(g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
+              block, GB: tl.constexpr, BS: tl.constexpr, G_BF16: tl.constexpr,
+              HAS_INV: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+        """What every step reads first: the tile, the skip flag, the master, the unscaled
+        (and clipped) gradient."""
+        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
+        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        return k, live, off, mask, tl.load(apply_ptr) != 0, m, u
+
+    @triton.jit
     def adam_leaf_kernel(
         g_ptr, m_ptr, a_ptr, v_ptr, sa_ptr, sv_ptr, p_ptr,
         mo_ptr, ao_ptr, vo_ptr, sao_ptr, svo_ptr, po_ptr,
@@ -309,10 +320,10 @@ if triton is not None:
         DECOUPLED: tl.constexpr, SMALL_W: tl.constexpr, G_BF16: tl.constexpr,
         P_KIND: tl.constexpr, OWN_P: tl.constexpr,
     ):  # fmt: skip
-        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
-        ok = tl.load(apply_ptr) != 0
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        k, live, off, mask, ok, m, u = front(
+            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
+            block, GB, BS, G_BF16, HAS_INV, CLIP,
+        )  # fmt: skip
         raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
         raw_v, scale_v, v = load_state(v_ptr, sv_ptr, off, mask, k, live, KIND_V, True)
         if L2:
@@ -352,10 +363,10 @@ if triton is not None:
         HAS_INV: tl.constexpr, CLIP: tl.constexpr, DECOUPLED: tl.constexpr,
         G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
     ):  # fmt: skip
-        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
-        ok = tl.load(apply_ptr) != 0
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
+        k, live, off, mask, ok, m, u = front(
+            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
+            block, GB, BS, G_BF16, HAS_INV, CLIP,
+        )  # fmt: skip
         raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
         c = u * w1 + a * b1  # two products and a sum, each rounded (no fusion: see launch)
         d = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
@@ -379,13 +390,13 @@ if triton is not None:
         CLIP: tl.constexpr, DECAY: tl.constexpr, NESTEROV: tl.constexpr,
         G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
     ):  # fmt: skip
-        k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
-        ok = tl.load(apply_ptr) != 0
+        k, live, off, mask, ok, m, u = front(
+            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
+            block, GB, BS, G_BF16, HAS_INV, CLIP,
+        )  # fmt: skip
         on = tl.load(started_ptr) != 0.0
         keep = tl.where(on, mu, 0.0)
         take_ = tl.where(on, take, 1.0)
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
         if DECAY:
             u = tl.fma(m, wd, u)
         raw_a, scale_a, b = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
