@@ -69,13 +69,12 @@ def _generic(
         if not rest:
             return None
         pick = lambda xs: [xs[i] for i in rest]  # noqa: E731
-        coded = lambda xs, scales: [  # noqa: E731
-            scales[_scale_index(xs)[i]] for i in rest if xs[i].dtype == torch.uint8
-        ]
+        where = {"mu": _scale_index(mu), "nu": _scale_index(nu)}
+        coded = lambda name, scales: [scales[where[name][i]] for i in rest if i in where[name]]  # noqa: E731
         return _lists(
-            pick(grads), pick(master), pick(mu), pick(nu), coded(mu, mu_scales),
-            coded(nu, nu_scales), pick(params), pick(master_out), pick(mu_out), pick(nu_out),
-            coded(mu, mu_scales_out), coded(nu, nu_scales_out), pick(params_out), inv,
+            pick(grads), pick(master), pick(mu), pick(nu), coded("mu", mu_scales),
+            coded("nu", nu_scales), pick(params), pick(master_out), pick(mu_out), pick(nu_out),
+            coded("mu", mu_scales_out), coded("nu", nu_scales_out), pick(params_out), inv,
             clip_div, clip_mul, lr, apply, inv_c1, sqrt_c2, count, l2, w, b2, c2, eps,
             decoupled, formats, rounding, pick(salt_ids),
         )  # fmt: skip
@@ -176,13 +175,13 @@ def _triton_leaves(
     rest = []
     for i in range(len(grads)):
         scale = lambda xs, name: xs[where[name][i]] if i in where[name] else None  # noqa: E731
-        scales = [scale(xs, n) for xs, n in ((mu_scales, "mu"), (nu_scales, "nu"))]
-        if not triton_stored.takes(list(zip((mu[i], nu[i]), scales)), grads[i], params[i]):
+        sa, sv = scale(mu_scales, "mu"), scale(nu_scales, "nu")
+        if not triton_stored.takes([(mu[i], sa), (nu[i], sv)], grads[i], params[i]):
             rest.append(i)
             continue
         triton_stored.adam_leaf(
-            grad=grads[i], master=master[i], mu=mu[i], nu=nu[i],
-            mu_scales=scale(mu_scales, "mu"), nu_scales=scale(nu_scales, "nu"), param=params[i],
+            grad=grads[i], master=master[i], mu=mu[i], nu=nu[i], mu_scales=sa, nu_scales=sv,
+            param=params[i],
             master_out=master_out[i], mu_out=mu_out[i], nu_out=nu_out[i],
             mu_scales_out=scale(mu_scales_out, "mu"), nu_scales_out=scale(nu_scales_out, "nu"),
             param_out=params_out[i], inv=inv, clip_div=clip_div, clip_mul=clip_mul, lr=lr,

@@ -35,6 +35,7 @@ is the C kernel's. On the CPU (``$FUNCTIONAL_FP16_CPU_KERNEL=cuda-default`` with
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import nullcontext
 
@@ -46,6 +47,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch's builds
     triton = tl = None
 
+from functional_fp16._fused.plain_kernels import f32
 from functional_fp16.precision.stochastic_rounding import salt_base
 
 __all__ = ["available", "adam_leaf", "takes"]
@@ -547,8 +549,8 @@ def adam_leaf(
         _or(nu_scales_out, lr), _bits(param_out), *scalars, lr, apply, inv_c1, sqrt_c2, count,
     )  # fmt: skip
     tail = (
-        salt_base(0, salt_id), salt_base(1, salt_id), float(l2),
-        float(w if small_w else _f32(w - 1.0)), float(b2), float(c2), float(eps),
+        *_salt_bases(salt_id), float(l2),
+        float(w if small_w else f32(w - 1.0)), float(b2), float(c2), float(eps),
         float(decoupled),
     )  # fmt: skip
     flags.update(
@@ -570,7 +572,7 @@ def lion_leaf(
         _bits(grad), master, _state(mu), _or(mu_scales, lr), _bits(param), master_out,
         _state(mu_out), _or(mu_scales_out, lr), _bits(param_out), *scalars, lr, apply, count,
     )  # fmt: skip
-    tail = (salt_base(0, salt_id), float(w1), float(b1), float(w2), float(b2), float(decoupled))
+    tail = (_salt_bases(salt_id)[0], float(w1), float(b1), float(w2), float(b2), float(decoupled))
     flags.update(KIND_A=KINDS[mu.dtype], SR=rounding != 0, DECOUPLED=decoupled != 0.0)
     _run(lion_leaf_kernel, master, mu.dtype == torch.uint8, block_size, (head, tail), flags)
 
@@ -593,9 +595,11 @@ def sgd_leaf(
     _run(sgd_leaf_kernel, master, trace.dtype == torch.uint8, block_size, (head, tail), flags)
 
 
+@functools.cache
+def _salt_bases(salt_id: int) -> tuple[int, int]:
+    """Both moments' step-independent salt parts of one leaf (made once per leaf)."""
+    return salt_base(0, salt_id), salt_base(1, salt_id)
+
+
 def _or(x, stand_in):
     return stand_in if x is None else x
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))

@@ -841,11 +841,11 @@ static uint32_t sr_salt(int64_t count, uint32_t stream, int64_t leaf) {
     return mix32((uint32_t)count * GOLDEN + fixed);
 }
 
-/* stochastic_rounding.round_stochastic(x, mb, emin, random_bits(x, salt), square=sq),
- * branch-free: the magnitude's neighbours l <= |x| < l + s on the grid (s = 2^t), away
- * from zero where the top d bits of the hash are under the d bits of |x|'s pattern below
- * s (|x| >= s), where u s < |x| (|x| < s, l = 0), or (sq) where u (2l + s) < f (|x| + l). */
-static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
+/* stochastic_rounding.round_stochastic(x, mb, emin, random_bits(x, salt)), branch-free:
+ * the magnitude's neighbours l <= |x| < l + s on the grid (s = 2^t), away from zero where
+ * the top d bits of the hash are under the d bits of |x|'s pattern below s (|x| >= s), or
+ * where u s < |x| (|x| < s, l = 0). (Squares, for E4M3 roots only: e4m3_sr_code.) */
+static inline float round_sr(float x, int mb, int emin, uint32_t salt) {
     const uint32_t bx = f32_bits(x), r = mix32(bx ^ salt);
     const uint32_t mag = bx & 0x7FFFFFFFu;
     const int b = (int)(mag >> 23);
@@ -858,11 +858,7 @@ static inline float round_sr(float x, int mb, int emin, uint32_t salt, int sq) {
     const float s = t >= -126 ? bits_f32((uint32_t)(t + 127) << 23)
                               : bits_f32(1u << ((t + 149) & 31));
     const float xa = bits_f32(mag), u = (float)(r >> 8) * 0x1p-24f;
-    int away;
-    if (sq)
-        away = u * (l + l + s) < ((xa - l) / s) * (xa + l);
-    else
-        away = tiny ? u * s < xa : (r >> (32 - dn)) < low;
+    const int away = tiny ? u * s < xa : (r >> (32 - dn)) < low;
     const float out = away ? l + s : l;
     return b == 255 ? x : copysignf(out, x);
 }
@@ -875,8 +871,8 @@ static inline uint16_t bf16_sr(float x, uint32_t salt) {
     return x != x ? (uint16_t)0x7FC0u : (uint16_t)((bx + (~r >> 16)) >> 16);
 }
 
-/* e4m3_code(round_sr(v, 3, -6, salt, SQ)) for |v| <= 448 or NaN, mostly in integers: E4M3's
- * codes count its grid, so the code of |v|'s lower neighbour is the bits of |v|'s pattern
+/* The E4M3 code of round_stochastic(v, 3, -6, random_bits(v, salt), square=SQ) for |v| <=
+ * 448 or NaN, mostly in integers: E4M3's codes count its grid, so the code of |v|'s lower neighbour is the bits of |v|'s pattern
  * above the spacing (from 2^-6, b >= 121: (mag >> 20) - 960; below it the significand's
  * bits above 2^-9: sig >> (141 - b)) and the upper neighbour's is one more. */
 static inline uint8_t e4m3_sr_code(float v, uint32_t salt, const int SQ) {
@@ -942,7 +938,7 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
             for (int64_t i = 0; i < n; ++i) d[i] = bf16_sr(x[i], salt);
             return;
         }
-        for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 10, -14, salt, 0);
+        for (int64_t i = 0; i < n; ++i) tmp[i] = round_sr(x[i], 10, -14, salt);
         from_f32(tmp, (uint16_t *)dst + s, n, dt);
         return;
     }
@@ -962,10 +958,9 @@ static void encode_moment(int st, const float *x, void *dst, float *scale_out, i
     encode_block(y, peak, (uint8_t *)dst + s, scale_out, root, sr, salt, n);
 }
 
-/* The codes of one block y (a second moment's roots where root) whose largest finite
- * magnitude is peak, and its scale into *scale_out. */
+/* y / a, clamped to +-448 (a NaN stays NaN): the value an E4M3 code is rounded from. */
 static inline __attribute__((always_inline)) float e4m3_quotient(float y, float a) {
-    const float v = y / a; /* clamped to +-448 (a NaN stays NaN) */
+    const float v = y / a;
     return v > E4M3_MAX ? E4M3_MAX : (v < -E4M3_MAX ? -E4M3_MAX : v);
 }
 
@@ -1149,6 +1144,18 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
  * state j of leaf l is stored, sc[j][l] holds its block scales where it is coded (the
  * second state through its root where x->root). counts[k]: group k's applied-step count
  * (the salt), salt_ids[l] each leaf's index in the optimiser's tree. */
+/* A segment's last writes: the new master from its buffer (not donated: a donated step
+ * wrote it in place) and the working copy converted from pbuf, both streamed. */
+static inline void finish_segment(float *mo, const float *mbuf, int donated, char *po,
+                                  const float *pbuf, void *hbuf, int p_is_master, int pd,
+                                  int ps, int64_t n) {
+    if (!donated) stream_bytes(mo, mbuf, n * 4);
+    if (!p_is_master) {
+        from_f32(pbuf, hbuf, n, pd);
+        stream_bytes(po, hbuf, n * ps);
+    }
+}
+
 enum { STORED_ADAM = 0, STORED_LION = 1, STORED_SGD = 2 };
 
 static void stored_step(const ff_step_args *x, const int kind) {
@@ -1291,11 +1298,8 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                        (const uint16_t *)x->s[1][l] + s, m_to,
                                        (uint16_t *)x->so[0][l] + s, (uint16_t *)x->so[1][l] + s,
                                        p_is_master ? m_to : pbuf, n, sr, salt_a, salt_v);
-                    if (!donated) stream_bytes(mo + s, mbuf, n * 4);
-                    if (!p_is_master) {
-                        from_f32(pbuf, hbuf, n, pd);
-                        stream_bytes(po_s, hbuf, n * ps);
-                    }
+                    finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps,
+                                   n);
                     continue;
                 }
                 float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
@@ -1318,11 +1322,8 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                  0, sr, salt_a, n);
                     encode_block(nvbuf, peaks[1], (uint8_t *)x->so[1][l] + s, &x->sco[1][l][q],
                                  1, sr, salt_v, n);
-                    if (!donated) stream_bytes(mo + s, mbuf, n * 4);
-                    if (!p_is_master) {
-                        from_f32(pbuf, hbuf, n, pd);
-                        stream_bytes(po_s, hbuf, n * ps);
-                    }
+                    finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps,
+                                   n);
                     continue;
                 } else {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
@@ -1338,11 +1339,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     encode_moment(st_v, nvbuf, x->so[1][l],
                                   st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL, x->root, sr, salt_v,
                                   tmp, s, n);
-                if (!donated) stream_bytes(mo + s, mbuf, n * 4);
-                if (!p_is_master) {
-                    from_f32(pbuf, hbuf, n, pd);
-                    stream_bytes(po_s, hbuf, n * ps);
-                }
+                finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, n);
             }
         }
         stream_fence(); /* each thread orders its own streaming stores */
