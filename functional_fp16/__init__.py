@@ -111,10 +111,13 @@ from functional_fp16.transforms import (
 )
 from functional_fp16.update import (
     FP16State,
+    convert_master,
     fp16_init,
     fp16_update,
     leaf_paths,
     loss_scale_stats,
+    master_form,
+    master_weights,
     nonfinite_leaves,
     state_nbytes,
     update_path,
@@ -228,6 +231,9 @@ __all__ = [
     "leaf_paths",
     "fp16_update",
     "state_nbytes",
+    "master_weights",
+    "convert_master",
+    "master_form",
     "update_path",
     "tune_malloc",
     # moving a torch.optim + GradScaler job in and out

@@ -86,7 +86,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor
+from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor, tree_leaves, tree_paths
 from functional_fp16.checkpoint import _read
 from functional_fp16.checkpoint.atomic_file import (
     PathLike,
@@ -109,7 +109,9 @@ from functional_fp16.checkpoint.format import (
     plain_meta,
     text_cost,
 )
+from functional_fp16.precision.master_split import valid_residuals
 from functional_fp16.update import FP16State
+from functional_fp16.update.master import master_form
 
 __all__ = [
     "save_checkpoint",
@@ -300,5 +302,35 @@ def load_checkpoint(
       CheckpointMismatchError: the file differs from ``like``; the message names
         the path and what differs.
       TypeError: ``like`` holds something that cannot be a template (its path is named).
+
+    A state with a split master (``fp16_init(..., master="split")``) is checked once
+    loaded: every residual must be one that splitting its master makes beside its param
+    (:func:`~functional_fp16.precision.master_split.valid_residuals`), else
+    ``CheckpointCorruptError`` names the leaf.
     """
-    return _read.load(path, like, map_location)
+    tree = _read.load(path, like, map_location)
+    _check_split_masters(path, tree)
+    return tree
+
+
+def _check_split_masters(path: Any, tree: PyTree) -> None:
+    """Refuses a loaded state whose split master's residuals do not fit its params."""
+    states = optree.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, FP16State), namespace=NAMESPACE
+    )
+    for state in states:
+        if not isinstance(state, FP16State) or master_form(state) != "split":
+            continue
+        params, residuals = tree_leaves(state.params), tree_leaves(state.master)
+        for where, p, q in zip(tree_paths(state.params), params, residuals):
+            fits = (
+                p.dtype == torch.float16
+                and p.shape == q.shape
+                and bool(valid_residuals(p.detach().cpu(), q.detach().cpu()))
+            )
+            if not fits:
+                raise CheckpointCorruptError(
+                    f"{path}: state.master{where}: residuals that do not fit their params "
+                    f"(params{where}: {p.dtype} of shape {tuple(p.shape)}); not a split master "
+                    "this library wrote"
+                )

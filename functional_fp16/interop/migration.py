@@ -61,6 +61,7 @@ from functional_fp16.interop.torch_optim import (
 from functional_fp16.precision.loss_scale import LossScale
 from functional_fp16.transforms.base import replace_at, state_at
 from functional_fp16.update import FP16State, fp16_init
+from functional_fp16.update.master import master_weights
 
 __all__ = ["from_torch", "to_torch"]
 
@@ -286,7 +287,7 @@ def to_torch(
     else:
         check_same_structure(state.master, params, name="params", reference_name="state.master")
         targets = _match_by_identity(params, optimizer)
-    masters = tree_leaves(state.master)
+    masters = tree_leaves(master_weights(state))  # decoded from a split master
     where = _where(optimizer)
     for p, m in zip(targets, masters):
         if p.dtype != torch.float32 or p.shape != m.shape:

@@ -11,6 +11,7 @@ interop or distributed.
 """
 
 from functional_fp16.update.batching import tree_stack, tree_unstack
+from functional_fp16.update.master import convert_master, master_form, master_weights
 from functional_fp16.update.state import (
     FP16State,
     fp16_init,
@@ -23,3 +24,4 @@ from functional_fp16.update.step import fp16_update, update_path
 
 __all__ = ["FP16State", "fp16_init", "fp16_update", "update_path", "tree_stack", "tree_unstack"]
 __all__ += ["loss_scale_stats", "nonfinite_leaves", "leaf_paths", "state_nbytes", "StateBytes"]
+__all__ += ["master_weights", "convert_master", "master_form"]

@@ -34,13 +34,14 @@ from functional_fp16._fused.device_kernels import cpu_kernel_choice, kernel_for
 from functional_fp16._fused.steps import fused_plan, fused_update
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._util.cache import remember
-from functional_fp16._util.tree import tree_leaves
+from functional_fp16._util.tree import tree_flatten, tree_leaves, tree_rebuild
 from functional_fp16.update.accumulation import (
     fp16_accumulate_update,
     fp16_accumulates,
     inner_fp16_state,
 )
 from functional_fp16.update.foreach import foreach_update, sgd_sequence
+from functional_fp16.update.master import master_form, narrowed, widened
 from functional_fp16.update.reference import reference_update
 
 __all__ = ["IMPLEMENTATIONS", "Route", "route"]
@@ -113,6 +114,26 @@ def route(state, impl: str = "auto", signature=None) -> Route:
     return found
 
 
+def _float32_twin(state):
+    """A state with ``state``'s metadata but a float32 master: what routes a split
+    state's update where the fused op does not take it (allocated once per signature)."""
+    masters = [torch.empty_like(p, dtype=torch.float32) for p in tree_leaves(state.params)]
+    spec = tree_flatten(state.params)[1]
+    return state.replace(master=tree_rebuild(spec, state.params, masters))
+
+
+def _widening(inner: Route) -> Route:
+    """``inner`` (a float32-master route) run on a split state: the master decoded before
+    the step and the new master split after it (``update.master``). A skipped step gives
+    back the params and residuals bitwise, ``split`` being the inverse of ``join`` on
+    every pair it makes."""
+
+    def run(state, grads, decision, donate):
+        return narrowed(inner.run(widened(state), grads, decision, donate))
+
+    return Route(inner.name, inner.kernel, run, batches=False)
+
+
 def _route(state, impl: str) -> Route:
     if fp16_accumulates(state.tx):  # MultiSteps: the inner optimiser's route, per micro-batch
         inner = route(inner_fp16_state(state), impl)
@@ -121,6 +142,8 @@ def _route(state, impl: str) -> Route:
             return fp16_accumulate_update(s, grads, decision, donate, inner.run)
 
         return Route(inner.name, inner.kernel, run, batches=False)
+    if master_form(state) == "split" and (impl == "reference" or fused_plan(state) is None):
+        return _widening(_route(_float32_twin(state), impl))
     if impl == "reference":
         return Route("reference", None, reference_update, batches=False)
     if impl in ("auto", "fused"):

@@ -31,9 +31,11 @@ from functional_fp16._util.tree import (
     describe_tensor,
     dotted_paths,
     register_node,
+    tree_flatten,
     tree_leaves,
     tree_map,
     tree_paths,
+    tree_unflatten,
 )
 from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
@@ -42,6 +44,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     loss_scale_for,
 )
+from functional_fp16.precision.master_split import check_master_form, split
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.mesh_reduce import finite_everywhere
@@ -71,6 +74,10 @@ class FP16State:
       tree structure as the parameters given to :func:`fp16_init`; the round-
       to-nearest cast of ``master``.
     * ``master`` — FP32 copies; the source of truth, never rebuilt from ``params``.
+      For a state made with ``master="split"``: ``int16`` residuals, one per
+      parameter, that with ``params`` hold the FP32 master exactly
+      (:mod:`functional_fp16.precision.master_split`; read the master with
+      :func:`~functional_fp16.master_weights`).
     * ``opt_state`` — the optimiser's state, from ``tx.init(master)``.
     * ``loss_scale`` — a loss-scale pytree (:class:`DynamicLossScale`, ...).
     * ``step`` — 0-d int32, the number of :func:`fp16_update` calls, skipped ones included.
@@ -272,10 +279,15 @@ def fp16_init(
     *,
     param_dtype: torch.dtype = torch.float16,
     copy_master: bool = True,
+    master: str = "float32",
 ) -> FP16State:
     r"""Builds the initial :class:`FP16State` from a tree of parameters.
 
     .. math:: m_0 = \operatorname{fl}_{32}(p), \quad p_0 = \operatorname{fl}_{16}(m_0)
+
+    With ``master="split"``, :math:`(p_0, q_0) = \operatorname{split}(m_0)`: the FP16
+    params and an ``int16`` residual per parameter that together hold the FP32 master
+    exactly (:mod:`functional_fp16.precision.master_split`).
 
     Args:
       params: a pytree (dicts, lists, tuples, NamedTuples) of floating-point
@@ -292,6 +304,11 @@ def fp16_init(
         where the module's FP32 shards are the master: with
         ``param_dtype=torch.float32`` they are the working copy too, and no
         other copy of the weights exists. Every leaf must then be float32.
+      master: how the FP32 master is held: ``"float32"`` (the default; 4 bytes per
+        parameter beside the params) or ``"split"`` (``state.master`` holds ``int16``
+        residuals, 2 bytes per parameter; FP16 ``param_dtype`` only).
+        :func:`~functional_fp16.master_weights` reads the FP32 master of either form;
+        :func:`~functional_fp16.convert_master` converts a state between them.
 
     Returns:
       The initial state, with ``step == 0`` and ``grads_finite == True``.
@@ -309,6 +326,12 @@ def fp16_init(
         )
     if not isinstance(copy_master, bool):
         raise TypeError(f"copy_master must be a bool, got {type(copy_master).__name__}")
+    check_master_form(master, param_dtype)
+    if master == "split" and not copy_master:
+        raise ValueError(
+            "copy_master=False shares float32 params as the master; "
+            "master='split' keeps no float32 master to share"
+        )
     leaves = check_params(params)
     device = leaves[0].device
     if not copy_master:
@@ -318,13 +341,19 @@ def fp16_init(
                     f"params{path}: dtype {p.dtype}; copy_master=False takes float32 "
                     "parameters as the master"
                 )
-    master = tree_map(lambda p: p.detach().to(torch.float32, copy=copy_master), params)
-    working = tree_map(lambda m: m.to(param_dtype), master)
-    _check_param_values(params, master, working)
+    wide = tree_map(lambda p: p.detach().to(torch.float32, copy=copy_master), params)
+    working = tree_map(lambda m: m.to(param_dtype), wide)
+    _check_param_values(params, wide, working)
+    kept = wide
+    if master == "split":
+        leaves, spec = tree_flatten(wide)
+        pairs = [split(m) for m in leaves]
+        working = tree_unflatten(spec, [p for p, _ in pairs])
+        kept = tree_unflatten(spec, [q for _, q in pairs])
     return FP16State(
         params=working,
-        master=master,
-        opt_state=tx.init(master),
+        master=kept,
+        opt_state=tx.init(wide),
         loss_scale=loss_scale.to(device),
         step=torch.zeros((), dtype=torch.int32, device=device),
         grads_finite=torch.ones((), dtype=torch.bool, device=device),

@@ -6,7 +6,8 @@ layout), so every update first compares the state with its *template*, the
 state its ``tx`` and parameters imply:
 
 * ``master`` has the tree structure of ``params`` and float32 leaves of their
-  shapes (for a sharded state, checked as this rank's pieces);
+  shapes (for a sharded state, checked as this rank's pieces), or, for a split
+  master, ``int16`` residuals of their shapes beside float16 ``params``;
 * ``opt_state`` has exactly the structure, leaf dtypes and leaf shapes of
   ``tx.init(master)``;
 * the loss scale's tensors are 0-d, of their declared dtypes (a float32
@@ -45,6 +46,7 @@ from functional_fp16._util.tree import (
     tree_rebuild,
 )
 from functional_fp16.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from functional_fp16.precision.master_split import PARAM_DTYPE, RESIDUAL_DTYPE
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.state import FP16State, check_params
@@ -177,6 +179,15 @@ def _template(state: FP16State) -> FP16State:
     # allocations have no use and are dropped from the graph); else ``meta``.
     where = device if torch.compiler.is_compiling() else _META
     master = tree_rebuild(spec, state.params, [_empty(s, torch.float32, where) for s in shapes])
+    kept = master
+    if any(getattr(m, "dtype", None) == RESIDUAL_DTYPE for m in tree_flatten(state.master)[0]):
+        for path, p in zip(tree_paths(state.params), params):
+            if p.dtype != PARAM_DTYPE:
+                raise TypeError(
+                    f"state.params{path}: dtype {p.dtype}; a split master (int16 residuals in "
+                    "state.master) needs float16 params"
+                )
+        kept = tree_rebuild(spec, state.params, [_empty(s, RESIDUAL_DTYPE, where) for s in shapes])
     try:
         opt_state = state.tx.init(master)
     except Exception:  # a transform that needs real tensors: build them once per configuration
@@ -188,7 +199,7 @@ def _template(state: FP16State) -> FP16State:
     scale = type(scale)._from_parts(scale.config(), tensors)
     return FP16State(
         params=state.params,
-        master=master,
+        master=kept,
         opt_state=opt_state,
         loss_scale=scale,
         step=_empty((), torch.int32, where),
@@ -200,7 +211,7 @@ def _template(state: FP16State) -> FP16State:
 
 
 _WHAT = {
-    "master": "float32 copies of params",
+    "master": "float32 copies of params (or, split, int16 residuals of float16 params)",
     "opt_state": "what tx.init(master) gives",
     "loss_scale": "the loss scale's declared tensors",
     "step": "a 0-d int32 tensor",

@@ -1,0 +1,308 @@
+"""The split master (``fp16_init(..., master="split")``): FP16 params plus int16 residuals.
+
+* The codec (``precision.master_split``) against exact rationals: decoding gives back
+  the float32 master bitwise wherever ``|m| >= 2^-16`` (every weight whose FP16 cast is
+  normal), within ``2^-40`` below; params are the FP16 rounding of the decoded master;
+  ``split(join(p, q)) == (p, q)``; signed zeros kept.
+* Trajectories: with every weight in FP16's normal range, every optimiser of the
+  matrix under every implementation, over steps with overflows, gives params, decoded
+  master, optimiser state and counters bitwise the FP32-master run's.
+* A skipped step leaves params and residuals bitwise; conversions round-trip bitwise;
+  bad input is refused by name; checkpoints round-trip and refuse residuals that do not
+  fit.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functional_fp16 as ff
+from functional_fp16.precision import master_split
+from functional_fp16.precision.master_split import join, residual_unit, split
+from tests.helpers import (
+    IMPL_NAMES,
+    TX_NAMES,
+    assert_bitwise_unchanged,
+    bit_snapshot,
+    bits,
+    matrix_grads,
+    optimiser_matrix,
+)
+
+EXACT_FROM = 2.0**-16
+ERROR_BELOW = 2.0**-40
+
+
+def _f32(pattern: int) -> torch.Tensor:
+    return torch.tensor([pattern], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+# Edges: powers of two (rounding to FP16 carries into the next binade just below them),
+# the largest FP16 and the first value that overflows, the smallest normal, subnormals,
+# the tie between two subnormals, signed zeros, tiny masters.
+EDGES = [
+    1.0, 1.0 - 2.0**-24, 1.0 - 2.0**-12, 1.0 - 2.0**-12 - 2.0**-24, 2.0**10 - 2.0**-14,
+    65504.0, 65519.99, 65520.0, 2.0**-14, 2.0**-14 - 2.0**-38, 2.0**-14 - 2.0**-25,
+    2.0**-15 + 2.0**-25, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-16, 2.0**-16 - 2.0**-40,
+    2.0**-17 + 2.0**-41, 1e-30, 1e-45, 0.0, 0.1, 1 / 3,
+]  # fmt: skip
+
+
+def _check(m: torch.Tensor) -> None:
+    """The codec's promises for every element of the float32 tensor ``m``."""
+    if m.numel() == 0:
+        return
+    p, q = split(m)
+    assert p.dtype == torch.float16 and q.dtype == torch.int16
+    back = join(p, q)
+    finite = torch.isfinite(p)
+    # exact where |m| >= 2^-16 (and the cast is finite), else within 2^-40
+    big = (m.abs() >= EXACT_FROM) & finite
+    assert torch.equal(bits(back[big]), bits(m[big]))
+    for x, y in zip(m[~big & finite].tolist(), back[~big & finite].tolist()):
+        assert abs(Fraction(y) - Fraction(x)) <= Fraction(ERROR_BELOW), (x, y)
+    # the sign of every zero is kept; an overflowing cast decodes to its infinity
+    number = m == m
+    assert torch.equal(torch.signbit(back[number]), torch.signbit(m[number]))
+    assert torch.equal(torch.isnan(back), ~number)
+    assert torch.equal(back[~finite & (m == m)], p[~finite & (m == m)].float())
+    # params are the rounding of the decoded master; the residual's range
+    assert torch.equal(bits(back.half()), bits(p))
+    assert int(q.to(torch.int32).abs().max()) <= 2**14
+    # the residual is (decoded - p) / u exactly, as rationals
+    for pv, qv, bv, uv in zip(
+        p.float().tolist(), q.tolist(), back.tolist(), residual_unit(p).tolist()
+    ):
+        if math.isfinite(pv):
+            assert Fraction(bv) == Fraction(pv) + qv * Fraction(uv)
+    # split is the inverse of join on what it makes
+    p2, q2 = split(back)
+    assert torch.equal(bits(p2), bits(p)) and torch.equal(q2, q)
+
+
+def test_edges():
+    values = torch.tensor(EDGES, dtype=torch.float32)
+    _check(torch.cat([values, -values, torch.tensor([float("nan"), float("inf"), -float("inf")])]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_codec_over_float32_patterns(patterns):
+    m = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    _check(m[~torch.isnan(m)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**24), 2**24), min_size=1, max_size=64), st.integers(-45, 16))
+def test_codec_near_the_normal_range(ks, e):
+    """Masters in and below FP16's normal range: k * 2^(e - 24), every binade from float32's
+    subnormals up to FP16's overflow."""
+    m = torch.tensor([k * 2.0 ** (e - 24) for k in ks], dtype=torch.float64).to(torch.float32)
+    _check(m)
+
+
+def test_every_pattern_of_a_binade_near_the_edge():
+    """Every float32 in [2^-17, 2^-13): the upper subnormals (exact) and the lower (bound)."""
+    lo, hi = 0x3A000000 - 2**22, 0x39000000 + 2**23 * 4  # from 2^-17.. to 2^-13
+    m = torch.arange(min(lo, hi), max(lo, hi), 97, dtype=torch.int64).to(torch.int32)
+    _check(m.view(torch.float32))
+
+
+def test_mutants_fail():
+    """The checks catch a unit without the sign and an encode without the grid."""
+    m = torch.tensor([-0.0, 3e-9, 1.5 * 2.0**-24 - 2.0**-47], dtype=torch.float32)
+    p, q = split(m)
+    unsigned = torch.addcmul(p.float(), q.float(), residual_unit(p).abs())
+    assert not torch.equal(torch.signbit(unsigned), torch.signbit(m))
+    raw_p = m.half()  # no grid first: the residual of fl16(m), rounded to nearest
+    raw_q = ((m - raw_p.float()) / residual_unit(raw_p)).round().to(torch.int16)
+    assert not torch.equal(bits(join(raw_p, raw_q).half()), bits(raw_p))
+
+
+# -- trajectories ------------------------------------------------------------------------
+
+
+def _params(seed=0):
+    """Weights in FP16's normal range, away from zero for every step of the tests."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        x = 0.5 + 0.5 * torch.rand(*shape, generator=g)
+        return torch.where(torch.rand(*shape, generator=g) < 0.5, -x, x)
+
+    return {"w": w(24, 40), "v": w(40), "c": w(3, 5, 7)}
+
+
+STEPS = 40
+
+
+def _run(tx, impl, master, steps=STEPS, donate=False):
+    state = ff.fp16_init(_params(), tx, master=master)
+    for k in range(steps):
+        bad = float("inf") if k % 9 == 4 else (float("nan") if k % 13 == 7 else None)
+        state = ff.fp16_update(state, matrix_grads(state, k, 3, bad=bad), impl=impl, donate=donate)
+    return state
+
+
+def _same_run(split_state, wide_state):
+    assert ff.master_form(split_state) == "split" and ff.master_form(wide_state) == "float32"
+    for a, b in zip(
+        ff._util.tree.tree_leaves(ff.master_weights(split_state)),
+        ff._util.tree.tree_leaves(wide_state.master),
+    ):
+        assert torch.equal(bits(a), bits(b))
+    for a, b in zip(
+        ff._util.tree.tree_leaves(
+            (split_state.params, split_state.opt_state, split_state.loss_scale)
+        ),
+        ff._util.tree.tree_leaves((wide_state.params, wide_state.opt_state, wide_state.loss_scale)),
+    ):
+        assert torch.equal(bits(a), bits(b))
+    assert ff.loss_scale_stats(split_state) == ff.loss_scale_stats(wide_state)
+    assert bool(split_state.step == wide_state.step)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize("name", TX_NAMES)
+def test_trajectory_equals_the_float32_master(name, impl):
+    tx = optimiser_matrix()[name]
+    wide = _run(tx, impl, "float32")
+    assert int(ff.loss_scale_stats(wide)["skips"]) > 0  # overflows happened
+    _same_run(_run(optimiser_matrix()[name], impl, "split"), wide)
+
+
+STORED = {
+    "adamw_e4m3": lambda: ff.adamw(1e-3, weight_decay=0.1, mu_dtype="e4m3", nu_dtype="e4m3"),
+    "adam_bf16_clip": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0), ff.adam(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
+    ),
+    "lion_e4m3": lambda: ff.lion(1e-4, mu_dtype="e4m3"),
+    "sgd_e4m3": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="e4m3"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STORED))
+def test_trajectory_with_stored_moments(name):
+    _same_run(_run(STORED[name](), "auto", "split"), _run(STORED[name](), "auto", "float32"))
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_donated_equals_pure(impl):
+    tx = optimiser_matrix()["recipe"]
+    pure = _run(tx, impl, "split", steps=8)
+    donated = _run(optimiser_matrix()["recipe"], impl, "split", steps=8, donate=True)
+    for a, b in zip(ff._util.tree.tree_leaves(pure), ff._util.tree.tree_leaves(donated)):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize("name", ["momentum", "recipe", "lion"])
+def test_a_skipped_step_is_a_no_op(name, impl):
+    state = ff.fp16_init(_params(), optimiser_matrix()[name], master="split")
+    state = ff.fp16_update(state, matrix_grads(state, 0, 1), impl=impl)
+    before = bit_snapshot((state.params, state.master, state.opt_state))
+    new = ff.fp16_update(state, matrix_grads(state, 1, 1, bad=float("inf")), impl=impl)
+    assert not bool(new.grads_finite)
+    assert_bitwise_unchanged((new.params, new.master, new.opt_state), before)
+    assert_bitwise_unchanged((state.params, state.master, state.opt_state), before)
+
+
+# -- the API -----------------------------------------------------------------------------
+
+
+def test_bytes_and_master_weights():
+    params = _params()
+    wide = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))
+    narrow = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9), master="split")
+    n = sum(p.numel() for p in params.values())
+    assert ff.state_nbytes(wide).master == 4 * n and ff.state_nbytes(narrow).master == 2 * n
+    assert ff.state_nbytes(narrow).params == 2 * n
+    assert all(q.dtype == torch.int16 for q in narrow.master.values())
+    for k in params:
+        assert torch.equal(bits(ff.master_weights(narrow)[k]), bits(params[k]))
+        assert torch.equal(bits(narrow.params[k]), bits(wide.params[k]))
+    assert ff.master_weights(wide) is wide.master
+
+
+def test_convert_round_trip():
+    wide = _run(optimiser_matrix()["recipe"], "auto", "float32", steps=5)
+    narrow = ff.convert_master(wide, "split")
+    assert ff.master_form(narrow) == "split"
+    back = ff.convert_master(narrow, "float32")
+    for a, b in zip(back.master.values(), wide.master.values()):
+        assert torch.equal(bits(a), bits(b))
+    again = ff.convert_master(back, "split")
+    for a, b in zip(
+        ff._util.tree.tree_leaves((again.params, again.master)),
+        ff._util.tree.tree_leaves((narrow.params, narrow.master)),
+    ):
+        assert torch.equal(bits(a), bits(b))
+    assert ff.convert_master(narrow, "split") is narrow
+    # the converted state trains on as the float32 one does
+    g = matrix_grads(wide, 9, 2)
+    _same_run(ff.fp16_update(narrow, g), ff.fp16_update(wide, g))
+
+
+def test_bad_input():
+    params = _params()
+    tx = ff.sgd(0.1)
+    with pytest.raises(ValueError, match="master must be one of"):
+        ff.fp16_init(params, tx, master="fp32")
+    with pytest.raises(ValueError, match="param_dtype=torch.float16"):
+        ff.fp16_init(params, tx, master="split", param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="copy_master=False"):
+        ff.fp16_init(params, tx, master="split", copy_master=False)
+    state = ff.fp16_init(params, tx, master="split")
+    g = matrix_grads(state, 0, 0)
+    wrong_shape = state.replace(master={**state.master, "v": torch.zeros(41, dtype=torch.int16)})
+    with pytest.raises(ValueError, match=r"state.master\['v'\]: shape"):
+        ff.fp16_update(wrong_shape, g)
+    mixed = state.replace(master={**state.master, "v": torch.zeros(40, dtype=torch.int32)})
+    with pytest.raises(TypeError, match=r"state.master\['v'\]: dtype torch.int32"):
+        ff.fp16_update(mixed, g)
+    bf16 = state.replace(params={k: v.bfloat16() for k, v in state.params.items()})
+    with pytest.raises(TypeError, match=r"state.params\['c'\]: dtype torch.bfloat16; a split"):
+        ff.fp16_update(bf16, g)
+    with pytest.raises(ValueError, match="master must be one of"):
+        ff.convert_master(state, "half")
+    with pytest.raises(ValueError, match="needs float16 params"):
+        ff.convert_master(ff.fp16_init(params, tx, param_dtype=torch.bfloat16), "split")
+
+
+def test_checkpoint_round_trip_and_corrupt_residuals(tmp_path):
+    state = _run(optimiser_matrix()["recipe"], "auto", "split", steps=4)
+    ff.save_checkpoint(tmp_path / "s.pt", state)
+    back = ff.load_checkpoint(
+        tmp_path / "s.pt", like=ff.fp16_init(_params(), state.tx, master="split")
+    )
+    for a, b in zip(ff._util.tree.tree_leaves(back), ff._util.tree.tree_leaves(state)):
+        assert torch.equal(bits(a), bits(b))
+    bad_master = dict(state.master)
+    bad_master["w"] = bad_master["w"].clone()
+    bad_master["w"][3, 4] = 2**14 + 1  # out of range
+    ff.save_checkpoint(tmp_path / "bad.pt", state.replace(master=bad_master))
+    with pytest.raises(ff.CheckpointCorruptError, match=r"state.master\['w'\]: residuals"):
+        ff.load_checkpoint(tmp_path / "bad.pt", like=back)
+    off = dict(state.master)
+    off["v"] = off["v"].clone()
+    odd = int(torch.nonzero(bits(state.params["v"]) & 1)[0])
+    off["v"][odd] = 2**14  # half an ulp away from an odd param: decodes to a tie, rounds away
+    ff.save_checkpoint(tmp_path / "off.pt", state.replace(master=off))
+    with pytest.raises(ff.CheckpointCorruptError, match=r"state.master\['v'\]"):
+        ff.load_checkpoint(tmp_path / "off.pt", like=back)
+
+
+def test_valid_residuals_catches_each_rule():
+    p = torch.tensor([1.0, float("inf"), 2.0**-20], dtype=torch.float16)
+    q = torch.zeros(3, dtype=torch.int16)
+    assert bool(master_split.valid_residuals(p, q))
+    assert not bool(master_split.valid_residuals(p, torch.tensor([0, 1, 0], dtype=torch.int16)))
+    assert not bool(
+        master_split.valid_residuals(p, torch.tensor([2**14 + 1, 0, 0], dtype=torch.int16))
+    )
