@@ -519,6 +519,7 @@ def test_the_c_interface_refuses_arguments_that_do_not_fit_together(entry, chang
             momentum=0.9,
             take_started=1.0,
             nesterov=0,
+            split=0,
             threads=1,
             require=None,
             decided_out=None,

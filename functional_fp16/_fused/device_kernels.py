@@ -19,6 +19,7 @@ from torch import Tensor
 from functional_fp16._fused.plain_kernels import stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16.precision import master_split
 
 __all__ = [
     "CPU_KERNEL_VARIABLE",
@@ -173,6 +174,8 @@ def run_step(
     So the C kernel's packing checks only the lists' lengths and the scalars
     again.
     """
+    if a["master"] and a["master"][0].dtype == torch.int16:
+        return _run_split(spec, a, used, out, kernel, speculate)
     groups, members = a["lr"].numel(), a["members"]
     inputs = {**a, "params": working_copies(a["master"], a["params"], a["separate"])}
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
@@ -204,6 +207,24 @@ def run_step(
         )
     else:
         spec.generic(members=members, apply=finite, **kw)
+    return finite, leaves
+
+
+def _run_split(spec: StepSpec, a: dict, used: list[str], out: dict, kernel: str, speculate):
+    """:func:`run_step` of a split master (int16 residuals beside float16 params) on a
+    kernel that steps a float32 master: the master joined, stepped in place and split
+    into ``out`` (the C++ op instead joins and splits inside its one pass). A skipped
+    step's master is the joined one, which splits back into the same params and
+    residuals bitwise."""
+    wide = [master_split.join(p, q) for p, q in zip(a["params"], a["master"])]
+    inner = {**a, "master": wide, "separate": [False] * len(wide), "params": []}
+    stepped = {**out, "master": wide, "params": wide}
+    del speculate  # in place: a speculative step could not be undone
+    finite, leaves = run_step(spec, inner, used, stepped, kernel, speculate=False)
+    for m, p_out, q_out in zip(wide, out["params"], out["master"]):
+        p, q = master_split.split(m)
+        p_out.copy_(p)
+        q_out.copy_(q)
     return finite, leaves
 
 

@@ -117,7 +117,20 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     grads, members = a["grads"], a["members"]
     _check_grads(op, grads, members)
     layout = _layout(grads)
-    _check_list(op, "master", a["master"], grads, (torch.float32,), layout)
+    split = (
+        bool(a["master"])
+        and isinstance(a["master"][0], Tensor)
+        and (a["master"][0].dtype == torch.int16)
+    )
+    _check_list(
+        op, "master", a["master"], grads, (torch.int16,) if split else (torch.float32,), layout
+    )
+    if split and not (all(a["separate"]) and all(p.dtype == torch.float16 for p in a["params"])):
+        fail(
+            op,
+            "a split master (int16 residuals) needs a float16 working copy for every leaf",
+            TypeError,
+        )
     used = spec.check(op, a)
     for name in spec.states:
         if name in spec.side:

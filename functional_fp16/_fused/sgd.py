@@ -328,7 +328,8 @@ SPEC = StepSpec(
     check=_check,
     kernel_args=_kernel_args,
     generic=_generic,
-    c_extra={"require": None, "decided_out": None, "leaf_finite_out": None},
+    # split: 0, a split master reaching the C entry here having been joined (run_step)
+    c_extra={"require": None, "decided_out": None, "leaf_finite_out": None, "split": 0},
     speculative=True,
     cpp_op="sgd",
     cpp_hyper=lambda a: (

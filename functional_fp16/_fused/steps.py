@@ -238,7 +238,10 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
     why, fp = _group_leaves(state, parts)
     if fp is None:
         return why, None
-    if any(m.dtype != torch.float32 for m in masters):
+    if all(m.dtype == torch.int16 for m in masters):  # a split master
+        if any(p.dtype != torch.float16 for p in params):
+            return "a split master beside params that are not float16", None
+    elif any(m.dtype != torch.float32 for m in masters):
         return "a master that is not float32", None
     for g in fp.groups:
         allowed = getattr(g.plan, "state_dtypes", (torch.float32,))

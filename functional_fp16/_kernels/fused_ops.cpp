@@ -46,8 +46,8 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
                    const float *inv, const float *clip_div, const float *clip_mul,
                    const float *lr, const uint8_t *apply, const uint8_t *require,
                    const uint8_t *started, float weight_decay, float momentum,
-                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out,
-                   uint8_t *leaf_finite_out);
+                   float take_started, int32_t nesterov, int32_t split, int32_t threads,
+                   uint8_t *decided_out, uint8_t *leaf_finite_out);
 void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                     float *const *a, float *const *v, void *const *p, float *const *mo,
                     float *const *ao, float *const *vo, void *const *po, const int64_t *numel,
@@ -310,6 +310,11 @@ Decided given(const Tensor &apply, const OptTensor &require) {
   return {out, at::empty({0}, apply.options())};
 }
 
+// Whether the master list holds int16 residuals of a split master (master_split.py).
+bool is_split(const TensorList &master) {
+  return !master.empty() && master[0].scalar_type() == at::kShort;
+}
+
 // Checks shared by both steps; returns the number of groups.
 int64_t check_common(const TensorList &grads, const TensorList &master, const TensorList &params,
                      const std::vector<bool> &separate, const OptTensor &inv,
@@ -317,8 +322,21 @@ int64_t check_common(const TensorList &grads, const TensorList &master, const Te
                      const OptTensor &apply, const OptTensor &require, int64_t members) {
   check_grads(grads, members);
   const auto g = refs(grads);
-  check_like(master, g, true, "master");
   TORCH_CHECK(separate.size() == grads.size(), "separate: wrong count");
+  if (is_split(master)) {  // int16 residuals beside float16 working copies
+    TORCH_CHECK(master.size() == g.size(), "master: wrong count");
+    for (size_t i = 0; i < master.size(); ++i) {
+      const Tensor &x = master[i];
+      TORCH_CHECK(x.defined() && x.device().is_cpu() && x.scalar_type() == at::kShort &&
+                      x.sizes() == g[i]->sizes() && x.strides() == g[i]->strides(),
+                  "master: a bad residual");
+      TORCH_CHECK(separate[i], "master: a split master needs every working copy");
+    }
+    for (const Tensor &p : params)
+      TORCH_CHECK(p.scalar_type() == at::kHalf, "params: a split master needs float16 params");
+  } else {
+    check_like(master, g, true, "master");
+  }
   std::vector<const Tensor *> own;
   for (size_t i = 0; i < grads.size(); ++i)
     if (separate[i]) own.push_back(g[i]);
@@ -406,7 +424,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> sgd(
                 on ? reinterpret_cast<const uint8_t *>(started->data_ptr<bool>()) : nullptr,
                 static_cast<float>(weight_decay), static_cast<float>(momentum),
                 static_cast<float>(take_started), nesterov && on ? 1 : 0,
-                static_cast<int32_t>(threads),
+                is_split(master) ? 1 : 0, static_cast<int32_t>(threads),
                 speculative ? reinterpret_cast<uint8_t *>(d.finite.data_ptr<bool>()) : nullptr,
                 speculative ? reinterpret_cast<uint8_t *>(d.leaves.data_ptr<bool>()) : nullptr);
   if (donated) return {{}, {}, {}, d.finite, d.leaves};  // written in place
@@ -423,6 +441,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
   const std::vector<bool> separate(separate_list.begin(), separate_list.end());
   const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
                                       lr, apply, require, members);
+  TORCH_CHECK(!is_split(master), "master: this step takes a float32 master");
   const auto g = refs(grads);
   check_like(mu, g, true, "mu");
   check_like(nu, g, true, "nu");
@@ -493,6 +512,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
   const std::vector<bool> separate(separate_list.begin(), separate_list.end());
   const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
                                       lr, apply, require, members);
+  TORCH_CHECK(!is_split(master), "master: this step takes a float32 master");
   const auto g = refs(grads);
   const size_t n = grads.size();
   TORCH_CHECK(states.size() % n == 0, "states: not a whole number of lists");
@@ -744,6 +764,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> store
   x.n_members = members;
   x.rounding = static_cast<int32_t>(rounding);
   x.root = root >= 0 ? 1 : 0;
+  x.split = is_split(master) ? 1 : 0;
   fn(&x);
   if (donated) return {{}, {}, {}, {}, d.finite, d.leaves};  // written in place
   return {m_out, s_out, sc_out, p_new, d.finite, d.leaves};

@@ -156,6 +156,56 @@ static void stream_fence(void) {
 
 static int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
+static inline float bits_f32_(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The split master (master_split.py): FP16 params p and int16 residuals q.  */
+/* ------------------------------------------------------------------------ */
+
+/* u(p) = sign(p) 2^(max(e, 1) - 40) for the FP16 pattern h with exponent field e, as
+ * float32 bits (biased exponent max(e, 1) + 87); its inverse has biased exponent
+ * 167 - max(e, 1). */
+static inline uint32_t unit_sign(uint16_t h) { return (uint32_t)(h & 0x8000u) << 16; }
+static inline uint32_t unit_exponent(uint16_t h) {
+    const uint32_t e = (h >> 10) & 31u;
+    return e < 1u ? 1u : e;
+}
+
+/* The float32 master p + q u(p) of n elements (exact: it is the master split() was given,
+ * put on the grid below 2^-14). */
+static void join_master(const uint16_t *restrict p, const int16_t *restrict q,
+                        float *restrict out, int64_t n) {
+    to_f32(p, out, n, DT_F16);
+    for (int64_t i = 0; i < n; ++i) {
+        const float u = bits_f32_(((unit_exponent(p[i]) + 87u) << 23) | unit_sign(p[i]));
+        out[i] = out[i] + (float)q[i] * u;
+    }
+}
+
+/* split(m) of n float32 masters into FP16 params p and int16 residuals q: below 2^-14
+ * m is put on the grid of 2^-39 (to nearest, ties to even), p = fl16 of that, and
+ * q = (that - p) / u(p), exact; 0 where p is inf or NaN. m is overwritten with the
+ * gridded values; pf: n floats of scratch. */
+static void split_master(float *restrict m, uint16_t *restrict p, int16_t *restrict q,
+                         float *restrict pf, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = m[i];
+        m[i] = fabsf(x) < 0x1p-14f ? nearbyintf(x * 0x1p39f) * 0x1p-39f : x;
+    }
+    from_f32(m, p, n, DT_F16);
+    to_f32(p, pf, n, DT_F16);
+    for (int64_t i = 0; i < n; ++i) {
+        const uint16_t h = p[i];
+        const float inv_u = bits_f32_(((167u - unit_exponent(h)) << 23) | unit_sign(h));
+        const float r = (m[i] - pf[i]) * inv_u;
+        q[i] = (int16_t)(int32_t)(((h >> 10) & 31u) == 31u ? 0.0f : r);
+    }
+}
+
 typedef struct {
     int32_t leaf;
     int64_t start, len;
@@ -345,7 +395,7 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
 static void keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, float *const *b,
                     void *const *p, float *const *mo, float *const *bo, void *const *po,
                         const int64_t *numel, const int32_t *pdt, const uint8_t *apply,
-                        int32_t threads) {
+                        int ms, int32_t threads) {
     int any_skip = 0;
     for (int64_t k = 0; k < n_groups; ++k) any_skip |= apply[k] == 0;
     if (!any_skip) return;
@@ -358,7 +408,7 @@ static void keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, flo
         const int l = c->leaf, ps = dt_size(pdt[l]);
         if (apply[l / per_group]) continue;
         const int64_t s = c->start, n = c->len;
-        memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
+        memcpy((char *)mo[l] + s * ms, (const char *)m[l] + s * ms, (size_t)n * ms);
         if (b) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
         if (po[l] != (void *)mo[l])
             memcpy((char *)po[l] + s * ps, (const char *)p[l] + s * ps, (size_t)(n * ps));
@@ -382,16 +432,19 @@ static void keep_unless(int64_t n_leaves, int64_t n_groups, float *const *m, flo
  * decided_out[k] = the AND of its leaves' flags && require[k] (require NULL:
  * true), the decision grads_finite makes, and the groups that skip get their
  * old state copied back (keep_unless). apply given: decided_out and
- * leaf_finite_out are NULL. */
+ * leaf_finite_out are NULL. split: m and mo hold int16 residuals of the FP16 working
+ * copies p and po (master_split.py): the master is joined from p and m and split into po
+ * and mo, in the same pass. */
 void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                    float *const *b, void *const *p, float *const *mo, float *const *bo,
                    void *const *po, const int64_t *numel, const int32_t *gdt, const int32_t *pdt,
                    const float *inv, const float *clip_div, const float *clip_mul,
                    const float *lr, const uint8_t *apply, const uint8_t *require,
                    const uint8_t *started, float weight_decay, float momentum,
-                   float take_started, int32_t nesterov, int32_t threads, uint8_t *decided_out,
-                   uint8_t *leaf_finite_out) {
+                   float take_started, int32_t nesterov, int32_t split, int32_t threads,
+                   uint8_t *decided_out, uint8_t *leaf_finite_out) {
     const int want_peak = apply == NULL;
+    const int ms = split ? 2 : 4; /* bytes per element of the master (or residual) */
     const int64_t per_group = n_leaves / n_groups;
     Hyper *hs = (Hyper *)malloc((size_t)n_groups * sizeof(Hyper));
     uint8_t *go = (uint8_t *)malloc((size_t)n_groups);
@@ -439,7 +492,8 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
             char *po_s = (char *)po[l] + s * ps;
             if (!go[grp]) {
                 /* A skipped step: the new state is the old one, bit for bit. */
-                if (mo[l] != m[l]) memcpy(mo_s, m[l] + s, (size_t)n * 4);
+                if (mo[l] != m[l])
+                    memcpy((char *)mo[l] + s * ms, (const char *)m[l] + s * ms, (size_t)n * ms);
                 if (h->momentum && bo[l] != b[l]) memcpy(bo_s, b[l] + s, (size_t)n * 4);
                 if (po[l] != p[l] && !p_is_master)
                     memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
@@ -449,7 +503,19 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             const float *b_s = h->momentum ? b[l] + s : NULL;
             float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
-            if (mo[l] == m[l]) {
+            if (split) {
+                /* the master joined, stepped and split; every read of the block before
+                 * its writes, so a donated step may write over its inputs */
+                float wbuf[BLOCK], mbuf[BLOCK], bbuf[BLOCK];
+                join_master((const uint16_t *)p[l] + s, (const int16_t *)(const void *)m[l] + s,
+                            wbuf, n);
+                sgd_dispatch(h, gbuf, wbuf, b_s, mbuf, bbuf, pbuf, n);
+                if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
+                uint16_t pq[2 * BLOCK];
+                split_master(mbuf, pq, (int16_t *)(pq + BLOCK), wbuf, n);
+                stream_bytes(po_s, pq, n * 2);
+                stream_bytes((int16_t *)(void *)mo[l] + s, pq + BLOCK, n * 2);
+            } else if (mo[l] == m[l]) {
                 /* donated: master and momentum in place, on lines the loads just
                  * brought into cache; the working copy, never read, streamed */
                 sgd_dispatch(h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
@@ -483,7 +549,7 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
              * being monotonic */
             decided_out[k] = decided_out[k] && leaf_finite_out[l];
         }
-        keep_unless(n_leaves, n_groups, m, b, p, mo, bo, po, numel, pdt, decided_out, nt);
+        keep_unless(n_leaves, n_groups, m, b, p, mo, bo, po, numel, pdt, decided_out, ms, nt);
     }
     free(peak);
     free(go);
@@ -1145,10 +1211,18 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
  * second state through its root where x->root). counts[k]: group k's applied-step count
  * (the salt), salt_ids[l] each leaf's index in the optimiser's tree. */
 /* A segment's last writes: the new master from its buffer (not donated: a donated step
- * wrote it in place) and the working copy converted from pbuf, both streamed. */
-static inline void finish_segment(float *mo, const float *mbuf, int donated, char *po,
+ * wrote it in place) and the working copy converted from pbuf, both streamed; for a split
+ * master, the params and residuals split from mbuf (hbuf: room for both). */
+static inline void finish_segment(void *mo, float *mbuf, int donated, char *po,
                                   const float *pbuf, void *hbuf, int p_is_master, int pd,
-                                  int ps, int64_t n) {
+                                  int ps, int split, float *scratch, int64_t n) {
+    if (split) { /* params and residuals of the new master (in mbuf), streamed */
+        uint16_t *pq = (uint16_t *)hbuf;
+        split_master(mbuf, pq, (int16_t *)(pq + n), scratch, n);
+        stream_bytes(po, pq, n * 2);
+        stream_bytes(mo, pq + n, n * 2);
+        return;
+    }
     if (!donated) stream_bytes(mo, mbuf, n * 4);
     if (!p_is_master) {
         from_f32(pbuf, hbuf, n, pd);
@@ -1243,13 +1317,14 @@ static void stored_step(const ff_step_args *x, const int kind) {
     const int64_t buf_len = bs > BLOCK ? bs : BLOCK;
 #pragma omp parallel num_threads(x->threads)
     {
-        /* Nine buffers, each 80 floats past a multiple of 4 KiB from the others (buffers
+        /* Ten buffers, each 80 floats past a multiple of 4 KiB from the others (buffers
          * 4 KiB apart make loads wait on unrelated stores: 4K aliasing). */
         const int64_t stride = buf_len + 80;
-        float *buf = (float *)malloc((size_t)stride * 9 * sizeof(float));
+        float *buf = (float *)malloc((size_t)stride * 10 * sizeof(float));
         float *gbuf = buf, *abuf = buf + stride, *vbuf = buf + 2 * stride;
         float *mbuf = buf + 3 * stride, *nabuf = buf + 4 * stride, *nvbuf = buf + 5 * stride;
         float *pbuf = buf + 6 * stride, *hbuf = buf + 7 * stride, *tmp = buf + 8 * stride;
+        float *wbuf = buf + 9 * stride; /* a split master, joined */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < n_units; ++u) {
             const int64_t l = units[3 * u], q0 = units[3 * u + 1], nq = units[3 * u + 2];
@@ -1259,6 +1334,8 @@ static void stored_step(const ff_step_args *x, const int kind) {
             float *const m = x->m[l], *const mo = x->mo[l];
             const int p_is_master = x->po[l] == (void *)mo;
             const int donated = mo == m;
+            const int split = x->split, ms = split ? 2 : 4;
+            const int in_place = donated && !split; /* the new master written where it is */
             const int st_a = x->sdt[0][l], st_v = n_states > 1 ? x->sdt[1][l] : ST_F32;
             const int bytes_a = st_a == ST_F32 ? 4 : (st_a == ST_E4M3 ? 1 : 2);
             const int bytes_v = st_v == ST_F32 ? 4 : (st_v == ST_E4M3 ? 1 : 2);
@@ -1278,7 +1355,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                 if (!apply) {
                     /* A skipped step: the new state is the old one, bit for bit. */
                     if (!donated) {
-                        memcpy(mo + s, m + s, (size_t)n * 4);
+                        memcpy((char *)mo + s * ms, (const char *)m + s * ms, (size_t)n * ms);
                         memcpy((char *)x->so[0][l] + s * bytes_a,
                                (const char *)x->s[0][l] + s * bytes_a, (size_t)n * bytes_a);
                         if (n_states > 1)
@@ -1292,29 +1369,36 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     continue;
                 }
                 to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
+                const float *m_in = m + s;
+                void *mo_s = (char *)mo + s * ms;
+                if (split) { /* every read of the segment before its writes */
+                    join_master((const uint16_t *)x->p[l] + s, (const int16_t *)(void *)m + s,
+                                wbuf, n);
+                    m_in = wbuf;
+                }
                 if (kind == STORED_ADAM && st_a == ST_BF16 && st_v == ST_BF16) { /* one loop */
-                    float *m_to = donated ? mo + s : mbuf;
-                    adam_bf16_dispatch(h, gbuf, m + s, (const uint16_t *)x->s[0][l] + s,
+                    float *m_to = in_place ? mo + s : mbuf;
+                    adam_bf16_dispatch(h, gbuf, m_in, (const uint16_t *)x->s[0][l] + s,
                                        (const uint16_t *)x->s[1][l] + s, m_to,
                                        (uint16_t *)x->so[0][l] + s, (uint16_t *)x->so[1][l] + s,
                                        p_is_master ? m_to : pbuf, n, sr, salt_a, salt_v);
-                    finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps,
-                                   n);
+                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
+                                   tmp, n);
                     continue;
                 }
-                float *m_to = donated ? mo + s : mbuf; /* in place: each element read first */
+                float *m_to = in_place ? mo + s : mbuf; /* in place: each element read first */
                 if (kind != STORED_ADAM) {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
                                   0, abuf, s, n);
                     if (kind == STORED_LION)
-                        lion_dispatch(&hl[grp], gbuf, m + s, abuf, m_to, nabuf,
+                        lion_dispatch(&hl[grp], gbuf, m_in, abuf, m_to, nabuf,
                                       p_is_master ? m_to : pbuf, n);
                     else
-                        sgd_dispatch(&hg[grp], gbuf, m + s, abuf, m_to, nabuf,
+                        sgd_dispatch(&hg[grp], gbuf, m_in, abuf, m_to, nabuf,
                                      p_is_master ? m_to : pbuf, n);
                 } else if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded inline */
                     float peaks[2] = {0.0f, 0.0f};
-                    adam_e4m3_dispatch(h, gbuf, m + s, (const uint8_t *)x->s[0][l] + s,
+                    adam_e4m3_dispatch(h, gbuf, m_in, (const uint8_t *)x->s[0][l] + s,
                                        (const uint8_t *)x->s[1][l] + s, x->sc[0][l][q],
                                        x->sc[1][l][q], m_to, nabuf, nvbuf,
                                        p_is_master ? m_to : pbuf, peaks, n);
@@ -1322,15 +1406,15 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                  0, sr, salt_a, n);
                     encode_block(nvbuf, peaks[1], (uint8_t *)x->so[1][l] + s, &x->sco[1][l][q],
                                  1, sr, salt_v, n);
-                    finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps,
-                                   n);
+                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
+                                   tmp, n);
                     continue;
                 } else {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
                                   0, abuf, s, n);
                     decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
                                   x->root, vbuf, s, n);
-                    adam_dispatch(h, gbuf, m + s, abuf, vbuf, m_to, nabuf, nvbuf,
+                    adam_dispatch(h, gbuf, m_in, abuf, vbuf, m_to, nabuf, nvbuf,
                                   p_is_master ? m_to : pbuf, n);
                 }
                 encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
@@ -1339,7 +1423,8 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     encode_moment(st_v, nvbuf, x->so[1][l],
                                   st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL, x->root, sr, salt_v,
                                   tmp, s, n);
-                finish_segment(mo + s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, n);
+                finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
+                                   tmp, n);
             }
         }
         stream_fence(); /* each thread orders its own streaming stores */

@@ -57,6 +57,9 @@ typedef struct {
     int64_t block_size, n_members;
     int32_t rounding; /* 0: to nearest; 1: stochastic */
     int32_t root;     /* the second state is coded through its square root */
+    /* The master is split (master_split.py): m[l] and mo[l] hold int16 residuals of the
+     * FP16 working copies p[l] and po[l], joined before and split after the step. */
+    int32_t split;
 } ff_step_args;
 
 typedef void (*ff_step_fn)(const ff_step_args *);

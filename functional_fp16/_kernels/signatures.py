@@ -133,10 +133,10 @@ SIGNATURES: dict[str, Signature] = {
         "ff_sgd_update",
         (
             _leaves("grads", dtypes=STORED, like=""),
-            _leaves("master"),
+            _leaves("master", dtypes=(torch.float32, torch.int16)),
             _leaves("trace", optional=True),  # None without momentum
             _leaves("params", dtypes=STORED),
-            _leaves("master_out"),
+            _leaves("master_out", dtypes=(torch.float32, torch.int16), same_dtype="master"),
             _leaves("trace_out", optional=True),
             _leaves("params_out", dtypes=STORED, same_dtype="params"),
             Arg("numel", "numel", of="grads"),
@@ -150,6 +150,7 @@ SIGNATURES: dict[str, Signature] = {
             Arg("momentum", "float"),
             Arg("take_started", "float"),
             Arg("nesterov", "int"),
+            Arg("split", "int"),  # master/master_out: int16 residuals of params (fused_step.c)
             Arg("threads", "int"),
             _group("decided_out", torch.bool, optional=True),
             _leafwise("leaf_finite_out", torch.bool, optional=True),

@@ -142,7 +142,9 @@ def _route(state, impl: str) -> Route:
             return fp16_accumulate_update(s, grads, decision, donate, inner.run)
 
         return Route(inner.name, inner.kernel, run, batches=False)
-    if master_form(state) == "split" and (impl == "reference" or fused_plan(state) is None):
+    if master_form(state) == "split" and (
+        impl not in ("auto", "fused") or fused_plan(state) is None
+    ):
         return _widening(_route(_float32_twin(state), impl))
     if impl == "reference":
         return Route("reference", None, reference_update, batches=False)
