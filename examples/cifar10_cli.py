@@ -68,6 +68,7 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--lr", type=float, default=0.001)
     t.add_argument("--momentum", type=float, default=0.9)
     run_cli.add_moments_flag(t, "SGD's momentum buffers (accumulator_dtype) are")
+    run_cli.add_master_flag(t)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--max-steps-per-epoch",

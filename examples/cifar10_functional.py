@@ -188,7 +188,13 @@ def build_state(
     params = {k: v.to(device) for k, v in params.items()}
     buffers = {k: v.to(device) for k, v in buffers.items()}
     tx = ff.sgd(args.lr, momentum=args.momentum, accumulator_dtype=run_cli.moment_dtype(args))
-    state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+    state = ff.fp16_init(
+        params,
+        tx,
+        loss_scale,
+        param_dtype=policy.param_dtype,
+        master=getattr(args, "master", "float32"),
+    )
     return state, buffers
 
 
@@ -357,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         **summary_head(args, data, device, policy),
         "shard_master": args.shard_master,
         "moments": args.moments,
+        "master": args.master,
         "state_bytes": stored_bytes,
         "per_rank_batch": args.batch_size // ffd.get_world_size(),
         "epochs": args.epochs,

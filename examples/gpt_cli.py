@@ -126,6 +126,7 @@ def add_training_flags(t: argparse._ArgumentGroup) -> None:
         help="AdamW's decoupled decay, on the linear layers' weight matrices only",
     )
     run_cli.add_moments_flag(t, "AdamW's two moments are")
+    run_cli.add_master_flag(t)
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: none)")
     t.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     t.add_argument("--eval-interval", type=int, default=250, help="evaluate every N steps")

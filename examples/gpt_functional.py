@@ -187,7 +187,13 @@ def build_state(
     assert not buffers, "the model has no buffers"
     params = {k: v.to(device) for k, v in params.items()}
     tx = build_optimizer(args, decay_mask(model))
-    return ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+    return ff.fp16_init(
+        params,
+        tx,
+        loss_scale,
+        param_dtype=policy.param_dtype,
+        master=getattr(args, "master", "float32"),
+    )
 
 
 def fsdp_parts(
@@ -380,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(
         f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
-        f"compile: {args.compile}, moments: {args.moments}",
+        f"compile: {args.compile}, moments: {args.moments}, master: {args.master}",
         flush=True,
     )
     print_distributed(info, args.batch_size)
@@ -417,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "model": cfg._asdict(),
         "parameters": n_params,
         "moments": args.moments,
+        "master": args.master,
         "state_bytes": stored_bytes,
         "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,

@@ -345,7 +345,7 @@ def train_stock(args, data, policy, device, evaluate_batches: int) -> dict:
 def save_model(model: nn.Module, state: ff.FP16State, buffers: dict, path) -> None:
     """The FP32 master weights, in a fresh copy of ``model``, written by ``save_pretrained``."""
     fresh = type(model)(model.config)
-    fresh.load_state_dict(module_state_dict(fresh, state.master, buffers))
+    fresh.load_state_dict(module_state_dict(fresh, ff.master_weights(state), buffers))
     fresh.save_pretrained(path)
 
 
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = model.to(device)
     params, buffers = split_module(model)
     tx = gpt.build_optimizer(args, decay_mask(params))
-    state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype)
+    state = ff.fp16_init(params, tx, loss_scale, param_dtype=policy.param_dtype, master=args.master)
     n_params = sum(p.numel() for p in state.params.values())
     print(
         f"data: {'SYNTHETIC text' if data.synthetic else data.describe()}, "
@@ -377,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(
         f"device: {device}, policy: {policy}, update path: {ff.update_path(state)}, "
-        f"moments: {args.moments}",
+        f"moments: {args.moments}, master: {args.master}",
         flush=True,
     )
     stored_bytes = state_bytes(state)
@@ -402,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     skipped_at = [r["step"] for r in result["rows"] if r["skipped"]]
     summary = {
         "moments": args.moments,
+        "master": args.master,
         "state_bytes": stored_bytes,
         **summary_head(args, data, device, policy),
         "model": cfg._asdict(),

@@ -50,6 +50,18 @@ def add_moments_flag(t: argparse._ArgumentGroup, what: str) -> None:
     )
 
 
+def add_master_flag(t: argparse._ArgumentGroup) -> None:
+    """``--master float32|split``: how the FP32 master is held (``fp16_init``'s ``master``)."""
+    t.add_argument(
+        "--master",
+        choices=["float32", "split"],
+        default="float32",
+        help="how the FP32 master is held: a float32 copy (4 B/param), or split: FP16 params "
+        "plus an int16 residual per parameter that hold it exactly (2 B/param; "
+        "functional_fp16.precision.master_split)",
+    )
+
+
 def moment_dtype(args: argparse.Namespace) -> torch.dtype | str | None:
     """The dtype ``--moments`` names (``None``: FP32, the optimiser's default)."""
     return MOMENT_DTYPES[getattr(args, "moments", "fp32")]

@@ -306,3 +306,44 @@ def test_valid_residuals_catches_each_rule():
     assert not bool(
         master_split.valid_residuals(p, torch.tensor([2**14 + 1, 0, 0], dtype=torch.int16))
     )
+
+
+# -- transforms of the update ------------------------------------------------------------
+
+
+def test_vmap_members_step_as_alone():
+    tx = optimiser_matrix()["recipe"]
+    states = [ff.fp16_init(_params(seed), tx, master="split") for seed in range(3)]
+    grads = [
+        matrix_grads(s, 0, k, bad=float("inf") if k == 1 else None) for k, s in enumerate(states)
+    ]
+    batched = torch.func.vmap(ff.fp16_update)(ff.tree_stack(states), ff.tree_stack(grads))
+    for k, member in enumerate(ff.tree_unstack(batched)):
+        alone = ff.fp16_update(states[k], grads[k])
+        for a, b in zip(ff._util.tree.tree_leaves(member), ff._util.tree.tree_leaves(alone)):
+            assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("name", ["momentum", "recipe"])
+def test_compiled_equals_eager(name):
+    eager = ff.fp16_init(_params(), optimiser_matrix()[name], master="split")
+    compiled = eager
+    step = torch.compile(ff.fp16_update, fullgraph=True)
+    for k in range(3):
+        g = matrix_grads(eager, k, 5, bad=float("inf") if k == 1 else None)
+        eager, compiled = ff.fp16_update(eager, g), step(compiled, g)
+    for a, b in zip(ff._util.tree.tree_leaves(compiled), ff._util.tree.tree_leaves(eager)):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ff.MultiSteps(ff.adamw(1e-3, weight_decay=0.1), every_k_schedule=2),
+        lambda: ff.inject_hyperparams(ff.adamw)(learning_rate=1e-3, weight_decay=0.1),
+        lambda: ff.inject_hyperparams(ff.sgd)(learning_rate=0.05, momentum=0.9),
+    ],
+    ids=["multisteps", "inject_adamw", "inject_sgd"],
+)
+def test_wrapped_optimisers_equal_the_float32_master(make):
+    _same_run(_run(make(), "auto", "split", steps=10), _run(make(), "auto", "float32", steps=10))

@@ -49,6 +49,7 @@ from functional_fp16.precision.moment_storage import BlockCodes, ScaledHalf
 from functional_fp16.transforms.accumulation import MultiStepsSpec
 from functional_fp16.transforms.base import ChainSpec
 from functional_fp16.update import FP16State
+from functional_fp16.update.master import master_form
 
 __all__ = ["shard_state", "unshard_state", "is_sharded", "default_mesh"]
 
@@ -269,6 +270,11 @@ def shard_state(state: FP16State, *, mesh: DeviceMesh | None = None) -> FP16Stat
         raise ValueError(
             "state already holds DTensors (sharded, or built from FSDP2 parameters): "
             "shard_state takes a full state of plain tensors"
+        )
+    if master_form(state) == "split":
+        raise ValueError(
+            "state has a split master (int16 residuals beside its FP16 params): shard_state "
+            "shards a float32 master beside whole params; convert_master(state, 'float32') first"
         )
     refuse_replicated_steps(state.tx)
     refuse_stored_moments(state.opt_state)

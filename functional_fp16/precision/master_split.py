@@ -48,9 +48,10 @@ FP32 master keeps the finite value); a NaN stays NaN.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["MASTER_FORMS", "RESIDUAL_DTYPE", "check_master_form", "join", "residual_unit"]
-__all__ += ["split", "valid_residuals"]
+__all__ += ["split", "valid_residuals", "split_leaf", "join_leaf"]
 
 MASTER_FORMS = ("float32", "split")
 """The values of ``fp16_init``'s ``master`` argument."""
@@ -126,3 +127,28 @@ def valid_residuals(params: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
     back = join(params, residual).to(PARAM_DTYPE)
     same = back.view(torch.int16) == params.view(torch.int16)
     return (ok & (same | ~finite)).all()
+
+
+def _placed_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor placed like ``like`` (a plain ``like``: ``local`` itself)."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
+
+
+def split_leaf(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split` of one leaf; a DTensor's on its local shard, params and residuals
+    placed like it."""
+    local = master.to_local() if isinstance(master, DTensor) else master
+    params, residual = split(local)
+    return _placed_like(master, params), _placed_like(master, residual)
+
+
+def join_leaf(params: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """:func:`join` of one leaf; DTensors on their local shards, the master placed like
+    the params."""
+    if isinstance(params, DTensor):
+        return _placed_like(params, join(params.to_local(), residual.to_local()))
+    return join(params, residual)

@@ -15,10 +15,7 @@ between a :func:`widened` state and a :func:`narrowed` one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch.distributed.tensor import DTensor
 
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_rebuild
 from functional_fp16.precision import master_split
@@ -38,20 +35,10 @@ def master_form(state: FP16State) -> str:
     return "split" if split else "float32"
 
 
-def _on_shards(fn: Callable, like: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
-    """``fn`` of the tensors, on each DTensor's local shard (the result placed like ``like``)."""
-    if not isinstance(like, DTensor):
-        return fn(*xs)
-    out = fn(*(x.to_local() for x in xs))
-    return DTensor.from_local(
-        out, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
-    )
-
-
 def _join_leaves(state: FP16State) -> list[torch.Tensor]:
     params = tree_flatten(state.params)[0]
     residuals = tree_flatten(state.master)[0]
-    return [_on_shards(master_split.join, p, p, q) for p, q in zip(params, residuals)]
+    return [master_split.join_leaf(p, q) for p, q in zip(params, residuals)]
 
 
 def master_weights(state: FP16State) -> PyTree:
@@ -89,10 +76,8 @@ def narrowed(state: FP16State) -> FP16State:
     r"""A ``"float32"`` state as a ``"split"`` one: :math:`(p, q) = \operatorname{split}(m)`
     of every master leaf (the params rebuilt from the master, as every update does)."""
     masters, spec = tree_flatten(state.master)
-    params, residuals = [], []
-    for m in masters:
-        params.append(_on_shards(lambda x: master_split.split(x)[0], m, m))
-        residuals.append(_on_shards(lambda x: master_split.split(x)[1], m, m))
+    pairs = [master_split.split_leaf(m) for m in masters]
+    params, residuals = [p for p, _ in pairs], [q for _, q in pairs]
     return state.replace(
         params=tree_rebuild(spec, state.params, params),
         master=tree_rebuild(spec, state.master, residuals),

@@ -44,7 +44,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     loss_scale_for,
 )
-from functional_fp16.precision.master_split import check_master_form, split
+from functional_fp16.precision.master_split import check_master_form, split_leaf
 from functional_fp16.precision.scale_stats import COUNTER_NAMES, ScaleStats, zero_stats
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.mesh_reduce import finite_everywhere
@@ -347,7 +347,7 @@ def fp16_init(
     kept = wide
     if master == "split":
         leaves, spec = tree_flatten(wide)
-        pairs = [split(m) for m in leaves]
+        pairs = [split_leaf(m) for m in leaves]
         working = tree_unflatten(spec, [p for p, _ in pairs])
         kept = tree_unflatten(spec, [q for _, q in pairs])
     return FP16State(
