@@ -142,3 +142,11 @@ def test_moments_benchmark_counts_state_bytes_and_times_every_format():
     for fmt in ("fp32", "bf16", "e4m3"):  # stored moments take the fused step
         assert f"| recipe, {fmt} moments | fused |" in out, out
     assert "| recipe, fp16 (scaled v) moments | foreach |" in out, out
+
+
+def test_master_benchmark_counts_bytes_and_times_both_forms():
+    out = _run("bench_master.py", "--smoke")
+    assert "| FP32 master, FP32 moments | 6.00 B | 8.00 B | 14.00 B |" in out, out
+    assert "| split master, FP32 moments | 4.00 B | 8.00 B | 12.00 B |" in out, out
+    for name in ("recipe", "sgd-momentum", "recipe, donated", "sgd-momentum, donated"):
+        assert f"| {name}: split master | fused |" in out, out

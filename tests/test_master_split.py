@@ -91,14 +91,14 @@ def test_edges():
     _check(torch.cat([values, -values, torch.tensor([float("nan"), float("inf"), -float("inf")])]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
 def test_codec_over_float32_patterns(patterns):
     m = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
     _check(m[~torch.isnan(m)])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(-(2**24), 2**24), min_size=1, max_size=64), st.integers(-45, 16))
 def test_codec_near_the_normal_range(ks, e):
     """Masters in and below FP16's normal range: k * 2^(e - 24), every binade from float32's
@@ -324,7 +324,7 @@ def test_vmap_members_step_as_alone():
             assert torch.equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("name", ["momentum", "recipe"])
+@pytest.mark.parametrize("name", ["recipe"])
 def test_compiled_equals_eager(name):
     eager = ff.fp16_init(_params(), optimiser_matrix()[name], master="split")
     compiled = eager
