@@ -162,6 +162,12 @@ static inline float bits_f32_(uint32_t u) {
     return x;
 }
 
+static inline uint32_t f32_bits_(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
 /* ------------------------------------------------------------------------ */
 /* The split master (master_split.py): FP16 params p and int16 residuals q.  */
 /* ------------------------------------------------------------------------ */
@@ -175,33 +181,100 @@ static inline uint32_t unit_exponent(uint16_t h) {
     return e < 1u ? 1u : e;
 }
 
+/* FP16 bits to float32, exactly, in integer and float32 operations a loop vectorises: the
+ * magnitude's bits moved to float32's places and scaled by 2^112 (bias 15 to 127; exact
+ * for subnormals too), the exponent set to all ones for inf and NaN (a NaN made quiet, as
+ * vcvtph2ps makes it). Checked against vcvtph2ps on every pattern, and half_bits against
+ * vcvtps2ph on every float32 pattern. */
+static inline float half_value(uint16_t h) {
+    const uint32_t a = (uint32_t)(h & 0x7FFFu);
+    const uint32_t special = (a >= 0x7C00u ? 0x7F800000u : 0u) | (a > 0x7C00u ? 0x400000u : 0u);
+    const uint32_t v = f32_bits_(bits_f32_(a << 13) * 0x1p112f) | special;
+    return bits_f32_(v | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* float32 to FP16 bits, to nearest with ties to even (as vcvtps2ph): at or above 65536
+ * inf (NaN: quiet, its top mantissa bits kept); below 2^-14 the subnormal grid by one
+ * float32 addition of 1/2 (which rounds to multiples of 2^-24); else rebias and round. */
+static inline uint16_t half_bits(float x) {
+    const uint32_t u = f32_bits_(x), a = u & 0x7FFFFFFFu;
+    const uint32_t big = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : 0x7C00u;
+    const uint32_t sub = f32_bits_(bits_f32_(a) + 0.5f) - 0x3F000000u;
+    const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    const uint32_t h = a >= 0x47800000u ? big : (a < 0x38800000u ? sub : normal);
+    return (uint16_t)(h | ((u >> 16) & 0x8000u));
+}
+
+#if defined(__AVX512F__)
+/* u(p) of 16 params from their float32 values pf, as the bits of sign(p) 2^(E + offset)
+ * with E = max(exponent of p, -14) (offset -25: u; 25 - 2E via negate: 1/u): p's float32
+ * exponent field, raised to -14's where p is subnormal or zero. */
+static inline __m512i exponents16(__m512 pf) {
+    return _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(pf), _mm512_set1_epi32(0x7F800000)),
+                            _mm512_set1_epi32(113 << 23));
+}
+static inline __m512i signs16(__m512 pf) {
+    return _mm512_and_si512(_mm512_castps_si512(pf), _mm512_set1_epi32((int)0x80000000u));
+}
+#endif
+
 /* The float32 master p + q u(p) of n elements (exact: it is the master split() was given,
  * put on the grid below 2^-14). */
 static void join_master(const uint16_t *restrict p, const int16_t *restrict q,
                         float *restrict out, int64_t n) {
-    to_f32(p, out, n, DT_F16);
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 pf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i)));
+        const __m512 qf = _mm512_cvtepi32_ps(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + i))));
+        const __m512i u = _mm512_or_si512( /* 2^(E - 25): E's field less 25 */
+            _mm512_sub_epi32(exponents16(pf), _mm512_set1_epi32(25 << 23)), signs16(pf));
+        _mm512_storeu_ps(out + i, _mm512_add_ps(pf, _mm512_mul_ps(qf, _mm512_castsi512_ps(u))));
+    }
+#endif
+    for (; i < n; ++i) {
         const float u = bits_f32_(((unit_exponent(p[i]) + 87u) << 23) | unit_sign(p[i]));
-        out[i] = out[i] + (float)q[i] * u;
+        out[i] = half_value(p[i]) + (float)q[i] * u;
     }
 }
 
 /* split(m) of n float32 masters into FP16 params p and int16 residuals q: below 2^-14
  * m is put on the grid of 2^-39 (to nearest, ties to even), p = fl16 of that, and
- * q = (that - p) / u(p), exact; 0 where p is inf or NaN. m is overwritten with the
- * gridded values; pf: n floats of scratch. */
-static void split_master(float *restrict m, uint16_t *restrict p, int16_t *restrict q,
-                         float *restrict pf, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float x = m[i];
-        m[i] = fabsf(x) < 0x1p-14f ? nearbyintf(x * 0x1p39f) * 0x1p-39f : x;
+ * q = (that - p) / u(p), exact; 0 where p is inf or NaN. */
+static void split_master(const float *restrict m, uint16_t *restrict p, int16_t *restrict q,
+                         int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(m + i);
+        const __mmask16 small =
+            _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0x1p-14f), _CMP_LT_OQ);
+        __m512 t = x;
+        if (small) /* rare: masters below 2^-14 onto the grid of 2^-39 */
+            t = _mm512_mask_mul_ps(x, small,
+                                   _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0x1p39f)),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                   _mm512_set1_ps(0x1p-39f));
+        const __m256i h = _mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 pf = _mm512_cvtph_ps(h);
+        const __m512i ex = exponents16(pf);
+        const __m512i inv_u = _mm512_or_si512( /* 2^(25 - E): 279 less E's biased field */
+            _mm512_sub_epi32(_mm512_set1_epi32(279 << 23), ex), signs16(pf));
+        const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, pf), _mm512_castsi512_ps(inv_u));
+        const __mmask16 special = _mm512_cmpeq_epi32_mask(ex, _mm512_set1_epi32(0x7F800000));
+        const __m512 rq = _mm512_mask_blend_ps(special, r, _mm512_setzero_ps());
+        _mm256_storeu_si256((__m256i *)(p + i), h);
+        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(rq)));
     }
-    from_f32(m, p, n, DT_F16);
-    to_f32(p, pf, n, DT_F16);
-    for (int64_t i = 0; i < n; ++i) {
-        const uint16_t h = p[i];
+#endif
+    for (; i < n; ++i) {
+        const float x = m[i];
+        const float t = fabsf(x) < 0x1p-14f ? nearbyintf(x * 0x1p39f) * 0x1p-39f : x;
+        const uint16_t h = half_bits(t);
         const float inv_u = bits_f32_(((167u - unit_exponent(h)) << 23) | unit_sign(h));
-        const float r = (m[i] - pf[i]) * inv_u;
+        const float r = (t - half_value(h)) * inv_u;
+        p[i] = h;
         q[i] = (int16_t)(int32_t)(((h >> 10) & 31u) == 31u ? 0.0f : r);
     }
 }
@@ -512,7 +585,7 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
                 sgd_dispatch(h, gbuf, wbuf, b_s, mbuf, bbuf, pbuf, n);
                 if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
                 uint16_t pq[2 * BLOCK];
-                split_master(mbuf, pq, (int16_t *)(pq + BLOCK), wbuf, n);
+                split_master(mbuf, pq, (int16_t *)(pq + BLOCK), n);
                 stream_bytes(po_s, pq, n * 2);
                 stream_bytes((int16_t *)(void *)mo[l] + s, pq + BLOCK, n * 2);
             } else if (mo[l] == m[l]) {
@@ -1215,10 +1288,10 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
  * master, the params and residuals split from mbuf (hbuf: room for both). */
 static inline void finish_segment(void *mo, float *mbuf, int donated, char *po,
                                   const float *pbuf, void *hbuf, int p_is_master, int pd,
-                                  int ps, int split, float *scratch, int64_t n) {
+                                  int ps, int split, int64_t n) {
     if (split) { /* params and residuals of the new master (in mbuf), streamed */
         uint16_t *pq = (uint16_t *)hbuf;
-        split_master(mbuf, pq, (int16_t *)(pq + n), scratch, n);
+        split_master(mbuf, pq, (int16_t *)(pq + n), n);
         stream_bytes(po, pq, n * 2);
         stream_bytes(mo, pq + n, n * 2);
         return;
@@ -1382,8 +1455,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                        (const uint16_t *)x->s[1][l] + s, m_to,
                                        (uint16_t *)x->so[0][l] + s, (uint16_t *)x->so[1][l] + s,
                                        p_is_master ? m_to : pbuf, n, sr, salt_a, salt_v);
-                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
-                                   tmp, n);
+                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split, n);
                     continue;
                 }
                 float *m_to = in_place ? mo + s : mbuf; /* in place: each element read first */
@@ -1406,8 +1478,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                  0, sr, salt_a, n);
                     encode_block(nvbuf, peaks[1], (uint8_t *)x->so[1][l] + s, &x->sco[1][l][q],
                                  1, sr, salt_v, n);
-                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
-                                   tmp, n);
+                    finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split, n);
                     continue;
                 } else {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
@@ -1423,8 +1494,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     encode_moment(st_v, nvbuf, x->so[1][l],
                                   st_v == ST_E4M3 ? &x->sco[1][l][q] : NULL, x->root, sr, salt_v,
                                   tmp, s, n);
-                finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split,
-                                   tmp, n);
+                finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split, n);
             }
         }
         stream_fence(); /* each thread orders its own streaming stores */
