@@ -287,6 +287,8 @@ SPEC = StepSpec(
         ("decoupled", "float"),
     ),
     entry="adam_update",
+    # split: 0, a split master reaching the C entry here having been joined (run_step)
+    c_extra={"split": 0},
     check=lambda op, a: _require_corrections(op, a),
     kernel_args=_kernel_args,
     generic=_generic,
@@ -329,7 +331,7 @@ adam_step, adam_step_ = ADAM_OPS.functional, ADAM_OPS.donated
 def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, memo):
     """One op call for a group: ``(masters', roles', params', decided, shared')``, where
     ``decided`` is the op's ``(finite, leaf_finite)``."""
-    if plan.stored or masters[0].dtype == torch.int16:  # stored moments, or a split master
+    if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
     inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
@@ -364,7 +366,7 @@ def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, don
     )
     block = (plan.nu_format if plan.nu_format.kind == "e4m3" else plan.mu_format).block_size
     a = dict(grads=grads, master=masters, params=own, **common)
-    a.update({r: roles.get(r, []) for r in ("mu", "nu", "mu_scales", "nu_scales")})
+    a.update({r: roles[r] for r in ("mu", "nu", "mu_scales", "nu_scales")})
     a.update(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
     a.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
     a.update(count=count.to(torch.int64).reshape(1), block_size=block, rounding=rounding)

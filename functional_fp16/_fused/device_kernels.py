@@ -212,16 +212,18 @@ def run_step(
 
 def _run_split(spec: StepSpec, a: dict, used: list[str], out: dict, kernel: str, speculate):
     """:func:`run_step` of a split master (int16 residuals beside float16 params) on a
-    kernel that steps a float32 master: the master joined, stepped in place and split
-    into ``out`` (the C++ op instead joins and splits inside its one pass). A skipped
-    step's master is the joined one, which splits back into the same params and
-    residuals bitwise."""
+    kernel that steps a float32 master: the master joined, stepped and split
+    into ``out`` (the C++ op instead joins and splits inside its one pass): 8 bytes a
+    parameter of float32 temporaries. A skipped step's master is the joined one, which
+    splits back into the same params and residuals bitwise."""
     wide = [master_split.join(p, q) for p, q in zip(a["params"], a["master"])]
     inner = {**a, "master": wide, "separate": [False] * len(wide), "params": []}
-    stepped = {**out, "master": wide, "params": wide}
-    del speculate  # in place: a speculative step could not be undone
-    finite, leaves = run_step(spec, inner, used, stepped, kernel, speculate=False)
-    for m, p_out, q_out in zip(wide, out["params"], out["master"]):
+    # A fresh float32 master out (the kernels may use it as scratch before they read the
+    # master), the working copy the master itself.
+    new = [torch.empty_like(m) for m in wide]
+    stepped = {**out, "master": new, "params": new}
+    finite, leaves = run_step(spec, inner, used, stepped, kernel, speculate)
+    for m, p_out, q_out in zip(new, out["params"], out["master"]):
         p, q = master_split.split(m)
         p_out.copy_(p)
         q_out.copy_(q)

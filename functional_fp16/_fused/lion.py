@@ -240,7 +240,7 @@ lion_step, lion_step_ = LION_OPS.functional, LION_OPS.donated
 def _step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, memo):
     """One op call for a group: ``(masters', roles', params', decided, shared')``, where
     ``decided`` is the op's ``(finite, leaf_finite)``."""
-    if plan.stored or masters[0].dtype == torch.int16:  # a stored momentum, or a split master
+    if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     del shared, memo  # the count advances on an applied step (``steps.advanced``)
     mu = roles["mu"]
@@ -357,7 +357,7 @@ LION_STORED_OPS = define_step(
 def _stored_step(plan: LionPlan, grads, masters, roles, shared, own, common, donate, memo):
     """:func:`_step` for a stored momentum: one ``lion_stored_step`` call."""
     count = incremented(memo, shared["count"])
-    a = dict(grads=grads, master=masters, mu=roles["mu"], mu_scales=roles.get("mu_scales", []))
+    a = dict(grads=grads, master=masters, mu=roles["mu"], mu_scales=roles["mu_scales"])
     a.update(params=own, **common, b1=plan.b1, b2=plan.b2, decoupled=plan.decoupled_decay)
     a.update(count=count.to(torch.int64).reshape(1), block_size=plan.mu_format.block_size)
     a.update(rounding=ROUNDINGS.index(plan.mu_format.rounding), salt_ids=list(memo["indices"]))

@@ -54,7 +54,8 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
                     const int32_t *gdt, const int32_t *pdt, const float *inv,
                     const float *clip_div, const float *clip_mul, const float *lr,
                     const uint8_t *apply, const float *inv_c1, const float *sqrt_c2, float l2,
-                    float w, float b2, float c2, float eps, float wd, int32_t threads);
+                    float w, float b2, float c2, float eps, float wd, int32_t split,
+                    int32_t threads);
 }
 
 namespace {
@@ -441,7 +442,6 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
   const std::vector<bool> separate(separate_list.begin(), separate_list.end());
   const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
                                       lr, apply, require, members);
-  TORCH_CHECK(!is_split(master), "master: this step takes a float32 master");
   const auto g = refs(grads);
   check_like(mu, g, true, "mu");
   check_like(nu, g, true, "nu");
@@ -491,7 +491,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
                  inv_c1.data_ptr<float>(), sqrt_c2.data_ptr<float>(), static_cast<float>(l2),
                  static_cast<float>(w), static_cast<float>(b2), static_cast<float>(c2),
                  static_cast<float>(eps), static_cast<float>(decoupled),
-                 static_cast<int32_t>(threads));
+                 is_split(master) ? 1 : 0, static_cast<int32_t>(threads));
   if (donated) return {{}, {}, {}, {}, finite, d.leaves};  // written in place
   return {m_out, a_out, v_out, p_new, finite, d.leaves};
 }
@@ -512,7 +512,6 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
   const std::vector<bool> separate(separate_list.begin(), separate_list.end());
   const int64_t groups = check_common(grads, master, params, separate, inv, clip_div, clip_mul,
                                       lr, apply, require, members);
-  TORCH_CHECK(!is_split(master), "master: this step takes a float32 master");
   const auto g = refs(grads);
   const size_t n = grads.size();
   TORCH_CHECK(states.size() % n == 0, "states: not a whole number of lists");
@@ -585,6 +584,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
   x.apply = reinterpret_cast<const uint8_t *>(finite.data_ptr<bool>());
   x.scalars = sc.data();
   x.hyper = hyper.data();
+  x.split = is_split(master) ? 1 : 0;
   fn(&x);
   if (donated) return {{}, {}, {}, finite, d.leaves};  // written in place
   return {m_out, s_out, p_new, finite, d.leaves};

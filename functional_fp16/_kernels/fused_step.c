@@ -279,6 +279,21 @@ static void split_master(const float *restrict m, uint16_t *restrict p, int16_t 
     }
 }
 
+/* The params and residuals split from n new masters m, written to po and qo: streamed
+ * into a pure step's fresh memory, stored as usual over a donated step's inputs (lines
+ * the step's loads just brought into cache). pq: room for 2n halves. */
+static void store_split(const float *m, void *po, void *qo, uint16_t *pq, int stream,
+                        int64_t n) {
+    split_master(m, pq, (int16_t *)(pq + n), n);
+    if (stream) {
+        stream_bytes(po, pq, n * 2);
+        stream_bytes(qo, pq + n, n * 2);
+    } else {
+        memcpy(po, pq, (size_t)n * 2);
+        memcpy(qo, pq + n, (size_t)n * 2);
+    }
+}
+
 typedef struct {
     int32_t leaf;
     int64_t start, len;
@@ -583,11 +598,11 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
                 join_master((const uint16_t *)p[l] + s, (const int16_t *)(const void *)m[l] + s,
                             wbuf, n);
                 sgd_dispatch(h, gbuf, wbuf, b_s, mbuf, bbuf, pbuf, n);
-                if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
+                const int fresh = mo[l] != m[l];
+                if (h->momentum && fresh) stream_bytes(bo_s, bbuf, n * 4);
+                if (h->momentum && !fresh) memcpy(bo_s, bbuf, (size_t)n * 4);
                 uint16_t pq[2 * BLOCK];
-                split_master(mbuf, pq, (int16_t *)(pq + BLOCK), n);
-                stream_bytes(po_s, pq, n * 2);
-                stream_bytes((int16_t *)(void *)mo[l] + s, pq + BLOCK, n * 2);
+                store_split(mbuf, po_s, (int16_t *)(void *)mo[l] + s, pq, fresh, n);
             } else if (mo[l] == m[l]) {
                 /* donated: master and momentum in place, on lines the loads just
                  * brought into cache; the working copy, never read, streamed */
@@ -704,15 +719,18 @@ static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, co
  * (NULL: 1), clip_div and clip_mul (NULL: no clipping), lr (the signed step
  * factor), apply (bool), inv_c1 = fl32(1 / (1 - b1^t)) and sqrt_c2 =
  * fl32(sqrt(1 - b2^t)). l2 and wd of 0: no decay of that kind. A skipped group
- * (apply false) leaves its outputs equal to its inputs, bit for bit. */
+ * (apply false) leaves its outputs equal to its inputs, bit for bit. split: m and mo hold
+ * int16 residuals of the FP16 working copies p and po, as in ff_sgd_update. */
 void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *const *m,
                     float *const *a, float *const *v, void *const *p, float *const *mo,
                     float *const *ao, float *const *vo, void *const *po, const int64_t *numel,
                     const int32_t *gdt, const int32_t *pdt, const float *inv,
                     const float *clip_div, const float *clip_mul, const float *lr,
                     const uint8_t *apply, const float *inv_c1, const float *sqrt_c2, float l2,
-                    float w, float b2, float c2, float eps, float wd, int32_t threads) {
+                    float w, float b2, float c2, float eps, float wd, int32_t split,
+                    int32_t threads) {
     const int64_t per_group = n_leaves / n_groups;
+    const int ms = split ? 2 : 4; /* bytes per element of the master (or residual) */
     AdamHyper *hs = (AdamHyper *)malloc((size_t)n_groups * sizeof(AdamHyper));
     for (int64_t k = 0; k < n_groups; ++k) {
         AdamHyper *h = &hs[k];
@@ -752,7 +770,7 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
             if (!apply[grp]) {
                 /* A skipped step: the new state is the old one, bit for bit. */
                 if (!donated) {
-                    memcpy(mo[l] + s, m[l] + s, (size_t)n * 4);
+                    memcpy((char *)mo[l] + s * ms, (const char *)m[l] + s * ms, (size_t)n * ms);
                     memcpy(ao[l] + s, a[l] + s, (size_t)n * 4);
                     memcpy(vo[l] + s, v[l] + s, (size_t)n * 4);
                     if (!p_is_master) memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
@@ -761,6 +779,20 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
+            if (split) { /* joined, stepped, split; the block read before it is written */
+                float wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
+                join_master((const uint16_t *)p[l] + s, (const int16_t *)(const void *)m[l] + s,
+                            wbuf, n);
+                float *a_to = donated ? ao[l] + s : abuf, *v_to = donated ? vo[l] + s : vbuf;
+                adam_dispatch(h, gbuf, wbuf, a[l] + s, v[l] + s, mbuf, a_to, v_to, pbuf, n);
+                if (!donated) {
+                    stream_bytes(ao[l] + s, abuf, n * 4);
+                    stream_bytes(vo[l] + s, vbuf, n * 4);
+                }
+                store_split(mbuf, po_s, (int16_t *)(void *)mo[l] + s, (uint16_t *)hbuf, !donated,
+                            n);
+                continue;
+            }
             if (donated) {
                 adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
                               vo[l] + s, p_is_master ? mo[l] + s : pbuf, n);
@@ -866,14 +898,14 @@ static void ff_lion_step(const ff_step_args *x) {
         const int gd = x->gdt[l], pd = x->pdt[l], gs = dt_size(gd), ps = dt_size(pd);
         float *const m = x->m[l], *const mo = x->mo[l];
         const int p_is_master = x->po[l] == (void *)mo;
-        const int donated = mo == m;
+        const int donated = mo == m, ms = x->split ? 2 : 4;
         for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
             const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
             char *po_s = (char *)x->po[l] + s * ps;
             if (!x->apply[grp]) {
                 /* A skipped step: the new state is the old one, bit for bit. */
                 if (!donated) {
-                    memcpy(mo + s, m + s, (size_t)n * 4);
+                    memcpy((char *)mo + s * ms, (const char *)m + s * ms, (size_t)n * ms);
                     memcpy(ao[l] + s, a[l] + s, (size_t)n * 4);
                     if (!p_is_master)
                         memcpy(po_s, (const char *)x->p[l] + s * ps, (size_t)(n * ps));
@@ -882,6 +914,15 @@ static void ff_lion_step(const ff_step_args *x) {
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
+            if (x->split) { /* joined, stepped, split, as in ff_adam_update */
+                float wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK];
+                join_master((const uint16_t *)x->p[l] + s, (const int16_t *)(const void *)m + s,
+                            wbuf, n);
+                lion_dispatch(h, gbuf, wbuf, a[l] + s, mbuf, donated ? ao[l] + s : abuf, pbuf, n);
+                if (!donated) stream_bytes(ao[l] + s, abuf, n * 4);
+                store_split(mbuf, po_s, (int16_t *)(void *)mo + s, (uint16_t *)hbuf, !donated, n);
+                continue;
+            }
             if (donated) {
                 lion_dispatch(h, gbuf, m + s, a[l] + s, mo + s, ao[l] + s,
                               p_is_master ? mo + s : pbuf, n);
@@ -1289,11 +1330,8 @@ static void adam_e4m3_dispatch(const AdamHyper *h, const float *g, const float *
 static inline void finish_segment(void *mo, float *mbuf, int donated, char *po,
                                   const float *pbuf, void *hbuf, int p_is_master, int pd,
                                   int ps, int split, int64_t n) {
-    if (split) { /* params and residuals of the new master (in mbuf), streamed */
-        uint16_t *pq = (uint16_t *)hbuf;
-        split_master(mbuf, pq, (int16_t *)(pq + n), n);
-        stream_bytes(po, pq, n * 2);
-        stream_bytes(mo, pq + n, n * 2);
+    if (split) { /* params and residuals of the new master (in mbuf) */
+        store_split(mbuf, po, mo, (uint16_t *)hbuf, !donated, n);
         return;
     }
     if (!donated) stream_bytes(mo, mbuf, n * 4);

@@ -166,11 +166,11 @@ SIGNATURES: dict[str, Signature] = {
         "ff_adam_update",
         (
             _leaves("grads", dtypes=STORED, like=""),
-            _leaves("master"),
+            _leaves("master", dtypes=(torch.float32, torch.int16)),
             _leaves("mu"),
             _leaves("nu"),
             _leaves("params", dtypes=STORED),
-            _leaves("master_out"),
+            _leaves("master_out", dtypes=(torch.float32, torch.int16), same_dtype="master"),
             _leaves("mu_out"),
             _leaves("nu_out"),
             _leaves("params_out", dtypes=STORED, same_dtype="params"),
@@ -187,6 +187,7 @@ SIGNATURES: dict[str, Signature] = {
             Arg("c2", "float"),
             Arg("eps", "float"),
             Arg("decoupled", "float"),
+            Arg("split", "int"),  # master/master_out: int16 residuals of params (fused_step.c)
             Arg("threads", "int"),
         ),
         together=(("clip_div", "clip_mul"),),
