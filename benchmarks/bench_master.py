@@ -19,18 +19,15 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_moments import gpt2_small_shapes, recipe  # noqa: E402
-from bench_recipe import Ours, _grads, gpt2_tree  # noqa: E402
+from bench_moments import gpt2_small_shapes, recipe, report  # noqa: E402
+from bench_recipe import Ours, _grads  # noqa: E402
 
 import functional_fp16 as ff  # noqa: E402
 
@@ -92,24 +89,8 @@ def time_table(title, params, reps, warmup) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out")
-    ap.add_argument("--smoke", action="store_true", help="small trees, a few calls")
-    args = ap.parse_args(argv)
-    C.set_threads(1)
-    ff.tune_malloc()  # as the examples run: large frees keep their pages
-    reps, warmup = (3, 1) if args.smoke else (args.reps, args.warmup)
-    md = ["## The split master (`bench_master.py`)", "", C.machine_line(), ""]
-    md += state_table(args.smoke) + [""]
-    leaves = gpt2_tree(width=64 if args.smoke else 256, layers=2 if args.smoke else 12)
-    md += time_table(f"GPT-2's {len(leaves)} leaves at width 256", leaves, reps, warmup) + [""]
-    rows = 100 if args.smoke else 10_300
-    flat = {"w": (torch.randn(rows, 1000) * 0.02).half()}
-    md += time_table(f"{rows * 1000:,} parameters, one {rows} x 1000 matrix", flat, reps, warmup)
-    C.print_report(md, args.out)
-    return 0
+    heading = "## The split master (`bench_master.py`)"
+    return report(heading, __doc__.split("\n\n")[0], state_table, time_table, argv)
 
 
 if __name__ == "__main__":

@@ -191,8 +191,11 @@ def time_table(title, params, reps, warmup) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def report(heading: str, description: str, states, times, argv=None) -> int:
+    """The report of a state-and-time benchmark: its command line (``--reps``, ``--warmup``,
+    ``--out``, ``--smoke``), the machine, ``states(smoke)``'s table and ``times``' tables
+    on GPT-2's 148 leaves at width 256 and on one 10.3M-parameter matrix."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out")
@@ -201,15 +204,20 @@ def main(argv=None) -> int:
     C.set_threads(1)
     ff.tune_malloc()  # as the examples run: large frees keep their pages
     reps, warmup = (3, 1) if args.smoke else (args.reps, args.warmup)
-    md = ["## Moments in fewer bytes (`bench_moments.py`)", "", C.machine_line(), ""]
-    md += state_table(args.smoke) + [""]
+    md = [heading, "", C.machine_line(), ""]
+    md += states(args.smoke) + [""]
     leaves = gpt2_tree(width=64 if args.smoke else 256, layers=2 if args.smoke else 12)
-    md += time_table(f"GPT-2's {len(leaves)} leaves at width 256", leaves, reps, warmup) + [""]
+    md += times(f"GPT-2's {len(leaves)} leaves at width 256", leaves, reps, warmup) + [""]
     rows = 100 if args.smoke else 10_300
     flat = {"w": (torch.randn(rows, 1000) * 0.02).half()}  # a matrix: vectors keep FP32
-    md += time_table(f"{rows * 1000:,} parameters, one {rows} x 1000 matrix", flat, reps, warmup)
+    md += times(f"{rows * 1000:,} parameters, one {rows} x 1000 matrix", flat, reps, warmup)
     C.print_report(md, args.out)
     return 0
+
+
+def main(argv=None) -> int:
+    heading = "## Moments in fewer bytes (`bench_moments.py`)"
+    return report(heading, __doc__.split("\n\n")[0], state_table, time_table, argv)
 
 
 if __name__ == "__main__":

@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(
         f"device: {device}, policy: {policy}, loss scale: {type(loss_scale).__name__}, "
-        f"{n_params} parameters, compile: {args.compile}, momentum stored as: {args.moments}",
+        f"{n_params} parameters, compile: {args.compile}, momentum stored as: {args.moments}, "
+        f"master: {args.master}",
         flush=True,
     )
     print_distributed(info, args.batch_size)
