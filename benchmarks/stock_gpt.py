@@ -51,6 +51,7 @@ import gpt_cli  # noqa: E402
 import gpt_data  # noqa: E402
 import gpt_functional as example  # noqa: E402
 import gpt_model  # noqa: E402
+import gpt_outputs  # noqa: E402
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -254,12 +255,15 @@ def main(argv=None) -> dict:
         "val_losses": [list(e) for e in evals],
         "train_tokens_per_s": tokens_per_s,
         "final_loss_scale": recipe.scaler.get_scale() if recipe.scaler is not None else None,
+        "peak_memory_mib": gpt_outputs.peak_memory(device)[0] / 2**20,
+        "peak_memory_kind": gpt_outputs.peak_memory(device)[1],
     }
     with open(out_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
     print(
         f"stock {precision}: validation loss on {data.describe()} after {step} steps: "
-        f"{evals[-1][1]:.4f} nats/character, {tokens_per_s:.0f} tokens/s",
+        f"{evals[-1][1]:.4f} nats/character, {tokens_per_s:.0f} tokens/s, peak memory "
+        f"{summary['peak_memory_mib']:.0f} MiB ({summary['peak_memory_kind']})",
         flush=True,
     )
     return summary
