@@ -193,7 +193,7 @@ def build_state(
         tx,
         loss_scale,
         param_dtype=policy.param_dtype,
-        master=getattr(args, "master", "float32"),
+        master=args.master,
     )
     return state, buffers
 

@@ -356,7 +356,10 @@ def _tiny_params():
     scales = torch.tensor([1.0, 2.0**-13, 2.0**-15, 2.0**-17, 2.0**-22, 2.0**-26, 2.0**-30])
     w = torch.randn(7, 150, generator=g) * scales[:, None]
     w[0, :4] = torch.tensor([0.0, -0.0, 1.5 * 2.0**-24, -2.5 * 2.0**-24])
-    return {"w": w, "v": torch.randn(37, generator=g) * 2.0**-18}
+    # "e": 15 elements, all in the kernels' scalar remainder, values of every kind
+    e = torch.tensor([0.3, -0.0, 0.0, 2.0**-20, -3 * 2.0**-25, 1e-30, 65504.0, -700.0, 2.0**-14,
+                      -(2.0**-14) + 2.0**-30, 1.5 * 2.0**-24, 7e-6, -2e-7, 1.0, -1.0])  # fmt: skip
+    return {"w": w, "v": torch.randn(37, generator=g) * 2.0**-18, "e": e}
 
 
 @pytest.mark.parametrize("kernel", ["c", "cuda-default"])

@@ -174,7 +174,7 @@ def run_step(
     So the C kernel's packing checks only the lists' lengths and the scalars
     again.
     """
-    if a["master"] and a["master"][0].dtype == torch.int16:
+    if master_split.holds_residuals(a["master"]):
         return _run_split(spec, a, used, out, kernel, speculate)
     groups, members = a["lr"].numel(), a["members"]
     inputs = {**a, "params": working_copies(a["master"], a["params"], a["separate"])}

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from functional_fp16._fused.step_schema import BOOL_SCALARS, COMMON_SCALARS, NS, StepSpec
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense, members_outermost
+from functional_fp16.precision.master_split import holds_residuals
 
 __all__ = ["STORED", "fail", "first_overlap"]
 
@@ -117,11 +118,7 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     grads, members = a["grads"], a["members"]
     _check_grads(op, grads, members)
     layout = _layout(grads)
-    split = (
-        bool(a["master"])
-        and isinstance(a["master"][0], Tensor)
-        and (a["master"][0].dtype == torch.int16)
-    )
+    split = bool(a["master"]) and holds_residuals(a["master"][:1])  # the first leaf decides
     _check_list(
         op, "master", a["master"], grads, (torch.int16,) if split else (torch.float32,), layout
     )

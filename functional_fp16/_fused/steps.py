@@ -51,6 +51,7 @@ from functional_fp16.precision.loss_scale import (
     StaticLossScale,
     unscale_inverse,
 )
+from functional_fp16.precision.master_split import holds_residuals
 from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_leaf_sums, wants_leaf_sums
@@ -238,7 +239,7 @@ def _examine(state) -> tuple[str | None, FusedPlan | None]:
     why, fp = _group_leaves(state, parts)
     if fp is None:
         return why, None
-    if all(m.dtype == torch.int16 for m in masters):  # a split master
+    if holds_residuals(masters):  # a split master
         if any(p.dtype != torch.float16 for p in params):
             return "a split master beside params that are not float16", None
     elif any(m.dtype != torch.float32 for m in masters):

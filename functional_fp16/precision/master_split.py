@@ -51,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = ["MASTER_FORMS", "RESIDUAL_DTYPE", "check_master_form", "join", "residual_unit"]
-__all__ += ["split", "valid_residuals", "split_leaf", "join_leaf"]
+__all__ += ["split", "valid_residuals", "split_leaf", "join_leaf", "holds_residuals"]
 
 MASTER_FORMS = ("float32", "split")
 """The values of ``fp16_init``'s ``master`` argument."""
@@ -63,6 +63,13 @@ PARAM_DTYPE = torch.float16
 _GRID = 2.0**39  # below 2^-14 the master is kept on multiples of 2^-39
 _SMALL = 2.0**-14
 _BOUND = 2**14  # |q| never exceeds this
+
+
+def holds_residuals(masters: list) -> bool:
+    """Whether a list of master leaves is a split master's: every one an int16 tensor."""
+    return bool(masters) and all(
+        isinstance(x, torch.Tensor) and x.dtype == RESIDUAL_DTYPE for x in masters
+    )
 
 
 def check_master_form(master: object, param_dtype: torch.dtype) -> str:

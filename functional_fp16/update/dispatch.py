@@ -142,22 +142,19 @@ def _route(state, impl: str) -> Route:
             return fp16_accumulate_update(s, grads, decision, donate, inner.run)
 
         return Route(inner.name, inner.kernel, run, batches=False)
-    if master_form(state) == "split" and (
-        impl not in ("auto", "fused") or fused_plan(state) is None
-    ):
+    fp = fused_plan(state) if impl in ("auto", "fused") else None
+    if fp is None and master_form(state) == "split":  # stepped as a float32 master
         return _widening(_route(_float32_twin(state), impl))
     if impl == "reference":
         return Route("reference", None, reference_update, batches=False)
-    if impl in ("auto", "fused"):
-        fp = fused_plan(state)
-        if fp is not None:
-            kernel = None  # under torch.compile the op picks its kernel when it runs
-            if not torch.compiler.is_compiling():
-                device = tree_leaves(state.master)[0].device
-                kernel = kernel_for(device)
-                # CUDA's default, and CUDA's default asked for on the CPU: no warning.
-                if kernel == "generic" and device.type != "cuda" and not _asked(device):
-                    _warn_generic(device)
-            return Route("fused", kernel, _fused_runner(fp), batches=True)
+    if fp is not None:
+        kernel = None  # under torch.compile the op picks its kernel when it runs
+        if not torch.compiler.is_compiling():
+            device = tree_leaves(state.master)[0].device
+            kernel = kernel_for(device)
+            # CUDA's default, and CUDA's default asked for on the CPU: no warning.
+            if kernel == "generic" and device.type != "cuda" and not _asked(device):
+                _warn_generic(device)
+        return Route("fused", kernel, _fused_runner(fp), batches=True)
     name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
     return Route(name, None, foreach_update, batches=False)

@@ -19,7 +19,7 @@ import torch
 
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_rebuild
 from functional_fp16.precision import master_split
-from functional_fp16.precision.master_split import MASTER_FORMS, RESIDUAL_DTYPE
+from functional_fp16.precision.master_split import MASTER_FORMS
 from functional_fp16.update.state import FP16State
 
 __all__ = ["master_form", "master_weights", "convert_master", "widened", "narrowed"]
@@ -28,11 +28,7 @@ __all__ = ["master_form", "master_weights", "convert_master", "widened", "narrow
 def master_form(state: FP16State) -> str:
     """``"split"`` where every leaf of ``state.master`` is an ``int16`` residual, else
     ``"float32"``. Reads dtypes only."""
-    leaves = tree_flatten(state.master)[0]
-    split = bool(leaves) and all(
-        isinstance(x, torch.Tensor) and x.dtype == RESIDUAL_DTYPE for x in leaves
-    )
-    return "split" if split else "float32"
+    return "split" if master_split.holds_residuals(tree_flatten(state.master)[0]) else "float32"
 
 
 def _join_leaves(state: FP16State) -> list[torch.Tensor]:
