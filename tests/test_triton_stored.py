@@ -253,6 +253,45 @@ def test_lion_sgd_and_mixed_adam_are_the_c_kernels(monkeypatch, launches, name):
         state = want
 
 
+SPLIT = {
+    "adamw": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0), ff.adamw(1e-3, weight_decay=0.1, mask=MASK)
+    ),
+    "adamw_e4m3": lambda: ff.adamw(1e-3, weight_decay=0.1, mu_dtype="e4m3", nu_dtype="e4m3"),
+    "lion": lambda: ff.lion(1e-4, weight_decay=0.1),
+    "sgd_bf16": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype=torch.bfloat16),
+}
+
+
+def _split_params():
+    """FP16 params at every scale the split master treats apart (``test_master_split``)."""
+    p = {k: v.half() for k, v in _params(torch.float16, 4).items()}
+    p["v"][0, :6] = torch.tensor([0.0, -0.0, 2.0**-20, -3 * 2.0**-25, 6e-8, -(2.0**-14)])
+    p["t"] = p["t"] * 2.0**-12  # subnormal FP16 params
+    return p
+
+
+@in_child
+@pytest.mark.parametrize("name", sorted(SPLIT))
+def test_split_masters_are_the_c_kernels(monkeypatch, launches, name):
+    """A split master (FP16 params and int16 residuals): one launch a leaf joins, steps and
+    splits, every byte the C kernel's (params, residuals, moments), skipped steps too."""
+    state = ff.fp16_init(
+        _split_params(), SPLIT[name](), ff.DynamicLossScale(2.0**10), master="split"
+    )
+    for step in range(3):
+        grads = stored_step_grads(state, step, bad=float("inf") if step == 1 else None)
+        for donate in (False, True):
+            want = _update(monkeypatch, "c", state, grads, donate)
+            launches.clear()
+            got = _update(monkeypatch, "cuda-default", state, grads, donate)
+            assert len(launches) == len(state.master), launches
+            assert bool(got.grads_finite) == (step != 1)
+            for x, y in zip(tree_leaves(got), tree_leaves(want), strict=True):
+                assert torch.equal(bits(x), bits(y))
+        state = want
+
+
 @in_child
 def test_the_interpreters_fma_rounds_once():
     """The interpreter's ``tl.fma`` given one rounding: against exact rationals."""
@@ -292,4 +331,4 @@ def _round_to_float32(exact, near: float) -> float:
     return (lo if int(lo.view(torch.int32)) % 2 == 0 else hi).item()
 
 
-N_CASES = len(CASES) + 2 * len(FORMATS) + len(OTHERS) + 1
+N_CASES = len(CASES) + 2 * len(FORMATS) + len(OTHERS) + len(SPLIT) + 1

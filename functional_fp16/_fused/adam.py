@@ -40,13 +40,14 @@ import torch
 
 from functional_fp16._fused import op_checks, plain_kernels
 from functional_fp16._fused.adam_stored import ADAM_STORED_OPS, ROUNDINGS, STORED_DTYPES
+from functional_fp16._fused.adam_stored import _generic as adam_stored_generic
 from functional_fp16._fused.chains import Path, chain_parts
 from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
-from functional_fp16.precision.moment_storage import FLOAT32, MomentFormat
+from functional_fp16.precision.moment_storage import DEFAULT_BLOCK, FLOAT32, MomentFormat
 from functional_fp16.transforms.adam import AdamSpec, bias_corrections, sqrt_rn
 from functional_fp16.transforms.base import (
     GradientTransformation,
@@ -274,6 +275,19 @@ def _lists(
     plain_kernels.refresh_params(apply, master_out, params, params_out)
 
 
+def _split_generic(*, members, apply, used, mu, nu, **kw) -> bool:
+    """A split master on the plain kernels: the stored step's (a Triton launch a leaf on
+    CUDA, joining and splitting in its one pass), its moments float32, rounded to
+    nearest (a float32 moment is stored as it is)."""
+    del used
+    adam_stored_generic(
+        members=members, apply=apply, mu=mu, nu=nu, mu_scales=[], nu_scales=[],
+        mu_scales_out=[], nu_scales_out=[], count=kw["lr"], block_size=DEFAULT_BLOCK,
+        rounding=0, salt_ids=[0] * len(mu), **kw,
+    )  # fmt: skip
+    return True
+
+
 SPEC = StepSpec(
     name="adam_step",
     states=("mu", "nu"),
@@ -292,6 +306,7 @@ SPEC = StepSpec(
     check=lambda op, a: _require_corrections(op, a),
     kernel_args=_kernel_args,
     generic=_generic,
+    split_generic=_split_generic,
     cpp_op="adam",
     cpp_hyper=lambda a: (
         a["l2"],

@@ -41,6 +41,7 @@ from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.stored import ROUNDINGS, STORED_DTYPES
+from functional_fp16.precision import master_split
 from functional_fp16.precision.moment_storage import BlockCodes, decode, encode
 from functional_fp16.precision.stochastic_rounding import salt, salt_table
 from functional_fp16.transforms.adam import sqrt_rn
@@ -54,11 +55,13 @@ def _generic(
     inv_c1, sqrt_c2, count, l2, w, b2, c2, eps, decoupled, block_size, rounding, salt_ids,
 ) -> None:  # fmt: skip
     """CUDA's default: for one group of one member, the Triton kernel on each leaf with a
-    stored moment (:func:`_triton_leaves`) and the rest as lists (:func:`_lists`); else
-    the reference's decode, arithmetic and encode one leaf of one member at a time
-    (bitwise the C kernel on the CPU)."""
+    stored moment (:func:`_triton_leaves`; with a split master every leaf it takes) and
+    the rest as lists (:func:`_lists`); else, and for a split master's other leaves, the
+    reference's decode, arithmetic and encode one leaf of one member at a time (bitwise
+    the C kernel on the CPU), a split master joined and split leaf by leaf."""
     c2 = f32(c2)
     formats = stored.formats(block_size, rounding)
+    only = None  # the leaves the per-leaf path below takes (None: all)
     if plain_kernels.one_group(lr, members):
         rest = _triton_leaves(
             grads, master, mu, nu, mu_scales, nu_scales, params, master_out, mu_out, nu_out,
@@ -68,6 +71,8 @@ def _generic(
         )  # fmt: skip
         if not rest:
             return None
+        only = set(rest)
+    if only is not None and not master_split.holds_residuals(master):  # as lists
         pick = lambda xs: [xs[i] for i in rest]  # noqa: E731
         where = {"mu": _scale_index(mu), "nu": _scale_index(nu)}
         coded = lambda name, scales: [scales[where[name][i]] for i in rest if i in where[name]]  # noqa: E731
@@ -82,8 +87,10 @@ def _generic(
     where = {name: _scale_index(xs) for name, xs in (("mu", mu), ("nu", nu))}
     n = len(grads)
     for b, leaf, k in plain_kernels.walk(n, lr.numel(), members):
+        if only is not None and leaf not in only:
+            continue
         at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
-        m = at(master)
+        m = stored.read_master(at(master), at(params))
         u = plain_kernels.unscaled(at(grads), inv, clip_div, clip_mul, k)
         if l2 != 0.0:
             u = torch.add(u, m, alpha=l2)
@@ -176,7 +183,9 @@ def _triton_leaves(
     for i in range(len(grads)):
         scale = lambda xs, name: xs[where[name][i]] if i in where[name] else None  # noqa: E731
         sa, sv = scale(mu_scales, "mu"), scale(nu_scales, "nu")
-        if not triton_stored.takes([(mu[i], sa), (nu[i], sv)], grads[i], params[i]):
+        # a split master's leaves of float32 moments too: the lists do not take it
+        split = master[i].dtype == torch.int16
+        if not triton_stored.takes([(mu[i], sa), (nu[i], sv)], grads[i], params[i], split):
             rest.append(i)
             continue
         triton_stored.adam_leaf(

@@ -174,7 +174,8 @@ def run_step(
     So the C kernel's packing checks only the lists' lengths and the scalars
     again.
     """
-    if master_split.holds_residuals(a["master"]):
+    split = master_split.holds_residuals(a["master"])
+    if split and not spec.stored and (kernel != "generic" or spec.split_generic is None):
         return _run_split(spec, a, used, out, kernel, speculate)
     groups, members = a["lr"].numel(), a["members"]
     inputs = {**a, "params": working_copies(a["master"], a["params"], a["separate"])}
@@ -193,7 +194,10 @@ def run_step(
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
         finite, leaves = decide_from_leaf_peaks(peak, a["inv"], a["require"], groups)
         decided = {"apply": finite}
-    if kernel == "c" and (spec.c_block or not spec.entry):  # C only through the C++ op
+    if split and not spec.stored:  # the plain kernels' split step (see StepSpec)
+        if not spec.split_generic(members=members, apply=finite, used=used, **kw):
+            return _run_split(spec, a, used, out, kernel, speculate)
+    elif kernel == "c" and (spec.c_block or not spec.entry):  # C only through the C++ op
         spec.generic(members=members, apply=finite, **kw)
     elif kernel == "c":
         c_kernel.call(

@@ -40,6 +40,7 @@ from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
 from functional_fp16._fused.stored import ROUNDINGS, STORED_DTYPES
 from functional_fp16.precision.moment_storage import (
+    DEFAULT_BLOCK,
     FLOAT32,
     BlockCodes,
     MomentFormat,
@@ -205,6 +206,17 @@ def _generic(
         )  # fmt: skip
 
 
+def _split_generic(*, members, apply, used, mu, **kw) -> bool:
+    """A split master on the plain kernels: the stored step's (a Triton launch a leaf on
+    CUDA, joining and splitting in its one pass), its momentum float32."""
+    del used
+    _stored_generic(
+        members=members, apply=apply, mu=mu, mu_scales=[], mu_scales_out=[], count=kw["lr"],
+        block_size=DEFAULT_BLOCK, rounding=0, salt_ids=[0] * len(mu), **kw,
+    )  # fmt: skip
+    return True
+
+
 SPEC = StepSpec(
     name="lion_step",
     states=("mu",),
@@ -215,6 +227,7 @@ SPEC = StepSpec(
     check=lambda op, a: ["mu"],
     kernel_args=_kernel_args,
     generic=_generic,
+    split_generic=_split_generic,
     cpp_op="lion",
     cpp_hyper=_hyper,
     c_block=True,
@@ -288,7 +301,7 @@ def _stored_generic(
             )  # fmt: skip
             continue
         at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
-        m, was = at(master), at(mu)
+        m, was = stored.read_master(at(master), at(params)), at(mu)
         fmt = fmts[(was.dtype, False)]
         if leaf in coded:
             was = BlockCodes(was, plain_kernels.member(mu_scales[coded[leaf]], b, members))

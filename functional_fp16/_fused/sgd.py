@@ -421,7 +421,7 @@ def _stored_generic(
             )  # fmt: skip
             continue
         at = lambda xs: plain_kernels.member(xs[leaf], b, members)  # noqa: E731
-        m, was = at(master), at(trace)
+        m, was = stored.read_master(at(master), at(params)), at(trace)
         fmt = fmts[(was.dtype, False)]
         if leaf in coded:
             was = BlockCodes(was, plain_kernels.member(trace_scales[coded[leaf]], b, members))

@@ -88,6 +88,11 @@ class StepSpec(NamedTuple):
     # ``rounding`` and ``salt_ids``.
     stored: str = ""
     root_state: int = -1
+    # A split master on the plain kernels (CUDA's default): the step of the stored-state op
+    # that takes this one's float32 states, called with the kernel's keywords (+ members,
+    # apply, used); it returns False where it does not apply (the master is then joined,
+    # stepped and split around ``generic``). None: always so.
+    split_generic: Callable[..., bool] | None = None
 
 
 def schema(spec: StepSpec, donated: bool) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from functional_fp16._fused import op_checks
+from functional_fp16.precision import master_split
+from functional_fp16.precision.master_split import RESIDUAL_DTYPE
 from functional_fp16.precision.moment_storage import (
     MIN_ROW,
     BlockCodes,
@@ -25,6 +27,7 @@ from functional_fp16.precision.moment_storage import (
 )
 
 __all__ = ["STORED_DTYPES", "ROUNDINGS", "check_stored", "formats", "write_master", "write_state"]
+__all__ += ["read_master"]
 
 STORED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 """How the op takes a moment: as it is, in 16 bits, or as E4M3 codes (``uint8``)."""
@@ -96,9 +99,22 @@ def formats(block_size: int, rounding: int) -> dict:
     }
 
 
+def read_master(master, params) -> torch.Tensor:
+    """One leaf of one member's float32 master: itself, or a split master joined from its
+    params and residuals (``master_split.join``)."""
+    return master_split.join(params, master) if master.dtype == RESIDUAL_DTYPE else master
+
+
 def write_master(ok, new, old, master_out, params_out, params_old) -> None:
     """One leaf of one member of a plain kernel: the master ``where(ok, new, old)`` and
-    its working copy refreshed where it is its own tensor (else kept bit for bit)."""
+    its working copy refreshed where it is its own tensor (else kept bit for bit); a
+    split master's params and residuals split from it (a skipped step's split back into
+    the same bits)."""
+    if master_out.dtype == RESIDUAL_DTYPE:
+        p, q = master_split.split(torch.where(ok, new, old))
+        params_out.copy_(p)
+        master_out.copy_(q)
+        return
     if params_out.data_ptr() != master_out.data_ptr():
         params_out.copy_(torch.where(ok, new.to(params_out.dtype), params_old))
     master_out.copy_(torch.where(ok, new, old))

@@ -284,10 +284,50 @@ if triton is not None:
             tl.store(out_ptr + off, tl.where(ok, h.to(tl.int16, bitcast=True), raw), mask=mask)
 
     @triton.jit
-    def store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND: tl.constexpr,
-                     OWN_P: tl.constexpr):  # fmt: skip
+    def unit_bits(pf):
+        """``(e, sign)`` of FP16 params as float32: the biased float32 exponent of p, at
+        least -14's (113), and p's sign bit; u(p) has exponent e - 25, 1/u(p) 279 - e."""
+        b = pf.to(tl.int32, bitcast=True)
+        e = tl.maximum((b >> 23) & 0xFF, 113)  # the biased exponent, subnormals and 0 at -14
+        return e, (b >> 31) << 31  # and p's sign bit
+
+    @triton.jit
+    def join_tile(p_ptr, q_ptr, off, mask):
+        """The master p + q u(p) of FP16 params and int16 residuals (master_split.join)."""
+        pf = tl.load(p_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + off, mask=mask, other=0).to(tl.float32)
+        e, sign = unit_bits(pf)
+        return pf + q * (((e - 25) << 23) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def split_tile(x):
+        """``(p, q)`` of float32 masters (master_split.split): below 2^-16 x on the grid of
+        2^-39 (|x| 2^39 rounded to an integer by adding and taking off 2^23, exact there),
+        p = fl16 of that, q = (that - p) / u(p); 0 where p is inf or NaN."""
+        xb = x.to(tl.int32, bitcast=True)
+        ax = (xb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        r = (ax * 549755813888.0 + 8388608.0) - 8388608.0  # 2^39, 2^23
+        g = (r * 1.8189894035458565e-12).to(tl.int32, bitcast=True) | ((xb >> 31) << 31)
+        t = tl.where(ax < 1.52587890625e-05, g.to(tl.float32, bitcast=True), x)  # 2^-16
+        h = t.to(tl.float16)
+        pf = h.to(tl.float32)
+        e, sign = unit_bits(pf)
+        r = (t - pf) * (((279 - e) << 23) | sign).to(tl.float32, bitcast=True)
+        return h, tl.where(e == 255, 0.0, r).to(tl.int32).to(tl.int16)
+
+    @triton.jit
+    def store_master(m_ptr, mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND: tl.constexpr,
+                     OWN_P: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
         """The master where ok (else the old one) and its working copy where it is its own
-        tensor (0 float32, 1 float16, 2 bfloat16 as int16 bits)."""
+        tensor (0 float32, 1 float16, 2 bfloat16 as int16 bits); a split master's params
+        and residuals (split_tile) where ok, else the old ones bit for bit."""
+        if SPLIT:
+            h, q = split_tile(nm)
+            old_h = tl.load(p_ptr + off, mask=mask, other=0.0)
+            tl.store(po_ptr + off, tl.where(ok, h, old_h), mask=mask)
+            tl.store(mo_ptr + off, tl.where(ok, q, tl.load(m_ptr + off, mask=mask, other=0)),
+                     mask=mask)  # fmt: skip
+            return
         tl.store(mo_ptr + off, tl.where(ok, nm, m), mask=mask)
         if OWN_P:
             old_p = tl.load(p_ptr + off, mask=mask, other=0)
@@ -300,13 +340,16 @@ if triton is not None:
             tl.store(po_ptr + off, tl.where(ok, new_p, old_p), mask=mask)
 
     @triton.jit
-    def front(g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
-              block, GB: tl.constexpr, BS: tl.constexpr, G_BF16: tl.constexpr,
-              HAS_INV: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
-        """What every step reads first: the tile, the skip flag, the master, the unscaled
-        (and clipped) gradient."""
+    def front(g_ptr, m_ptr, p_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row,
+              n_blocks, block, GB: tl.constexpr, BS: tl.constexpr, G_BF16: tl.constexpr,
+              HAS_INV: tl.constexpr, CLIP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+        """What every step reads first: the tile, the skip flag, the master (joined from
+        params and residuals where SPLIT), the unscaled (and clipped) gradient."""
         k, live, off, mask = tile(GB, BS, row_len, per_row, n_blocks, block)
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+        if SPLIT:
+            m = join_tile(p_ptr, m_ptr, off, mask)
+        else:
+            m = tl.load(m_ptr + off, mask=mask, other=0.0)
         u = unscaled(g_ptr, off, mask, inv_ptr, cd_ptr, cm_ptr, G_BF16, HAS_INV, CLIP)
         return k, live, off, mask, tl.load(apply_ptr) != 0, m, u
 
@@ -320,11 +363,11 @@ if triton is not None:
         GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, KIND_V: tl.constexpr,
         SR: tl.constexpr, HAS_INV: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr,
         DECOUPLED: tl.constexpr, SMALL_W: tl.constexpr, G_BF16: tl.constexpr,
-        P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+        P_KIND: tl.constexpr, OWN_P: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         k, live, off, mask, ok, m, u = front(
-            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
-            block, GB, BS, G_BF16, HAS_INV, CLIP,
+            g_ptr, m_ptr, p_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row,
+            n_blocks, block, GB, BS, G_BF16, HAS_INV, CLIP, SPLIT,
         )  # fmt: skip
         raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
         raw_v, scale_v, v = load_state(v_ptr, sv_ptr, off, mask, k, live, KIND_V, True)
@@ -340,7 +383,7 @@ if triton is not None:
         if DECOUPLED:
             step = tl.fma(m, wd, step)
         nm = tl.fma(step, tl.load(lr_ptr), m)
-        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
+        store_master(m_ptr, mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P, SPLIT)
         salt_a = 0
         salt_v = 0
         if SR:
@@ -363,11 +406,11 @@ if triton is not None:
         w1, b1, w2, b2, wd,
         GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, SR: tl.constexpr,
         HAS_INV: tl.constexpr, CLIP: tl.constexpr, DECOUPLED: tl.constexpr,
-        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         k, live, off, mask, ok, m, u = front(
-            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
-            block, GB, BS, G_BF16, HAS_INV, CLIP,
+            g_ptr, m_ptr, p_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row,
+            n_blocks, block, GB, BS, G_BF16, HAS_INV, CLIP, SPLIT,
         )  # fmt: skip
         raw_a, scale_a, a = load_state(a_ptr, sa_ptr, off, mask, k, live, KIND_A, False)
         c = u * w1 + a * b1  # two products and a sum, each rounded (no fusion: see launch)
@@ -375,7 +418,7 @@ if triton is not None:
         if DECOUPLED:
             d = tl.fma(m, wd, d)
         nm = tl.fma(d, tl.load(lr_ptr), m)
-        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
+        store_master(m_ptr, mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P, SPLIT)
         salt_a = 0
         if SR:
             salt_a = salt_of(count_ptr, fixed_a)
@@ -390,11 +433,11 @@ if triton is not None:
         wd, mu, take,
         GB: tl.constexpr, BS: tl.constexpr, KIND_A: tl.constexpr, HAS_INV: tl.constexpr,
         CLIP: tl.constexpr, DECAY: tl.constexpr, NESTEROV: tl.constexpr,
-        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr,
+        G_BF16: tl.constexpr, P_KIND: tl.constexpr, OWN_P: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         k, live, off, mask, ok, m, u = front(
-            g_ptr, m_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row, n_blocks,
-            block, GB, BS, G_BF16, HAS_INV, CLIP,
+            g_ptr, m_ptr, p_ptr, inv_ptr, cd_ptr, cm_ptr, apply_ptr, row_len, per_row,
+            n_blocks, block, GB, BS, G_BF16, HAS_INV, CLIP, SPLIT,
         )  # fmt: skip
         on = tl.load(started_ptr) != 0.0
         keep = tl.where(on, mu, 0.0)
@@ -408,7 +451,7 @@ if triton is not None:
         else:
             v = nb
         nm = tl.fma(v, tl.load(lr_ptr), m)
-        store_master(mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P)
+        store_master(m_ptr, mo_ptr, p_ptr, po_ptr, off, mask, ok, nm, m, P_KIND, OWN_P, SPLIT)
         store_state(ao_ptr, sao_ptr, off, mask, k, live, ok, nb, raw_a, scale_a, 0,
                     KIND_A, False, False)  # fmt: skip
 
@@ -528,6 +571,7 @@ def _front(grad, param, param_out, master_out, inv, clip_div, clip_mul, lr) -> t
     flags = dict(
         HAS_INV=inv is not None, CLIP=clip_div is not None, G_BF16=grad.dtype == torch.bfloat16,
         P_KIND=_P_KINDS[param.dtype], OWN_P=param_out.data_ptr() != master_out.data_ptr(),
+        SPLIT=master_out.dtype == torch.int16,  # a split master's residuals
     )  # fmt: skip
     return scalars, flags
 
