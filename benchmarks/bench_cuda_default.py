@@ -128,6 +128,9 @@ OURS: dict[str, Callable[[], ff.GradientTransformation]] = {
     "sgd(0.05, momentum=0.9)": lambda: ff.sgd(0.05, momentum=0.9),
     "sgd, e4m3 trace": lambda: ff.sgd(0.05, momentum=0.9, accumulator_dtype="e4m3"),
     "lion, e4m3 momentum": lambda: ff.lion(1e-4, weight_decay=0.1, mu_dtype="e4m3"),
+    "recipe, split master": recipe,
+    "recipe, split master, e4m3 moments": lambda: recipe(mu_dtype="e4m3", nu_dtype="e4m3"),
+    "sgd, split master": lambda: ff.sgd(0.05, momentum=0.9),
     "adam(1e-3)": lambda: ff.adam(1e-3),
     "lion(1e-4, weight_decay=0.1)": lambda: ff.lion(1e-4, weight_decay=0.1),
     "rmsprop(1e-3)": lambda: ff.rmsprop(1e-3),
@@ -149,11 +152,12 @@ CYCLE = {"MultiSteps(sgd, k=2)": 2}
 
 
 class Ours:
-    """``fp16_update`` on one state with ``DynamicLossScale(2**10)``, pure or donated."""
+    """``fp16_update`` on one state with ``DynamicLossScale(2**10)``, pure or donated (the
+    rows named "split master": ``fp16_init(..., master="split")``)."""
 
-    def __init__(self, params, grads, make_tx, donate):
-        master = {k: v.float() for k, v in params.items()}
-        self.state = ff.fp16_init(master, make_tx(), ff.DynamicLossScale(SCALE))
+    def __init__(self, params, grads, make_tx, donate, master="float32"):
+        wide = {k: v.float() for k, v in params.items()}
+        self.state = ff.fp16_init(wide, make_tx(), ff.DynamicLossScale(SCALE), master=master)
         self.grads, self.donate = grads, donate
         route = dispatch.route(self.state)
         self.path = route.name + (f" ({route.kernel})" if route.kernel else "")
@@ -374,7 +378,8 @@ def run(args) -> dict:
     memory.POOL.min_bytes = 1 << 62  # outputs from torch.empty_like, as on CUDA
 
     def ours(name, donate):
-        return lambda p, g: Ours(p, g, OURS[name], donate)
+        master = "split" if "split master" in name else "float32"
+        return lambda p, g: Ours(p, g, OURS[name], donate, master)
 
     rows = []
     specs = [(name, "pure", ours(name, False)) for name in OURS]

@@ -42,7 +42,7 @@ def test_cuda_default_benchmark_counts_every_row_on_cudas_default_path(tmp_path)
     res = json.loads(report.read_text())
     assert res["kernel"] == "generic" and res["leaves"] == [16, 4]
     rows = {r["row"]: r for r in res["rows"]}
-    assert len(rows) == 15 and sum(r["row"].startswith("torch: ") for r in res["rows"]) == 2
+    assert len(rows) == 18 and sum(r["row"].startswith("torch: ") for r in res["rows"]) == 2
     for r in rows.values():
         for mode in [m for m in ("pure", "donated", "in place") if m in r]:
             m = r[mode]
@@ -58,6 +58,8 @@ def test_cuda_default_benchmark_counts_every_row_on_cudas_default_path(tmp_path)
     for name in ("recipe, bf16 moments", "recipe, e4m3 moments", "sgd, e4m3 trace"):
         assert rows[name]["path"] == "fused (generic)", rows[name]
     assert rows["lion, e4m3 momentum"]["pure"]["ops"][0]["triton::stored_leaf"] == 16
+    # a split master's Adam steps in one Triton launch a leaf, joining and splitting in it
+    assert rows["recipe, split master"]["pure"]["ops"][0]["triton::stored_leaf"] == 16
 
 
 @pytest.mark.distributed
