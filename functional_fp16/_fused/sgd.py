@@ -41,6 +41,7 @@ from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._fused.stored import STORED_DTYPES
 from functional_fp16._util.tree import tree_flatten
 from functional_fp16.precision.moment_storage import (
+    DEFAULT_BLOCK,
     FLOAT32,
     BlockCodes,
     MomentFormat,
@@ -313,6 +314,21 @@ def _lists(
     )  # fmt: skip
 
 
+def _split_generic(*, members, apply, used, trace, trace_out, started, take_started, **kw):
+    """A split master on the plain kernels with momentum: the stored-trace step's (a
+    Triton launch a leaf on CUDA, joining and splitting in its one pass; the C kernel's
+    arithmetic, where the float32 master's plain step is PyTorch's fused SGD, within an
+    ulp of it), its trace float32. Without momentum False: joined, stepped, split."""
+    if "trace" not in used:
+        return False
+    _stored_generic(
+        members=members, apply=apply, trace=trace, trace_out=trace_out, trace_scales=[],
+        trace_scales_out=[], started=started.float(), take=take_started, count=None,
+        block_size=DEFAULT_BLOCK, rounding=0, salt_ids=[], **kw,
+    )  # fmt: skip
+    return True
+
+
 SPEC = StepSpec(
     name="sgd_step",
     states=("trace",),
@@ -328,6 +344,7 @@ SPEC = StepSpec(
     check=_check,
     kernel_args=_kernel_args,
     generic=_generic,
+    split_generic=_split_generic,
     # split: 0, a split master reaching the C entry here having been joined (run_step)
     c_extra={"require": None, "decided_out": None, "leaf_finite_out": None, "split": 0},
     speculative=True,
