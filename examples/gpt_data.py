@@ -60,8 +60,10 @@ class TextData(NamedTuple):
         return len(self.chars)
 
     def decode(self, ids: list[int]) -> str:
-        """The text of a list of token ids."""
-        return "".join(self.chars[i] for i in ids)
+        """The text of a list of token ids; an id past the text's vocabulary (a model
+        whose vocabulary is larger, such as ``--preset gpt2``'s) as U+FFFD."""
+        n = len(self.chars)
+        return "".join(self.chars[i] if i < n else "\ufffd" for i in ids)
 
     def describe(self) -> str:
         """``"Tiny Shakespeare"``, ``"synthetic text"`` or the file's name, for messages."""

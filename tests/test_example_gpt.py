@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 example = load_example("gpt_functional")
 model_mod = sys.modules["gpt_model"]
+gpt_data = sys.modules["gpt_data"]
 stock = load_module(EXAMPLES.parent / "benchmarks" / "stock_gpt.py", "stock_gpt_under_test")
 
 SIZE = ["--layers", "1", "--heads", "2", "--width", "32", "--context", "16", "--batch-size", "8"]
@@ -150,6 +151,31 @@ def test_moments_flag_stores_adamw_moments_and_reports_the_bytes(tmp_path, capsy
     assert a["per_param"]["opt_state"] > 7.9 and b["per_param"]["opt_state"] < 0.5 * 8
     assert a["master"] == b["master"] and a["total"] - b["total"] == a["opt_state"] - b["opt_state"]
     assert math.isfinite(int8["val_loss"])
+
+
+def test_master_flag_splits_the_master_and_reports_the_bytes(tmp_path, capsys):
+    """``--master split``: int16 residuals beside FP16 params (2 B/param of master), the
+    same model (``master_weights`` is its FP32 master), printed and in summary.json."""
+    wide = ("--width", "64", "--max-steps", "4", "--eval-interval", "4")
+    fp32 = run(tmp_path / "fp32", *wide)
+    split = run(tmp_path / "split", *wide, "--master", "split")
+    assert "master: split" in capsys.readouterr().out
+    assert (fp32["master"], split["master"]) == ("float32", "split")
+    assert ff.master_form(split["state"]) == "split"
+    a, b = fp32["state_bytes"]["per_param"], split["state_bytes"]["per_param"]
+    assert a["master"] == 4.0 and b["master"] == 2.0 and a["opt_state"] == b["opt_state"]
+    # the same training: equal but for weights below 2^-16, each kept within 2^-40
+    # (docs/numerics.md); a loose bound that only a different model would break
+    assert math.isfinite(split["val_loss"]) and abs(split["val_loss"] - fp32["val_loss"]) < 0.01
+
+
+def test_decode_marks_ids_past_the_texts_vocabulary():
+    """A model with GPT-2's vocabulary on a text of fewer characters samples ids the text
+    lacks (``--preset gpt2``): decoded as U+FFFD, not an IndexError."""
+    data = gpt_data.load_text(text=None, data_dir=None, download=False, synthetic=True,
+                              synthetic_chars=2000, val_fraction=0.1, context=16)  # fmt: skip
+    n = data.vocab_size
+    assert data.decode([0, n - 1, n, 50256]) == data.chars[0] + data.chars[n - 1] + "\ufffd" * 2
 
 
 def test_resume_is_bit_identical(tmp_path, capsys):
