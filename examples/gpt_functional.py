@@ -273,6 +273,9 @@ def make_train_step(
     grad_fn = scaled_grad_and_value(loss_fn or make_loss_fn(model, policy, train=True))
 
     def train_step(state: ff.FP16State, inputs: torch.Tensor, targets: torch.Tensor):
+        # The loop owns its state: each update donates it (master, params and optimiser
+        # state written in place, so one state is alive at a time, not two; the loss
+        # scale and counters are new tensors, so the metrics below keep this step's).
         scale = state.loss_scale.loss_scale
         lr = schedule(applied_steps(state.opt_state))
         losses = []
@@ -281,9 +284,9 @@ def make_train_step(
             if distributed:
                 grads = ff.tree_all_reduce_mean(grads)  # scaled FP16 gradients, mean over ranks
                 loss = ff.tree_all_reduce_mean(loss.float())
-                state = ff.fp16_update(state, grads, loss=loss, agree=ff.agree_finite)
+                state = ff.fp16_update(state, grads, loss=loss, agree=ff.agree_finite, donate=True)
             else:
-                state = ff.fp16_update(state, grads, loss=loss)
+                state = ff.fp16_update(state, grads, loss=loss, donate=True)
             losses.append(loss.float())
         # After the last micro-batch grads_finite says whether the window was applied.
         metrics = StepMetrics(

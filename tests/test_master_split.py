@@ -409,3 +409,22 @@ def test_cuda_defaults_split_sgd_is_the_c_kernels(name, monkeypatch):
 
 def _copy(state):
     return ff._util.tree.tree_map(torch.clone, state)
+
+
+def test_large_masters_split_a_piece_at_a_time_alike():
+    """Past ``_PIECE`` elements split and join go a piece at a time in memory order:
+    equal to the whole-tensor result, for a row-major and a transposed master."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(1100, 1000, generator=g) * torch.logspace(-12, 2, 1000)  # every scale
+    assert big.numel() > master_split._PIECE
+    for m in (big, big.t()):
+        p, q = split(m)
+        assert p.stride() == m.stride() and q.stride() == m.stride()
+        rows = [split(m[i : i + 1].clone()) for i in range(0, m.shape[0], 97)]
+        for k, (pr, qr) in zip(range(0, m.shape[0], 97), rows):
+            assert torch.equal(bits(p[k : k + 1]), bits(pr)) and torch.equal(q[k : k + 1], qr)
+        back = join(p, q)
+        big_enough = m.abs() >= EXACT_FROM
+        assert back.stride() == m.stride()
+        assert torch.equal(bits(back[big_enough]), bits(m[big_enough]))
+        assert torch.equal(bits(back), bits(join(p.contiguous(), q.contiguous()).view_as(back)))

@@ -95,33 +95,67 @@ def residual_unit(params: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+_PIECE = 1 << 20
+"""Elements :func:`split` and :func:`join` work on at a time: their float32 temporaries
+are a few pieces, whatever the tensor's size."""
+
+
+def _pieces(*tensors: torch.Tensor):
+    """Matching flat pieces of equally laid out dense tensors, in memory order (the
+    tensors themselves where they are small or not dense)."""
+    n, strides = tensors[0].numel(), tensors[0].stride()
+    if n <= _PIECE or not all(_flat(t) and t.stride() == strides for t in tensors):
+        yield tensors
+        return
+    flats = [t.as_strided((n,), (1,)) for t in tensors]
+    for start in range(0, n, _PIECE):
+        yield tuple(f[start : start + _PIECE] for f in flats)
+
+
+def _flat(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers ``numel`` consecutive elements of its storage (any order)."""
+    expected = 1
+    for stride, size in sorted((s, d) for s, d in zip(t.stride(), t.shape) if d != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(params, residual)`` of a float32 master (see the module docstring):
 
     .. math:: p = \operatorname{fl}_{16}(\tilde m), \quad q = (\tilde m - p) / u(p)
 
-    Returns the FP16 params and the ``int16`` residuals, laid out like ``master``.
+    Returns the FP16 params and the ``int16`` residuals, laid out like ``master``. A
+    large master is split a piece at a time (its float32 temporaries stay small).
     """
     if master.dtype != torch.float32:
         raise TypeError(f"split takes a float32 master, got {master.dtype}")
-    on_grid = torch.where(master.abs() < _SMALL, torch.round(master * _GRID) / _GRID, master)
-    params = on_grid.to(PARAM_DTYPE)
-    wide = params.to(torch.float32)
-    q = (on_grid - wide) / residual_unit(params)
-    q = torch.where(torch.isfinite(wide), q, 0.0)
-    return params, q.to(RESIDUAL_DTYPE)
+    params = torch.empty_like(master, dtype=PARAM_DTYPE)
+    residual = torch.empty_like(master, dtype=RESIDUAL_DTYPE)
+    for m, p_out, q_out in _pieces(master, params, residual):
+        on_grid = torch.where(m.abs() < _SMALL, torch.round(m * _GRID) / _GRID, m)
+        p = on_grid.to(PARAM_DTYPE)
+        wide = p.to(torch.float32)
+        q = (on_grid - wide) / residual_unit(p)
+        p_out.copy_(p)
+        q_out.copy_(torch.where(torch.isfinite(wide), q, 0.0))
+    return params, residual
 
 
 def join(params: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    r"""The float32 master :math:`p + q\,u(p)` of FP16 params and their ``int16`` residuals."""
+    r"""The float32 master :math:`p + q\,u(p)` of FP16 params and their ``int16``
+    residuals (laid out like the params; a piece at a time)."""
     if params.dtype != PARAM_DTYPE or residual.dtype != RESIDUAL_DTYPE:
         raise TypeError(
             f"join takes float16 params and int16 residuals, got {params.dtype} and "
             f"{residual.dtype}"
         )
-    return torch.addcmul(
-        params.to(torch.float32), residual.to(torch.float32), residual_unit(params)
-    )
+    master = torch.empty_like(params, dtype=torch.float32)
+    for p, q, m_out in _pieces(params, residual, master):
+        torch.addcmul(p.to(torch.float32), q.to(torch.float32), residual_unit(p), out=m_out)
+    return master
 
 
 def valid_residuals(params: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -342,14 +342,14 @@ def fp16_init(
                     "parameters as the master"
                 )
     wide = tree_map(lambda p: p.detach().to(torch.float32, copy=copy_master), params)
-    working = tree_map(lambda m: m.to(param_dtype), wide)
-    _check_param_values(params, wide, working)
-    kept = wide
-    if master == "split":
+    if master == "split":  # the params and residuals split from the master, leaf by leaf
         leaves, spec = tree_flatten(wide)
         pairs = [split_leaf(m) for m in leaves]
         working = tree_unflatten(spec, [p for p, _ in pairs])
         kept = tree_unflatten(spec, [q for _, q in pairs])
+    else:
+        working, kept = tree_map(lambda m: m.to(param_dtype), wide), wide
+    _check_param_values(params, wide, working)
     return FP16State(
         params=working,
         master=kept,
