@@ -191,10 +191,11 @@ def time_table(title, params, reps, warmup) -> list[str]:
     return lines
 
 
-def report(heading: str, description: str, states, times, argv=None) -> int:
+def report(heading: str, description: str, states, times, argv=None, small=False) -> int:
     """The report of a state-and-time benchmark: its command line (``--reps``, ``--warmup``,
     ``--out``, ``--smoke``), the machine, ``states(smoke)``'s table and ``times``' tables
-    on GPT-2's 148 leaves at width 256 and on one 10.3M-parameter matrix."""
+    on GPT-2's 148 leaves at width 256 and on one 10.3M-parameter matrix (``small``: also
+    at width 32, where the per-call work around the kernels is most of the time)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
@@ -206,6 +207,9 @@ def report(heading: str, description: str, states, times, argv=None) -> int:
     reps, warmup = (3, 1) if args.smoke else (args.reps, args.warmup)
     md = [heading, "", C.machine_line(), ""]
     md += states(args.smoke) + [""]
+    if small:
+        leaves = gpt2_tree(width=32, layers=2 if args.smoke else 12)
+        md += times(f"GPT-2's {len(leaves)} leaves at width 32", leaves, reps, warmup) + [""]
     leaves = gpt2_tree(width=64 if args.smoke else 256, layers=2 if args.smoke else 12)
     md += times(f"GPT-2's {len(leaves)} leaves at width 256", leaves, reps, warmup) + [""]
     rows = 100 if args.smoke else 10_300
