@@ -50,6 +50,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.layout import dense_without_overlap
+
 __all__ = ["MASTER_FORMS", "RESIDUAL_DTYPE", "check_master_form", "join", "residual_unit"]
 __all__ += ["split", "valid_residuals", "split_leaf", "join_leaf", "holds_residuals"]
 
@@ -104,22 +106,12 @@ def _pieces(*tensors: torch.Tensor):
     """Matching flat pieces of equally laid out dense tensors, in memory order (the
     tensors themselves where they are small or not dense)."""
     n, strides = tensors[0].numel(), tensors[0].stride()
-    if n <= _PIECE or not all(_flat(t) and t.stride() == strides for t in tensors):
+    if n <= _PIECE or not all(dense_without_overlap(t) and t.stride() == strides for t in tensors):
         yield tensors
         return
     flats = [t.as_strided((n,), (1,)) for t in tensors]
     for start in range(0, n, _PIECE):
         yield tuple(f[start : start + _PIECE] for f in flats)
-
-
-def _flat(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers ``numel`` consecutive elements of its storage (any order)."""
-    expected = 1
-    for stride, size in sorted((s, d) for s, d in zip(t.stride(), t.shape) if d != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

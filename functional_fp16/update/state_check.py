@@ -38,6 +38,7 @@ import torch
 
 from functional_fp16._fused.op_checks import first_overlap
 from functional_fp16._util.cache import remember
+from functional_fp16._util.layout import dense_without_overlap
 from functional_fp16._util.tree import (
     describe_tensor,
     first_difference,
@@ -219,19 +220,6 @@ _WHAT = {
     "scale_stats": "a ScaleStats of 0-d int32 tensors",
     "leaf_finite": "a 1-d bool tensor, one flag per leaf of params",
 }
-
-
-def dense_without_overlap(x: torch.Tensor) -> bool:
-    """Whether ``x``'s elements fill ``numel`` consecutive slots of memory, each once
-    (any order of dimensions: channels-last and transposed tensors qualify)."""
-    if x.numel() == 0:
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _compare(state: FP16State, template: FP16State) -> None:

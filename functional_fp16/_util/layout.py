@@ -1,0 +1,20 @@
+"""A tensor's layout in memory, as the state checks and the split master read it."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dense_without_overlap"]
+
+
+def dense_without_overlap(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill ``numel`` consecutive slots of memory, each once
+    (any order of dimensions: channels-last and transposed tensors qualify)."""
+    if x.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
