@@ -309,12 +309,17 @@ def load_checkpoint(
     ``CheckpointCorruptError`` names the leaf.
     """
     tree = _read.load(path, like, map_location)
-    _check_split_masters(path, tree)
+    check_split_masters(path, tree)
     return tree
 
 
-def _check_split_masters(path: Any, tree: PyTree) -> None:
-    """Refuses a loaded state whose split master's residuals do not fit its params."""
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def check_split_masters(path: Any, tree: PyTree) -> None:
+    """Refuses a loaded state whose split master's residuals do not fit its params
+    (``CheckpointCorruptError`` naming the leaf; DTensors checked on this rank's shards)."""
     states = optree.tree_leaves(
         tree, is_leaf=lambda x: isinstance(x, FP16State), namespace=NAMESPACE
     )
@@ -326,7 +331,7 @@ def _check_split_masters(path: Any, tree: PyTree) -> None:
             fits = (
                 p.dtype == torch.float16
                 and p.shape == q.shape
-                and bool(valid_residuals(p.detach().cpu(), q.detach().cpu()))
+                and bool(valid_residuals(_local(p).detach().cpu(), _local(q).detach().cpu()))
             )
             if not fits:
                 raise CheckpointCorruptError(

@@ -7,7 +7,7 @@ nested dict of tensors DCP takes, with keys a plain PyTorch user can read:
 key                   what
 ====================  ====================================================================
 ``params.<name>``     the working copies (FP16), one per parameter
-``master.<name>``     the FP32 master, one per parameter
+``master.<name>``     the FP32 master, one per parameter (split: its int16 residuals)
 ``opt_state.<p>``     every tensor of the optimiser state, ``<p>`` its path in the state
 ``loss_scale.<f>``    the loss scale's tensors (``loss_scale``, its counters)
 ``step``              the number of updates
@@ -19,7 +19,8 @@ key                   what
 ``<name>`` is the parameter's key where ``params`` is a flat dict with string
 keys (``dict(model.named_parameters())``), else its path (``['a'][0]``).
 DTensor leaves are saved by DCP shard by shard (no gather), plain tensors
-once. So a plain DCP user loads the FP32 master into an unsharded module::
+once. So a plain DCP user loads the FP32 master into an unsharded module (of a state
+with a float32 master; a split one's is ``ff.master_weights`` of the loaded state)::
 
     import torch.distributed.checkpoint as dcp
     sd = {"master": model.state_dict()}        # FP32 tensors to fill, in place
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint import CheckpointException
 from functional_fp16._util.tree import tree_flatten, tree_paths, tree_unflatten
 from functional_fp16.checkpoint.atomic_file import new_temporary_directory, replace_directory
 from functional_fp16.checkpoint.format import CheckpointCorruptError, CheckpointMismatchError, show
+from functional_fp16.checkpoint.save_load import check_split_masters
 from functional_fp16.distributed.dcp_reader import CheckedReader, check_entries, dcp_failure
 from functional_fp16.update.state import (
     ADDED_FIELDS,
@@ -202,6 +204,7 @@ def load_dcp_state(
         raise CheckpointCorruptError(
             f"{show(path)}: DCP could not read it ({dcp_failure(err)})"
         ) from err
+    _agreed(lambda: check_split_masters(show(path), target))
     return target
 
 
