@@ -636,6 +636,64 @@ def scenario_dcp(rank: int, out_dir: str):
     return out
 
 
+SPLIT_TXS = ("momentum", "recipe", "lion")
+
+
+def scenario_split(rank: int, out_dir: str):
+    """Split masters on DTensor params: each optimiser of ``SPLIT_TXS`` against one
+    process's split state; the recipe's state saved with DCP (``split_dcp/dcp_<world>``)
+    with its values (``split_truth_<world>.pt``) for the test to load into one process."""
+    import os
+
+    from functional_fp16 import distributed as ffd
+
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in SPLIT_TXS:
+        scale = ff.DynamicLossScale(2.0**10, growth_interval=2)
+        ours = ff.fp16_init(
+            distribute(make_params(), mesh), optimiser_matrix()[name], scale, master="split"
+        )
+        ref = ff.fp16_init(make_params(), optimiser_matrix()[name], scale, master="split")
+        r = {"decisions": [], "ref_decisions": [], "master_ulps": 0.0, "kept": True}
+        r["params_equal"] = True
+        for step in range(STEPS):
+            grads = make_grads(step, world)
+            ours = ff.fp16_update(ours, distribute(grads, mesh), donate=step % 2 == 1)
+            ref = ff.fp16_update(ref, grads)
+            r["decisions"].append(bool(ours.grads_finite))
+            r["ref_decisions"].append(bool(ref.grads_finite))
+            wide, ref_wide = ff.master_weights(ours), ff.master_weights(ref)
+            for k in SHAPES:
+                q = ours.master[k]
+                r["kept"] &= (
+                    isinstance(q, DTensor)
+                    and q.dtype == torch.int16
+                    and q.placements == tuple(placements(k))
+                )
+                r["master_ulps"] = max(r["master_ulps"], local_ulps(wide[k], ref_wide[k]))
+                r["params_equal"] &= torch.equal(bits(ours.params[k]), bits(ref.params[k]))
+        out[name] = r
+    shared = os.path.join(out_dir, "split_dcp")
+    ffd.save_dcp_state(ours, os.path.join(shared, f"dcp_{world}"))
+    # a collective, every rank; gloo gathers no int16, so residuals travel as int32
+    truth = [
+        (
+            x.to(torch.int32).full_tensor().to(torch.int16)
+            if x.dtype == torch.int16
+            else x.full_tensor()
+        )
+        if isinstance(x, DTensor)
+        else x.clone()
+        for x in tree_leaves(ours)
+        if isinstance(x, torch.Tensor)
+    ]
+    if rank == 0:
+        torch.save(truth, os.path.join(shared, f"split_truth_{world}.pt"))
+    return out
+
+
 # -- tensor parallelism: the GPT example's model and torchtitan's plan ---------------------
 
 TP_STEPS, TP_INJECT, TP_CLIP, TP_BATCH = 8, 3, 0.25, 8
@@ -1044,6 +1102,7 @@ SCENARIOS = {
     "hsdp": scenario_hsdp,
     "fsdp2_mixed_precision": scenario_fsdp2_mixed_precision,
     "dcp": scenario_dcp,
+    "split": scenario_split,
     "tp": scenario_tp,
     "tp_dcp": scenario_tp_dcp,
     "submesh": scenario_submesh,

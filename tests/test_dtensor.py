@@ -64,6 +64,37 @@ def test_dtensor_states_step_like_one_process(launch, name, donate):
     assert per_rank[0]["path"] in (("fused",) if fused else ("fused", "foreach", "foreach-sgd"))
 
 
+def test_split_masters_on_dtensors_step_like_one_process(launch):
+    """``master="split"`` on DTensor params: the residuals are int16 DTensors placed like
+    their params, decisions are one process's, the decoded master within the float32
+    DTensor states' bound (one ulp where the clip's norm is summed across the mesh, else
+    bitwise), and a DCP save at this world size loads into one process bitwise."""
+    import torch
+
+    import functional_fp16 as ff
+    from functional_fp16 import distributed as ffd
+    from functional_fp16._util.tree import tree_leaves
+    from tests import _dtensor_workers as W
+
+    for r in results(launch, "split"):
+        for name in W.SPLIT_TXS:
+            got = r[name]
+            assert got["decisions"] == got["ref_decisions"] and got["kept"], (name, got)
+            assert got["decisions"].count(False) >= 1
+            bound = 1.0 if name in CLIPPING else 0.0
+            assert got["master_ulps"] <= bound, (name, got)
+            assert got["params_equal"] or name in CLIPPING, (name, got)
+    like = ff.fp16_init(W.make_params(), optimiser_matrix()[W.SPLIT_TXS[-1]], master="split")
+    shared = launch.out / "split_dcp"
+    loaded = ffd.load_dcp_state(like, shared / f"dcp_{launch.world}")  # N ranks -> 1 process
+    want = torch.load(shared / f"split_truth_{launch.world}.pt")
+    got = [x for x in tree_leaves(loaded) if isinstance(x, torch.Tensor)]
+    assert len(got) == len(want) and all(
+        torch.equal(W.bits(a), W.bits(b)) for a, b in zip(got, want)
+    )
+    assert ff.master_form(loaded) == "split"
+
+
 def test_multisteps_of_the_recipe_on_dtensors(launch):
     for r in results(launch, "multisteps"):
         assert all(a == b for a, b in r["decisions"]), r
