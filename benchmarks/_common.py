@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -93,13 +94,18 @@ def time_interleaved(
     reps: int,
     warmup: int,
     prepare: dict[str, Callable[[], None]] | None = None,
+    shuffle: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, taking turns one call each per repetition.
 
     Load from other programs then affects every row alike. ``prepare[name]``
-    (untimed) runs before each timed call of ``name``.
+    (untimed) runs before each timed call of ``name``. ``shuffle``: the turns of each
+    repetition in a new order (seeded), so that no row always follows the same one; a
+    row over more memory than the last-level cache otherwise inherits its predecessor's
+    cache, dirty lines from an update in place included.
     """
     prepare = prepare or {}
+    order = random.Random(0)
     for _ in range(warmup):
         for name, fn in fns.items():
             if name in prepare:
@@ -107,7 +113,10 @@ def time_interleaved(
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        for name, fn in fns.items():
+        turns = list(fns.items())
+        if shuffle:
+            order.shuffle(turns)
+        for name, fn in turns:
             if name in prepare:
                 prepare[name]()
             t0 = time.perf_counter()

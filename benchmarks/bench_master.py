@@ -77,7 +77,7 @@ def time_table(title, params, reps, warmup) -> list[str]:
             tag = f"{name}{', donated' if donate else ''}"
             rows[f"{tag}: FP32 master"] = Ours(params, grads, make(), donate=donate)
             rows[f"{tag}: split master"] = Split(params, grads, make(), donate=donate)
-    times = C.time_interleaved(rows, reps=reps, warmup=warmup)
+    times = C.time_interleaved(rows, reps=reps, warmup=warmup, shuffle=True)
     med = {k: C.median(v) for k, v in times.items()}
     lines = [f"### {title}", "", "| row | path | median per call | split / FP32 master |"]
     lines.append("|---|---|---:|---:|")

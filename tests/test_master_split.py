@@ -358,7 +358,8 @@ def _tiny_params():
     scales = torch.tensor([1.0, 2.0**-13, 2.0**-15, 2.0**-17, 2.0**-22, 2.0**-26, 2.0**-30])
     w = torch.randn(7, 150, generator=g) * scales[:, None]
     w[0, :4] = torch.tensor([0.0, -0.0, 1.5 * 2.0**-24, -2.5 * 2.0**-24])
-    # "e": 15 elements, all in the kernels' scalar remainder, values of every kind
+    # "e": 15 elements, all in the kernels' last, partial vector (and the scalar remainder
+    # of join_master and split_master), values of every kind
     e = torch.tensor([0.3, -0.0, 0.0, 2.0**-20, -3 * 2.0**-25, 1e-30, 65504.0, -700.0, 2.0**-14,
                       -(2.0**-14) + 2.0**-30, 1.5 * 2.0**-24, 7e-6, -2e-7, 1.0, -1.0])  # fmt: skip
     return {"w": w, "v": torch.randn(37, generator=g) * 2.0**-18, "e": e}
@@ -389,6 +390,40 @@ def test_the_kernels_split_like_the_codec(name, kernel, monkeypatch):
             ):
                 assert torch.equal(bits(a), bits(b))
         narrow = stepped
+
+
+PAST_FP16 = {
+    # each pushes masters at +-65519.99 outward by more than 65520 - 65519.99 in one step
+    "momentum": lambda: ff.sgd(0.05, momentum=0.9),  # then inf, held
+    "wd": lambda: ff.sgd(0.05, momentum=0.9, weight_decay=1e-2),  # inf, then NaN
+    "adam": lambda: ff.adam(1.0),
+    "l2_adam": lambda: ff.chain(ff.add_decayed_weights(1e-2), ff.adam(1.0)),  # NaN
+    "lion": lambda: ff.lion(1.0, weight_decay=0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAST_FP16))
+def test_masters_past_fp16s_range_split_like_the_codec(name):
+    """Masters stepped past 65520 (params inf, residuals 0) and on to NaN: the C kernel's
+    split of them is the codec's, bitwise, pure and donated; 40 elements, so whole
+    vectors and a last, partial one."""
+    m = torch.tensor([65519.99, -65519.99] * 20)
+    narrow = ff.fp16_init({"o": m}, PAST_FP16[name](), ff.DynamicLossScale(1.0), master="split")
+    g = {"o": (-torch.sign(m) * 60000.0).to(torch.float16)}
+    for _ in range(3):
+        wide = ff.convert_master(narrow, "float32")
+        expected = ff.convert_master(ff.fp16_update(wide, g), "split")
+        for donate in (False, True):
+            stepped = ff.fp16_update(narrow if not donate else _copy(narrow), g, donate=donate)
+            assert ff.update_path(narrow) == "fused"
+            for a, b in zip(
+                ff._util.tree.tree_leaves(stepped), ff._util.tree.tree_leaves(expected)
+            ):
+                assert torch.equal(bits(a), bits(b))
+        narrow = stepped
+    p = narrow.params["o"]
+    assert torch.isinf(p).any() or torch.isnan(p).any()
+    assert not narrow.master["o"][~torch.isfinite(p)].any()  # residual 0 past the range
 
 
 @pytest.mark.parametrize("name", ["momentum", "nesterov", "dampening", "wd", "clip"])

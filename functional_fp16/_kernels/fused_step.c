@@ -206,7 +206,15 @@ static inline uint16_t half_bits(float x) {
     return (uint16_t)(h | ((u >> 16) & 0x8000u));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The split master 16 lanes at a time, in registers. The element loops of a split
+ * master (sgd_split_block, adam_split_block, lion_split_block) load p and q, join,
+ * step, split and store in one pass; a block's last lanes past n are masked off
+ * (loaded as zeros, never stored), so no block needs a scalar remainder. Elsewhere a
+ * split block goes through float32 buffers (join_master, the float32 block loop,
+ * store_split): the same operations on the same values. */
+#define FF_SPLIT_LANES 1
+
 /* u(p) of 16 params from their float32 values pf, as the bits of sign(p) 2^(E + offset)
  * with E = max(exponent of p, -14) (offset -25: u; 25 - 2E via negate: 1/u): p's float32
  * exponent field, raised to -14's where p is subnormal or zero. */
@@ -217,6 +225,40 @@ static inline __m512i exponents16(__m512 pf) {
 static inline __m512i signs16(__m512 pf) {
     return _mm512_and_si512(_mm512_castps_si512(pf), _mm512_set1_epi32((int)0x80000000u));
 }
+
+/* The float32 masters p + q u(p) of 16 params p and residuals q (as loaded): one fused
+ * multiply-add, exact (q u and the sum are both representable). */
+static inline __m512 join_lanes(__m256i p, __m256i q) {
+    const __m512 pf = _mm512_cvtph_ps(p);
+    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(q));
+    const __m512i u = _mm512_or_si512( /* 2^(E - 25): E's field less 25 */
+        _mm512_sub_epi32(exponents16(pf), _mm512_set1_epi32(25 << 23)), signs16(pf));
+    return _mm512_fmadd_ps(qf, _mm512_castsi512_ps(u), pf);
+}
+
+/* split of 16 float32 masters x: the params returned, the residuals in *q. Only where
+ * fl16(x) has a zero exponent field (|x| < 2^-14, where the grid can matter: it does
+ * below 2^-16 only) is x put on the grid of 2^-39 and rounded again, a branch rarely
+ * taken. Where p is inf or NaN, (x - p) / u is inf or NaN, which vcvttps2dq makes
+ * 0x80000000 and vpmovdw (truncating) 0: the residual 0, as split() defines it. */
+static inline __m256i split_lanes(__m512 x, __m256i *q) {
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 t = x;
+    const __mmask16 small = _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7C00));
+    if (small) {
+        t = _mm512_mask_mul_ps(x, small,
+                               _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0x1p39f)),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                               _mm512_set1_ps(0x1p-39f));
+        h = _mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    const __m512 pf = _mm512_cvtph_ps(h);
+    const __m512i inv_u = _mm512_or_si512( /* 2^(25 - E): 279 less E's biased field */
+        _mm512_sub_epi32(_mm512_set1_epi32(279 << 23), exponents16(pf)), signs16(pf));
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, pf), _mm512_castsi512_ps(inv_u));
+    *q = _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(r));
+    return h;
+}
 #endif
 
 /* The float32 master p + q u(p) of n elements (exact: it is the master split() was given,
@@ -224,15 +266,10 @@ static inline __m512i signs16(__m512 pf) {
 static void join_master(const uint16_t *restrict p, const int16_t *restrict q,
                         float *restrict out, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m512 pf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i)));
-        const __m512 qf = _mm512_cvtepi32_ps(
-            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + i))));
-        const __m512i u = _mm512_or_si512( /* 2^(E - 25): E's field less 25 */
-            _mm512_sub_epi32(exponents16(pf), _mm512_set1_epi32(25 << 23)), signs16(pf));
-        _mm512_storeu_ps(out + i, _mm512_add_ps(pf, _mm512_mul_ps(qf, _mm512_castsi512_ps(u))));
-    }
+#if defined(FF_SPLIT_LANES)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, join_lanes(_mm256_loadu_si256((const __m256i *)(p + i)),
+                                             _mm256_loadu_si256((const __m256i *)(q + i))));
 #endif
     for (; i < n; ++i) {
         const float u = bits_f32(((unit_exponent(p[i]) + 87u) << 23) | unit_sign(p[i]));
@@ -246,27 +283,11 @@ static void join_master(const uint16_t *restrict p, const int16_t *restrict q,
 static void split_master(const float *restrict m, uint16_t *restrict p, int16_t *restrict q,
                          int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(FF_SPLIT_LANES)
     for (; i + 16 <= n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(m + i);
-        const __mmask16 small =
-            _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0x1p-14f), _CMP_LT_OQ);
-        __m512 t = x;
-        if (small) /* rare: masters below 2^-14 onto the grid of 2^-39 */
-            t = _mm512_mask_mul_ps(x, small,
-                                   _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0x1p39f)),
-                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                   _mm512_set1_ps(0x1p-39f));
-        const __m256i h = _mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 pf = _mm512_cvtph_ps(h);
-        const __m512i ex = exponents16(pf);
-        const __m512i inv_u = _mm512_or_si512( /* 2^(25 - E): 279 less E's biased field */
-            _mm512_sub_epi32(_mm512_set1_epi32(279 << 23), ex), signs16(pf));
-        const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, pf), _mm512_castsi512_ps(inv_u));
-        const __mmask16 special = _mm512_cmpeq_epi32_mask(ex, _mm512_set1_epi32(0x7F800000));
-        const __m512 rq = _mm512_mask_blend_ps(special, r, _mm512_setzero_ps());
-        _mm256_storeu_si256((__m256i *)(p + i), h);
-        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(rq)));
+        __m256i r;
+        _mm256_storeu_si256((__m256i *)(p + i), split_lanes(_mm512_loadu_ps(m + i), &r));
+        _mm256_storeu_si256((__m256i *)(q + i), r);
     }
 #endif
     for (; i < n; ++i) {
@@ -294,6 +315,72 @@ static void store_split(const float *m, void *po, void *qo, uint16_t *pq, int st
         memcpy(qo, pq + n, (size_t)n * 2);
     }
 }
+
+#if defined(FF_SPLIT_LANES)
+/* Lanes i .. i + 15 of a block, k the ones in range: every helper takes k, and a loop
+ * over a block's whole vectors passes the constant 0xFFFF, which folds their masks
+ * away (masked loads and stores cost more than plain ones). */
+static inline __mmask16 lanes_left(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFFu : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __m256i halves_at(const void *x, int64_t i, __mmask16 k) {
+    const uint16_t *s = (const uint16_t *)x + i;
+    return k == 0xFFFFu ? _mm256_loadu_si256((const __m256i *)(const void *)s)
+                        : _mm256_maskz_loadu_epi16(k, s);
+}
+
+static inline __m512 load_lanes(const float *x, int64_t i, __mmask16 k) {
+    return k == 0xFFFFu ? _mm512_loadu_ps(x + i) : _mm512_maskz_loadu_ps(k, x + i);
+}
+
+/* 16 gradients of dtype gd from element i of g, as float32 (exact, as to_f32). */
+static inline __m512 grad_lanes(const char *g, int gd, int64_t i, __mmask16 k) {
+    if (gd == DT_F32) return load_lanes((const float *)(const void *)g, i, k);
+    const __m256i h = halves_at(g, i, k);
+    if (gd == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* The master of 16 elements from i of the params p and residuals q. */
+static inline __m512 master_lanes(const uint16_t *p, const int16_t *q, int64_t i, __mmask16 k) {
+    return join_lanes(halves_at(p, i, k), halves_at(q, i, k));
+}
+
+/* Stores 16 float32 lanes, streamed (stream: x + i is 64-byte aligned and fresh). */
+static inline void store_lanes(float *x, int64_t i, __m512 v, __mmask16 k, int stream) {
+    if (k != 0xFFFFu)
+        _mm512_mask_storeu_ps(x + i, k, v);
+    else if (stream)
+        _mm512_stream_ps(x + i, v);
+    else
+        _mm512_storeu_ps(x + i, v);
+}
+
+/* The params and residuals of 16 new masters m, to po and qo from element i (stream:
+ * both 32-byte aligned and fresh). */
+static inline void store_split_lanes(uint16_t *po, int16_t *qo, int64_t i, __m512 m,
+                                     __mmask16 k, int stream) {
+    __m256i q;
+    const __m256i p = split_lanes(m, &q);
+    if (k != 0xFFFFu) {
+        _mm256_mask_storeu_epi16(po + i, k, p);
+        _mm256_mask_storeu_epi16(qo + i, k, q);
+    } else if (stream) {
+        _mm256_stream_si256((__m256i *)(void *)(po + i), p);
+        _mm256_stream_si256((__m256i *)(void *)(qo + i), q);
+    } else {
+        _mm256_storeu_si256((__m256i *)(void *)(po + i), p);
+        _mm256_storeu_si256((__m256i *)(void *)(qo + i), q);
+    }
+}
+
+/* Whether a pure step's outputs take streaming stores: every one fresh and aligned. */
+static inline int streams(int fresh, const void *f32_out, const void *po, const void *qo) {
+    return fresh && ((uintptr_t)f32_out & 63u) == 0 && ((uintptr_t)po & 31u) == 0 &&
+           ((uintptr_t)qo & 31u) == 0;
+}
+#endif
 
 typedef struct {
     int32_t leaf;
@@ -455,6 +542,12 @@ static inline __attribute__((always_inline)) void sgd_block(
     }
 }
 
+/* Every combination of sgd_block's flags (clip, decay, momentum, Nesterov) that a call
+ * can make gets a loop of its own. */
+#define SGD_FLAGS(X) \
+    X(0, 0, 1, 0) X(0, 0, 0, 0) X(1, 0, 1, 0) X(0, 1, 1, 0) X(1, 1, 1, 0) X(0, 0, 1, 1) \
+    X(0, 1, 1, 1) X(1, 0, 1, 1) X(1, 1, 1, 1) X(1, 0, 0, 0) X(0, 1, 0, 0) X(1, 1, 0, 0)
+
 static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const float *b,
                          float *mo, float *bo, float *po, int64_t n) {
 #define SGD_CASE(C, D, M, N)                                                       \
@@ -462,20 +555,80 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
         sgd_block(h, g, m, b, mo, bo, po, n, C, D, M, N);                        \
         return;                                                                  \
     }
-    /* every combination gets a loop of its own */
-    SGD_CASE(0, 0, 1, 0)
-    SGD_CASE(0, 0, 0, 0)
-    SGD_CASE(1, 0, 1, 0)
-    SGD_CASE(0, 1, 1, 0)
-    SGD_CASE(1, 1, 1, 0)
-    SGD_CASE(0, 0, 1, 1)
-    SGD_CASE(0, 1, 1, 1)
-    SGD_CASE(1, 0, 1, 1)
-    SGD_CASE(1, 1, 1, 1)
-    SGD_CASE(1, 0, 0, 0)
-    SGD_CASE(0, 1, 0, 0)
-    SGD_CASE(1, 1, 0, 0)
+    SGD_FLAGS(SGD_CASE)
 #undef SGD_CASE
+}
+
+#if defined(FF_SPLIT_LANES)
+/* sgd_block's step on a split master in registers: lanes i .. i + 15 (k: those in range)
+ * of the master joined from p and q, stepped with sgd_block's operations in its order,
+ * split into po and qo. */
+typedef struct {
+    __m512 inv, cd, cm, wd, mu, keep, take, factor;
+} SgdLanes;
+
+static inline __attribute__((always_inline)) void sgd_lanes(
+    const SgdLanes c, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *b, uint16_t *po, int16_t *qo, float *bo, int64_t i, __mmask16 k, int stream,
+    const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    __m512 u = _mm512_mul_ps(grad_lanes(g, gd, i, k), c.inv);
+    if (CLIP) u = _mm512_mul_ps(_mm512_div_ps(u, c.cd), c.cm);
+    const __m512 mi = master_lanes(p, q, i, k);
+    if (DECAY) u = _mm512_fmadd_ps(mi, c.wd, u);
+    __m512 v = u;
+    if (MOMENTUM) {
+        const __m512 nb =
+            _mm512_add_ps(_mm512_mul_ps(load_lanes(b, i, k), c.keep), _mm512_mul_ps(u, c.take));
+        store_lanes(bo, i, nb, k, stream);
+        v = NESTEROV ? _mm512_fmadd_ps(nb, c.mu, u) : nb;
+    }
+    store_split_lanes(po, qo, i, _mm512_fmadd_ps(v, c.factor, mi), k, stream);
+}
+
+static inline __attribute__((always_inline)) void sgd_split_block(
+    const Hyper *h, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *b, uint16_t *po, int16_t *qo, float *bo, int64_t n, int stream,
+    const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    const SgdLanes c = {_mm512_set1_ps(h->inv),  _mm512_set1_ps(h->clip_div),
+                        _mm512_set1_ps(h->clip_mul), _mm512_set1_ps(h->wd),
+                        _mm512_set1_ps(h->mu),   _mm512_set1_ps(h->keep),
+                        _mm512_set1_ps(h->take), _mm512_set1_ps(h->factor)};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        sgd_lanes(c, g, gd, p, q, b, po, qo, bo, i, 0xFFFFu, stream, CLIP, DECAY, MOMENTUM,
+                  NESTEROV);
+    if (i < n)
+        sgd_lanes(c, g, gd, p, q, b, po, qo, bo, i, lanes_left(n - i), stream, CLIP, DECAY,
+                  MOMENTUM, NESTEROV);
+}
+#endif
+
+/* One block of n elements of ff_sgd_update on a split master: g (dtype gd), the params
+ * p and residuals q, the momentum b (NULL without momentum), to po, qo and bo (the
+ * inputs themselves when donated; fresh: a pure step's new memory). Every read of the
+ * block comes before its writes. */
+static void sgd_split(const Hyper *h, const char *g, int gd, const uint16_t *p,
+                      const int16_t *q, const float *b, uint16_t *po, int16_t *qo, float *bo,
+                      int64_t n, int fresh) {
+#if defined(FF_SPLIT_LANES)
+    const int stream = streams(fresh, bo ? (const void *)bo : (const void *)po, po, qo);
+#define SGD_CASE(C, D, M, N)                                                       \
+    if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
+        sgd_split_block(h, g, gd, p, q, b, po, qo, bo, n, stream, C, D, M, N);   \
+        return;                                                                  \
+    }
+    SGD_FLAGS(SGD_CASE)
+#undef SGD_CASE
+#else
+    float gbuf[BLOCK], wbuf[BLOCK], mbuf[BLOCK], bbuf[BLOCK], pbuf[BLOCK];
+    uint16_t pq[2 * BLOCK];
+    to_f32(g, gbuf, n, gd);
+    join_master(p, q, wbuf, n);
+    sgd_dispatch(h, gbuf, wbuf, b, mbuf, bbuf, pbuf, n);
+    if (h->momentum && fresh) stream_bytes(bo, bbuf, n * 4);
+    if (h->momentum && !fresh) memcpy(bo, bbuf, (size_t)n * 4);
+    store_split(mbuf, po, qo, pq, fresh, n);
+#endif
 }
 
 /* Undoes a speculative pure step of ff_sgd_update in every group
@@ -588,23 +741,17 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
                     memcpy(po_s, (const char *)p[l] + s * ps, (size_t)(n * ps));
                 continue;
             }
+            const float *b_s = h->momentum ? b[l] + s : NULL;
+            if (split) {
+                sgd_split(h, (const char *)g[l] + s * gs, gd, (const uint16_t *)p[l] + s,
+                          (const int16_t *)(const void *)m[l] + s, b_s, (uint16_t *)(void *)po_s,
+                          (int16_t *)(void *)mo[l] + s, bo_s, n, mo[l] != m[l]);
+                continue;
+            }
             float gbuf[BLOCK], pbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
-            const float *b_s = h->momentum ? b[l] + s : NULL;
             float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
-            if (split) {
-                /* the master joined, stepped and split; every read of the block before
-                 * its writes, so a donated step may write over its inputs */
-                float wbuf[BLOCK], mbuf[BLOCK], bbuf[BLOCK];
-                join_master((const uint16_t *)p[l] + s, (const int16_t *)(const void *)m[l] + s,
-                            wbuf, n);
-                sgd_dispatch(h, gbuf, wbuf, b_s, mbuf, bbuf, pbuf, n);
-                const int fresh = mo[l] != m[l];
-                if (h->momentum && fresh) stream_bytes(bo_s, bbuf, n * 4);
-                if (h->momentum && !fresh) memcpy(bo_s, bbuf, (size_t)n * 4);
-                uint16_t pq[2 * BLOCK];
-                store_split(mbuf, po_s, (int16_t *)(void *)mo[l] + s, pq, fresh, n);
-            } else if (mo[l] == m[l]) {
+            if (mo[l] == m[l]) {
                 /* donated: master and momentum in place, on lines the loads just
                  * brought into cache; the working copy, never read, streamed */
                 sgd_dispatch(h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
@@ -695,6 +842,9 @@ static inline __attribute__((always_inline)) void adam_block(
     }
 }
 
+#define ADAM_FLAGS(X) \
+    X(0, 0, 0) X(0, 0, 1) X(0, 1, 0) X(1, 0, 0) X(1, 0, 1) X(1, 1, 0) X(0, 1, 1) X(1, 1, 1)
+
 static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, const float *a,
                           const float *v, float *mo, float *ao, float *vo, float *po, int64_t n) {
 #define ADAM_CASE(C, L, D)                                                   \
@@ -702,15 +852,84 @@ static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, co
         adam_block(h, g, m, a, v, mo, ao, vo, po, n, C, L, D);               \
         return;                                                              \
     }
-    ADAM_CASE(0, 0, 0)
-    ADAM_CASE(0, 0, 1)
-    ADAM_CASE(0, 1, 0)
-    ADAM_CASE(1, 0, 0)
-    ADAM_CASE(1, 0, 1)
-    ADAM_CASE(1, 1, 0)
-    ADAM_CASE(0, 1, 1)
-    ADAM_CASE(1, 1, 1)
+    ADAM_FLAGS(ADAM_CASE)
 #undef ADAM_CASE
+}
+
+#if defined(FF_SPLIT_LANES)
+/* adam_block's step on a split master in registers (as sgd_lanes). */
+typedef struct {
+    __m512 inv, cd, cm, l2, b2, c2, sqrt_c2, inv_c1, eps, wd, factor, coef;
+} AdamLanes;
+
+static inline __attribute__((always_inline)) void adam_lanes(
+    const AdamLanes c, int small_w, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *a, const float *v, uint16_t *po, int16_t *qo, float *ao, float *vo, int64_t i,
+    __mmask16 k, int stream, const int CLIP, const int L2, const int DECOUPLED) {
+    __m512 u = _mm512_mul_ps(grad_lanes(g, gd, i, k), c.inv);
+    if (CLIP) u = _mm512_mul_ps(_mm512_div_ps(u, c.cd), c.cm);
+    const __m512 mi = master_lanes(p, q, i, k), ai = load_lanes(a, i, k);
+    if (L2) u = _mm512_fmadd_ps(mi, c.l2, u);
+    const __m512 na = _mm512_fmadd_ps(c.coef, _mm512_sub_ps(u, ai), small_w ? ai : u);
+    const __m512 nv =
+        _mm512_fmadd_ps(_mm512_mul_ps(c.c2, u), u, _mm512_mul_ps(load_lanes(v, i, k), c.b2));
+    store_lanes(ao, i, na, k, stream);
+    store_lanes(vo, i, nv, k, stream);
+    __m512 st = _mm512_mul_ps(
+        _mm512_div_ps(na, _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(nv), c.sqrt_c2), c.eps)),
+        c.inv_c1);
+    if (DECOUPLED) st = _mm512_fmadd_ps(mi, c.wd, st);
+    store_split_lanes(po, qo, i, _mm512_fmadd_ps(st, c.factor, mi), k, stream);
+}
+
+static inline __attribute__((always_inline)) void adam_split_block(
+    const AdamHyper *h, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *a, const float *v, uint16_t *po, int16_t *qo, float *ao, float *vo, int64_t n,
+    int stream, const int CLIP, const int L2, const int DECOUPLED) {
+    const AdamLanes c = {_mm512_set1_ps(h->inv),     _mm512_set1_ps(h->clip_div),
+                         _mm512_set1_ps(h->clip_mul), _mm512_set1_ps(h->l2),
+                         _mm512_set1_ps(h->b2),      _mm512_set1_ps(h->c2),
+                         _mm512_set1_ps(h->sqrt_c2), _mm512_set1_ps(h->inv_c1),
+                         _mm512_set1_ps(h->eps),     _mm512_set1_ps(h->wd),
+                         _mm512_set1_ps(h->factor),
+                         _mm512_set1_ps(h->small_w ? h->w : h->w_minus_1)};
+    const int small_w = h->small_w;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        adam_lanes(c, small_w, g, gd, p, q, a, v, po, qo, ao, vo, i, 0xFFFFu, stream, CLIP, L2,
+                   DECOUPLED);
+    if (i < n)
+        adam_lanes(c, small_w, g, gd, p, q, a, v, po, qo, ao, vo, i, lanes_left(n - i), stream,
+                   CLIP, L2, DECOUPLED);
+}
+#endif
+
+/* One block of ff_adam_update on a split master (as sgd_split): the moments a and v to ao
+ * and vo. */
+static void adam_split(const AdamHyper *h, const char *g, int gd, const uint16_t *p,
+                       const int16_t *q, const float *a, const float *v, uint16_t *po,
+                       int16_t *qo, float *ao, float *vo, int64_t n, int fresh) {
+#if defined(FF_SPLIT_LANES)
+    const int stream = streams(fresh, ao, po, qo) && ((uintptr_t)vo & 63u) == 0;
+#define ADAM_CASE(C, L, D)                                                              \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {                          \
+        adam_split_block(h, g, gd, p, q, a, v, po, qo, ao, vo, n, stream, C, L, D);     \
+        return;                                                                         \
+    }
+    ADAM_FLAGS(ADAM_CASE)
+#undef ADAM_CASE
+#else
+    float gbuf[BLOCK], wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK], pbuf[BLOCK];
+    uint16_t pq[2 * BLOCK];
+    to_f32(g, gbuf, n, gd);
+    join_master(p, q, wbuf, n);
+    adam_dispatch(h, gbuf, wbuf, a, v, mbuf, fresh ? abuf : ao, fresh ? vbuf : vo, pbuf, n);
+    if (fresh) {
+        stream_bytes(ao, abuf, n * 4);
+        stream_bytes(vo, vbuf, n * 4);
+    }
+    store_split(mbuf, po, qo, pq, fresh, n);
+#endif
 }
 
 /* Pointers per leaf: g (grad, dtype gdt), m (master), a and v (the moments),
@@ -778,22 +997,15 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
                 }
                 continue;
             }
-            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
-            to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
-            if (split) { /* joined, stepped, split; the block read before it is written */
-                float wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
-                join_master((const uint16_t *)p[l] + s, (const int16_t *)(const void *)m[l] + s,
-                            wbuf, n);
-                float *a_to = donated ? ao[l] + s : abuf, *v_to = donated ? vo[l] + s : vbuf;
-                adam_dispatch(h, gbuf, wbuf, a[l] + s, v[l] + s, mbuf, a_to, v_to, pbuf, n);
-                if (!donated) {
-                    stream_bytes(ao[l] + s, abuf, n * 4);
-                    stream_bytes(vo[l] + s, vbuf, n * 4);
-                }
-                store_split(mbuf, po_s, (int16_t *)(void *)mo[l] + s, (uint16_t *)hbuf, !donated,
-                            n);
+            if (split) {
+                adam_split(h, (const char *)g[l] + s * gs, gd, (const uint16_t *)p[l] + s,
+                           (const int16_t *)(const void *)m[l] + s, a[l] + s, v[l] + s,
+                           (uint16_t *)(void *)po_s, (int16_t *)(void *)mo[l] + s, ao[l] + s,
+                           vo[l] + s, n, !donated);
                 continue;
             }
+            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
+            to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             if (donated) {
                 adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
                               vo[l] + s, p_is_master ? mo[l] + s : pbuf, n);
@@ -855,6 +1067,8 @@ static inline __attribute__((always_inline)) void lion_block(
     }
 }
 
+#define LION_FLAGS(X) X(0, 1) X(0, 0) X(1, 1) X(1, 0)
+
 static void lion_dispatch(const LionHyper *h, const float *g, const float *m, const float *a,
                           float *mo, float *ao, float *po, int64_t n) {
 #define LION_CASE(C, D)                                      \
@@ -862,11 +1076,74 @@ static void lion_dispatch(const LionHyper *h, const float *g, const float *m, co
         lion_block(h, g, m, a, mo, ao, po, n, C, D);         \
         return;                                              \
     }
-    LION_CASE(0, 1)
-    LION_CASE(0, 0)
-    LION_CASE(1, 1)
-    LION_CASE(1, 0)
+    LION_FLAGS(LION_CASE)
 #undef LION_CASE
+}
+
+#if defined(FF_SPLIT_LANES)
+/* lion_block's step on a split master in registers (as sgd_lanes). */
+typedef struct {
+    __m512 inv, cd, cm, w1, b1, w2, b2, wd, factor;
+} LionLanes;
+
+static inline __attribute__((always_inline)) void lion_lanes(
+    const LionLanes c, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *a, uint16_t *po, int16_t *qo, float *ao, int64_t i, __mmask16 k, int stream,
+    const int CLIP, const int DECOUPLED) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 u = _mm512_mul_ps(grad_lanes(g, gd, i, k), c.inv);
+    if (CLIP) u = _mm512_mul_ps(_mm512_div_ps(u, c.cd), c.cm);
+    const __m512 mi = master_lanes(p, q, i, k), ai = load_lanes(a, i, k);
+    const __m512 s = _mm512_add_ps(_mm512_mul_ps(u, c.w1), _mm512_mul_ps(ai, c.b1));
+    /* +1 above zero, -1 below, else +0 (zeros and NaN) */
+    __m512 d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, zero, _CMP_GT_OQ),
+                                    _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, zero, _CMP_LT_OQ),
+                                                         zero, _mm512_set1_ps(-1.0f)),
+                                    _mm512_set1_ps(1.0f));
+    if (DECOUPLED) d = _mm512_fmadd_ps(mi, c.wd, d);
+    store_lanes(ao, i, _mm512_add_ps(_mm512_mul_ps(u, c.w2), _mm512_mul_ps(ai, c.b2)), k, stream);
+    store_split_lanes(po, qo, i, _mm512_fmadd_ps(d, c.factor, mi), k, stream);
+}
+
+static inline __attribute__((always_inline)) void lion_split_block(
+    const LionHyper *h, const char *g, int gd, const uint16_t *p, const int16_t *q,
+    const float *a, uint16_t *po, int16_t *qo, float *ao, int64_t n, int stream,
+    const int CLIP, const int DECOUPLED) {
+    const LionLanes c = {_mm512_set1_ps(h->inv), _mm512_set1_ps(h->clip_div),
+                         _mm512_set1_ps(h->clip_mul), _mm512_set1_ps(h->w1),
+                         _mm512_set1_ps(h->b1),  _mm512_set1_ps(h->w2),
+                         _mm512_set1_ps(h->b2),  _mm512_set1_ps(h->wd),
+                         _mm512_set1_ps(h->factor)};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        lion_lanes(c, g, gd, p, q, a, po, qo, ao, i, 0xFFFFu, stream, CLIP, DECOUPLED);
+    if (i < n)
+        lion_lanes(c, g, gd, p, q, a, po, qo, ao, i, lanes_left(n - i), stream, CLIP, DECOUPLED);
+}
+#endif
+
+/* One block of ff_lion_step on a split master (as sgd_split): the momentum a to ao. */
+static void lion_split(const LionHyper *h, const char *g, int gd, const uint16_t *p,
+                       const int16_t *q, const float *a, uint16_t *po, int16_t *qo, float *ao,
+                       int64_t n, int fresh) {
+#if defined(FF_SPLIT_LANES)
+    const int stream = streams(fresh, ao, po, qo);
+#define LION_CASE(C, D)                                                       \
+    if (h->clip == C && h->decoupled == D) {                                  \
+        lion_split_block(h, g, gd, p, q, a, po, qo, ao, n, stream, C, D);     \
+        return;                                                               \
+    }
+    LION_FLAGS(LION_CASE)
+#undef LION_CASE
+#else
+    float gbuf[BLOCK], wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK], pbuf[BLOCK];
+    uint16_t pq[2 * BLOCK];
+    to_f32(g, gbuf, n, gd);
+    join_master(p, q, wbuf, n);
+    lion_dispatch(h, gbuf, wbuf, a, mbuf, fresh ? abuf : ao, pbuf, n);
+    if (fresh) stream_bytes(ao, abuf, n * 4);
+    store_split(mbuf, po, qo, pq, fresh, n);
+#endif
 }
 
 static void ff_lion_step(const ff_step_args *x) {
@@ -913,17 +1190,15 @@ static void ff_lion_step(const ff_step_args *x) {
                 }
                 continue;
             }
-            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
-            to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
-            if (x->split) { /* joined, stepped, split, as in ff_adam_update */
-                float wbuf[BLOCK], mbuf[BLOCK], abuf[BLOCK];
-                join_master((const uint16_t *)x->p[l] + s, (const int16_t *)(const void *)m + s,
-                            wbuf, n);
-                lion_dispatch(h, gbuf, wbuf, a[l] + s, mbuf, donated ? ao[l] + s : abuf, pbuf, n);
-                if (!donated) stream_bytes(ao[l] + s, abuf, n * 4);
-                store_split(mbuf, po_s, (int16_t *)(void *)mo + s, (uint16_t *)hbuf, !donated, n);
+            if (x->split) {
+                lion_split(h, (const char *)x->g[l] + s * gs, gd, (const uint16_t *)x->p[l] + s,
+                           (const int16_t *)(const void *)m + s, a[l] + s,
+                           (uint16_t *)(void *)po_s, (int16_t *)(void *)mo + s, ao[l] + s, n,
+                           !donated);
                 continue;
             }
+            float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
+            to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
             if (donated) {
                 lion_dispatch(h, gbuf, m + s, a[l] + s, mo + s, ao[l] + s,
                               p_is_master ? mo + s : pbuf, n);
