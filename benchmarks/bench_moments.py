@@ -193,19 +193,20 @@ def time_table(title, params, reps, warmup) -> list[str]:
 
 def report(heading: str, description: str, states, times, argv=None, small=False) -> int:
     """The report of a state-and-time benchmark: its command line (``--reps``, ``--warmup``,
-    ``--out``, ``--smoke``), the machine, ``states(smoke)``'s table and ``times``' tables
+    ``--threads``, ``--out``, ``--smoke``), the machine, ``states(smoke)``'s table and ``times``' tables
     on GPT-2's 148 leaves at width 256 and on one 10.3M-parameter matrix (``small``: also
     at width 32, where the per-call work around the kernels is most of the time)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="the kernels' threads (default 1)")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="small trees, a few calls")
     args = ap.parse_args(argv)
-    C.set_threads(1)
+    C.set_threads(args.threads)
     ff.tune_malloc()  # as the examples run: large frees keep their pages
     reps, warmup = (3, 1) if args.smoke else (args.reps, args.warmup)
-    md = [heading, "", C.machine_line(), ""]
+    md = [heading, "", C.machine_line(), f"Threads: {args.threads}.", ""]
     md += states(args.smoke) + [""]
     if small:
         leaves = gpt2_tree(width=32, layers=2 if args.smoke else 12)
