@@ -393,11 +393,8 @@ def _step(plan: SGDPlan, grads, masters, roles, shared, own, common, donate, mem
         m_out, t_out, p_new = masters, trace, own
     else:
         m_out, t_out, p_new, *decided = SGD_OPS.call(False, {**a, **common, **hyper})
-    shared_out = {}
-    if old is not None:
-        flag = decided[0].reshape(())
-        shared_out["started"] = torch.where(flag, torch.ones_like(old), old)
-    return list(m_out), {"trace": list(t_out)}, list(p_new), tuple(decided), shared_out
+    # "started" (a bool flag) is set by the update's bookkeeping op, with the counters
+    return list(m_out), {"trace": list(t_out)}, list(p_new), tuple(decided), {}
 
 
 # ---------------------------------------------------------------------------
@@ -525,10 +522,8 @@ def _stored_step(plan: SGDPlan, grads, masters, roles, shared, own, common, dona
         m_out, t_out, sc_out, p_new = masters, a["trace"], a["trace_scales"], own
     else:
         m_out, t_out, sc_out, p_new, *decided = SGD_STORED_OPS.call(False, a)
-    flag = decided[0].reshape(())
-    shared_out = {"started": torch.where(flag, torch.ones_like(old), old)}
     roles_out = {"trace": list(t_out), "trace_scales": list(sc_out)}
-    return list(m_out), roles_out, list(p_new), tuple(decided), shared_out
+    return list(m_out), roles_out, list(p_new), tuple(decided), {}  # "started": as in _step
 
 
 register(Fusable("sgd", _read, _positions, _step))

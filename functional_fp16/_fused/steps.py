@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functional_fp16._fused.bookkeeping import bookkeep
 from functional_fp16._fused.chains import chain_parts
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
@@ -52,14 +53,13 @@ from functional_fp16.precision.loss_scale import (
     unscale_inverse,
 )
 from functional_fp16.precision.master_split import holds_residuals
-from functional_fp16.precision.scale_stats import stepped_stats
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_leaf_sums, wants_leaf_sums
 from functional_fp16.transforms.hyperparams import InjectHyperparamsState, InjectSpec
 from functional_fp16.transforms.sgd import LearningRateSpec
 
 __all__ = ["Fusable", "register", "Group", "FusedPlan", "fused_plan", "why_not_fused"]
-__all__ += ["fused_update", "incremented", "advanced"]
+__all__ += ["fused_update", "incremented"]
 
 
 class Fusable(NamedTuple):
@@ -364,15 +364,6 @@ def incremented(memo: dict, position: int) -> torch.Tensor:
     return memo[key]
 
 
-def advanced(memo: dict, position: int, finite: torch.Tensor) -> torch.Tensor:
-    """The counter at ``position`` of the optimiser state, advanced on an applied step
-    (saturating), computed once per call."""
-    key = ("advanced", position)
-    if key not in memo:
-        memo[key] = torch.where(finite, incremented(memo, position), memo["opt"][position])
-    return memo[key]
-
-
 def _injected_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
     """The fused step of an injected transform: the inner state stepped with the state's
     learning rate tensor, the injection's count advanced on an applied step."""
@@ -410,6 +401,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     if injected is not None:
         memo["injected"] = injected
     new_m, new_p, new_opt = list(masters), list(params), list(opt)
+    pending: dict[int, None] = {}  # positions of the counts and flags to advance, in order
     finite = None
     for grp in fp.groups:
         if grp.whole:
@@ -443,15 +435,20 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
             for i, t in zip([i for i in pos if i >= 0], roles_out[r]):
                 new_opt[i] = t
         for name, pos in grp.shared:
-            new_opt[pos] = shared_out[name] if name in shared_out else advanced(memo, pos, finite)
-    loss_scale = state.loss_scale.adjust(finite)
+            if name in shared_out:
+                new_opt[pos] = shared_out[name]
+            else:  # a count (advanced on an applied step) or a flag (set): bookkeeping's
+                pending[pos] = None
+    loss_scale, stats, step, advanced = bookkeep(state, finite, [opt[p] for p in pending])
+    for pos, t in zip(pending, advanced):
+        new_opt[pos] = t
     return state.replace(
         params=tree_rebuild(p_spec, state.params, new_p),
         master=tree_rebuild(m_spec, state.master, new_m),
         opt_state=tree_rebuild(fp.opt_spec, state.opt_state, new_opt),
         loss_scale=loss_scale,
-        step=state.step + 1,
+        step=step,
         grads_finite=finite,
-        scale_stats=stepped_stats(state, loss_scale, finite),
+        scale_stats=stats,
         leaf_finite=leaf_finite,
     )

@@ -19,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
@@ -789,6 +790,118 @@ std::tuple<Tensor, Tensor> grad_stats(const TensorList &grads, const OptTensor &
   return {peak, sq};
 }
 
+// ---------------------------------------------------------------------------
+// The bookkeeping of one update (precision/bookkeeping.py has the reference and the math),
+// elementwise over any shape: every tensor has the finite flag's numel, dense.
+// ---------------------------------------------------------------------------
+
+// fl32(s * f) from the exact product: directly for a power-of-two factor, else through
+// a double (as loss_scale._times computes it).
+static inline float times(float s, double f, bool pow2) {
+  return pow2 ? s * static_cast<float>(f) : static_cast<float>(static_cast<double>(s) * f);
+}
+
+static inline int32_t wrap_add(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+}
+
+static void check_like(const Tensor &x, const Tensor &like, at::ScalarType dt, const char *what) {
+  TORCH_CHECK(x.device() == like.device() && x.scalar_type() == dt && x.numel() == like.numel() &&
+                  x.is_contiguous(),
+              what, ": expected a dense ", c10::toString(dt), " tensor of ", like.numel(),
+              " elements on ", like.device());
+}
+
+// config: growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis.
+// kind 0: a dynamic scale (scale fields: scale, growth count, hysteresis count); 1: a
+// fixed one (the scale alone, kept).
+std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>> bookkeeping(
+    const Tensor &finite, const TensorList &scale, const TensorList &stats, const Tensor &step,
+    const TensorList &counters, c10::ArrayRef<double> config, int64_t kind) {
+  TORCH_CHECK(finite.scalar_type() == at::kBool && finite.is_contiguous(), "finite: a dense bool tensor");
+  TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 or 1");
+  TORCH_CHECK(scale.size() == (kind == 0 ? 3u : 1u), "scale: 3 tensors (dynamic) or 1 (fixed)");
+  TORCH_CHECK(stats.size() == 4, "stats: 4 counters");
+  TORCH_CHECK(config.size() == 6, "config: 6 numbers");
+  check_like(scale[0], finite, at::kFloat, "scale");
+  for (size_t i = 1; i < scale.size(); ++i) check_like(scale[i], finite, at::kInt, "scale counters");
+  for (const auto &t : stats) check_like(t, finite, at::kInt, "stats");
+  check_like(step, finite, at::kInt, "step");
+  for (const auto &t : counters) {
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kBool, "counters: int32 or bool");
+    check_like(t, finite, t.scalar_type(), "counters");
+  }
+  auto fresh = [](const Tensor &t) { return at::empty_like(t, at::MemoryFormat::Contiguous); };
+  std::vector<Tensor> scale_out, stats_out, counters_out;
+  for (const auto &t : scale) scale_out.push_back(fresh(t));
+  for (const auto &t : stats) stats_out.push_back(fresh(t));
+  for (const auto &t : counters) counters_out.push_back(fresh(t));
+  Tensor step_out = fresh(step);
+
+  const double gf = config[0], bf = config[1], max_scale = config[4];
+  const double interval = config[2];  // compared exactly with an int32 count
+  TORCH_CHECK(kind == 1 || (config[5] >= 1 && config[5] <= INT32_MAX), "hysteresis: an int32 >= 1");
+  const int32_t hysteresis = static_cast<int32_t>(config[5]);
+  int e = 0;
+  const bool gf_pow2 = std::frexp(gf, &e) == 0.5, bf_pow2 = std::frexp(bf, &e) == 0.5;
+  const double f32_max = 3.4028234663852886e38, f32_overflow = 3.4028235677973366e38;
+  const bool unbounded = max_scale >= f32_overflow;  // no float32 bound: an overflow keeps s
+  const float cap = static_cast<float>(std::min(max_scale, f32_max));
+  const float floor_ = static_cast<float>(config[3]);
+
+  const bool *fin = finite.data_ptr<bool>();
+  const float *s_in = scale[0].data_ptr<float>();
+  float *s_out = scale_out[0].data_ptr<float>();
+  const int32_t *gc_in = kind == 0 ? scale[1].data_ptr<int32_t>() : nullptr;
+  const int32_t *hc_in = kind == 0 ? scale[2].data_ptr<int32_t>() : nullptr;
+  int32_t *gc_out = kind == 0 ? scale_out[1].data_ptr<int32_t>() : nullptr;
+  int32_t *hc_out = kind == 0 ? scale_out[2].data_ptr<int32_t>() : nullptr;
+  const int32_t *st_in[4];
+  int32_t *st_out[4];
+  for (int k = 0; k < 4; ++k) {
+    st_in[k] = stats[k].data_ptr<int32_t>();
+    st_out[k] = stats_out[k].data_ptr<int32_t>();
+  }
+  const int32_t *step_in = step.data_ptr<int32_t>();
+  int32_t *step_new = step_out.data_ptr<int32_t>();
+  const int64_t n = finite.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const bool f = fin[i];
+    const float s = s_in[i];
+    float s_new = s;
+    if (kind == 0) {
+      const int32_t count = wrap_add(gc_in[i], 1), hc = hc_in[i];
+      const bool grow = static_cast<double>(count) >= interval;
+      float grown = times(s, gf, gf_pow2);
+      if (unbounded)
+        grown = std::isfinite(grown) ? grown : s;
+      else
+        grown = grown < cap ? grown : cap;
+      const int32_t hyst_over = std::max(wrap_add(hc, -1), 0);
+      float backed = times(s, bf, bf_pow2);
+      backed = backed > floor_ ? backed : floor_;
+      s_new = f ? (grow ? grown : s) : (hyst_over <= 0 ? backed : s);
+      gc_out[i] = f ? (grow ? 0 : count) : 0;
+      hc_out[i] = f ? (grow ? hysteresis : hc) : hyst_over;
+    }
+    s_out[i] = s_new;
+    st_out[0][i] = wrap_add(st_in[0][i], f ? 0 : 1);
+    st_out[1][i] = wrap_add(st_in[1][i], s_new > s ? 1 : 0);
+    st_out[2][i] = wrap_add(st_in[2][i], s_new < s ? 1 : 0);
+    st_out[3][i] = f ? wrap_add(st_in[3][i], 1) : 0;
+    step_new[i] = wrap_add(step_in[i], 1);
+    for (size_t k = 0; k < counters.size(); ++k) {
+      if (counters[k].scalar_type() == at::kBool) {
+        counters_out[k].data_ptr<bool>()[i] = counters[k].data_ptr<bool>()[i] || f;
+      } else {
+        const int32_t c = counters[k].data_ptr<int32_t>()[i];
+        counters_out[k].data_ptr<int32_t>()[i] = f && c < INT32_MAX ? c + 1 : c;
+      }
+    }
+  }
+  return {scale_out, stats_out, step_out, counters_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(functional_fp16_cpu, m) {
@@ -823,5 +936,9 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
   m.impl("adam", c10::DispatchKey::CPU, TORCH_FN(adam));
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
   m.impl("stored_step", c10::DispatchKey::CPU, TORCH_FN(stored_step));
+  m.def(
+      "bookkeeping(Tensor finite, Tensor[] scale, Tensor[] stats, Tensor step, "
+      "Tensor[] counters, float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor[])");
   m.impl("grad_stats", c10::DispatchKey::CPU, TORCH_FN(grad_stats));
+  m.impl("bookkeeping", c10::DispatchKey::CPU, TORCH_FN(bookkeeping));
 }

@@ -353,7 +353,11 @@ class DynamicLossScale(_LossScaleBase):
         for factors that are powers of two (the defaults) the float32 product is
         already exact and is formed directly.
         """
-        finite = _as_flag(grads_finite, self.loss_scale.device)
+        return self.adjusted_by(_as_flag(grads_finite, self.loss_scale.device))
+
+    def adjusted_by(self, finite: torch.Tensor) -> DynamicLossScale:
+        """:meth:`adjust` without its checks, elementwise: ``finite`` a bool tensor of the
+        fields' shape (every member's flag under ``vmap``'s rule for the bookkeeping op)."""
         scale = self.loss_scale
 
         # Finite branch.
