@@ -66,6 +66,12 @@ def _equal(a, b):
     assert torch.equal(_bits(a), _bits(b)), (a, b)
 
 
+def _flat(out):
+    """Every output of the op, in order: scale fields, stats, step, inverse, counters."""
+    scale, stats, step, inv, counters = out
+    return [*scale, *stats, step, inv, *counters]
+
+
 def _run(kernel, config, scale, flags, stats, step, counters):
     """Each step's outputs from ``kernel`` and from the reference, compared bitwise."""
     ls = _loss_scale(config, scale)
@@ -80,11 +86,9 @@ def _run(kernel, config, scale, flags, stats, step, counters):
         finite = torch.tensor(f)
         got = kernel(finite, fields, st_, step_t, cs, conf, kind)
         want = bk.reference(finite, fields, st_, step_t, cs, conf, kind)
-        for g, w in zip(
-            got[0] + got[1] + [got[2]] + got[3], want[0] + want[1] + [want[2]] + want[3]
-        ):
+        for g, w in zip(_flat(got), _flat(want)):
             _equal(g, w)
-        fields, st_, step_t, cs = [list(x) if isinstance(x, list) else x for x in want]
+        fields, st_, step_t, _, cs = [list(x) if isinstance(x, list) else x for x in want]
     return fields
 
 
@@ -151,8 +155,7 @@ def test_vmap_steps_each_member_as_alone():
     for i in range(k):
         one = bk.reference(finite[i], [f[i] for f in fields], [s[i] for s in stats], step[i],
                            [c[i] for c in counters], conf, kind)  # fmt: skip
-        flat_got = got[0] + got[1] + [got[2]] + got[3]
-        for g, w in zip(flat_got, one[0] + one[1] + [one[2]] + one[3]):
+        for g, w in zip(_flat(got), _flat(one)):
             _equal(g[i], w)
 
 
@@ -226,8 +229,24 @@ def test_a_fixed_scale_is_kept_and_counted(make):
         counters = [torch.tensor(2**31 - 1, dtype=torch.int32), torch.tensor(False)]
         got = kernel(finite, fields, stats, step, counters, conf, kind)
         want = bk.reference(finite, fields, stats, step, counters, conf, kind)
-        for g, w in zip(
-            got[0] + got[1] + [got[2]] + got[3], want[0] + want[1] + [want[2]] + want[3]
-        ):
+        for g, w in zip(_flat(got), _flat(want)):
             _equal(g, w)
         assert torch.equal(got[0][0], ls.loss_scale)
+
+
+@in_parent
+def test_the_next_update_reads_the_inverse_the_op_made():
+    """An update's state carries its scale's unscale factor (from the op, bitwise
+    ``unscale_factor``); a rebuilt loss scale carries none and computes it."""
+    from functional_fp16.precision.loss_scale import unscale_factor, unscale_inverse
+
+    params = {"w": torch.randn(8, 4).half()}
+    state = ff.fp16_init(params, ff.sgd(0.05), ff.DynamicLossScale(init_scale=3.0))
+    state = ff.fp16_update(state, {"w": torch.randn(8, 4).half()})
+    known = state.loss_scale._inverse
+    assert known[0] is state.loss_scale.loss_scale
+    assert unscale_inverse(state.loss_scale) is known[1]
+    _equal(known[1], unscale_factor(state.loss_scale.loss_scale))
+    rebuilt = state.loss_scale.replace(loss_scale=torch.tensor(5.0))
+    assert not hasattr(rebuilt, "_inverse")
+    _equal(unscale_inverse(rebuilt), unscale_factor(torch.tensor(5.0)))

@@ -38,7 +38,7 @@ from functional_fp16._fused import triton_bookkeeping
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
 from functional_fp16._fused.op_library import _define, _transformed
 from functional_fp16._kernels import cpu as c_kernel
-from functional_fp16.precision.loss_scale import DynamicLossScale
+from functional_fp16.precision.loss_scale import DynamicLossScale, remember_inverse, unscale_factor
 from functional_fp16.precision.scale_stats import ScaleStats, advance_stats
 from functional_fp16.transforms.base import saturating_increment
 
@@ -48,12 +48,15 @@ _INT32_MAX = 2**31 - 1
 
 SCHEMA = (
     "(Tensor finite, Tensor[] scale, Tensor[] stats, Tensor step, Tensor[] counters, "
-    "float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor[])"
+    "float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor, Tensor[])"
 )
-"""``scale``: the loss scale's tensors (kind 0, dynamic: scale, growth count, hysteresis
+r"""``scale``: the loss scale's tensors (kind 0, dynamic: scale, growth count, hysteresis
 count; kind 1, fixed: the scale); ``stats``: the four ``ScaleStats`` counters;
 ``counters``: int32 counts and bool flags; ``config``: growth factor, backoff factor,
-growth interval, min scale, max scale, hysteresis (zeros for a fixed scale)."""
+growth interval, min scale, max scale, hysteresis (zeros for a fixed scale). The
+outputs: the new scale fields, stats, step, the new scale's unscale factor
+:math:`\operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s'))` (which the next update reads
+instead of computing it: ``loss_scale.remember_inverse``), and the counters."""
 
 
 def _scale_object(config, fields):
@@ -76,7 +79,8 @@ def reference(finite, scale, stats, step, counters, config, kind):
     else:
         scale_out = [scale[0].clone()]
     stats_out = list(advance_stats(ScaleStats(*stats), scale[0], scale_out[0], finite))
-    return scale_out, stats_out, (step + 1).to(torch.int32), _advanced(counters, finite)
+    step_out = (step + 1).to(torch.int32)
+    return scale_out, stats_out, step_out, unscale_factor(scale_out[0]), _advanced(counters, finite)
 
 
 def _advanced(counters: list[Tensor], finite: Tensor) -> list[Tensor]:
@@ -105,6 +109,7 @@ def _fake(finite, scale, stats, step, counters, config, kind):
         [like(t) for t in scale],
         [like(t) for t in stats],
         like(step),
+        like(scale[0]),
         [like(t) for t in counters],
     )
 
@@ -130,8 +135,8 @@ def _rule(op):
             first(finite, d_f), each(scale, d_sc), each(stats, d_st), first(step, d_step),
             each(counters, d_c), config, kind,
         )  # fmt: skip
-        s, st, n, c = out
-        return out, ([0] * len(s), [0] * len(st), 0, [0] * len(c))
+        s, st, _, _, c = out
+        return out, ([0] * len(s), [0] * len(st), 0, 0, [0] * len(c))
 
     return rule
 
@@ -184,8 +189,10 @@ def bookkeep(state, finite: Tensor, counters: list[Tensor]) -> tuple[Any, ScaleS
     kind, config = conf
     args = (finite, scale, stats, state.step, counters, config, kind)
     if not _transformed() and cpp_ready(None, kernel_for(finite.device)):
-        s, st, step, out = c_kernel.run_op("bookkeeping", *args)  # the op's CPU kernel, direct
+        s, st, step, inv, out = c_kernel.run_op("bookkeeping", *args)  # the CPU kernel, direct
     else:
-        s, st, step, out = BOOKKEEPING(*args)
+        s, st, step, inv, out = BOOKKEEPING(*args)
     new_ls = ls._replace(**dict(zip(ls.TENSOR_FIELDS, s, strict=True)))
+    if not _transformed():  # a plain tensor for the next eager call; none in a trace
+        remember_inverse(new_ls, inv)
     return new_ls, ScaleStats(*st), step, list(out)

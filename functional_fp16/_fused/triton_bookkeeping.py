@@ -83,7 +83,7 @@ if triton is not None:
 
     @triton.jit
     def bookkeeping_kernel(
-        n, fin_ptr, cfg_ptr, s_ptr, gc_ptr, hc_ptr, so_ptr, gco_ptr, hco_ptr,
+        n, fin_ptr, cfg_ptr, s_ptr, gc_ptr, hc_ptr, so_ptr, gco_ptr, hco_ptr, inv_ptr,
         st0, st1, st2, st3, sto0, sto1, sto2, sto3, step_ptr, stepo_ptr,
         c0, c1, c2, c3, co0, co1, co2, co3,
         DYNAMIC: tl.constexpr, STATS: tl.constexpr,
@@ -123,6 +123,7 @@ if triton is not None:
                     hco_ptr + offs, tl.where(f, tl.where(grow, hyst, hc), hyst_over), mask=mask
                 )
             tl.store(so_ptr + offs, s_new, mask=mask)
+            tl.store(inv_ptr + offs, (1.0 / s_new.to(tl.float64)).to(tl.float32), mask=mask)
             one = tl.full((BLOCK,), 1, tl.int32)
             zero = tl.full((BLOCK,), 0, tl.int32)
             tl.store(
@@ -157,6 +158,7 @@ def run(finite, scale, stats, step, counters, config, kind):
     scale_out = [fresh(t) for t in scale]
     stats_out = [fresh(t) for t in stats]
     step_out = fresh(step)
+    inv = fresh(scale[0])
     counters_out = [fresh(t) for t in counters]
     n = finite.numel()
     block = max(16, 1 << max(0, (n - 1).bit_length()))
@@ -173,9 +175,9 @@ def run(finite, scale, stats, step, counters, config, kind):
         part += [(finite, finite)] * (SLOTS - len(part))  # unused slots: never read
         with torch.profiler.record_function(LAUNCH_LABEL) if interpreted else nullcontext():
             bookkeeping_kernel[(1,)](
-                n, finite, cfg, s, gc, hc, so, gco, hco, *stats, *stats_out, step, step_out,
+                n, finite, cfg, s, gc, hc, so, gco, hco, inv, *stats, *stats_out, step, step_out,
                 *(c for c, _ in part), *(o for _, o in part),
                 DYNAMIC=dynamic, STATS=j == 0, K0=kinds[0], K1=kinds[1], K2=kinds[2],
                 K3=kinds[3], BLOCK=block, **options,
             )  # fmt: skip
-    return scale_out, stats_out, step_out, counters_out
+    return scale_out, stats_out, step_out, inv, counters_out

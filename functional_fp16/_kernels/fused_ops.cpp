@@ -815,7 +815,7 @@ static void check_like(const Tensor &x, const Tensor &like, at::ScalarType dt, c
 // config: growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis.
 // kind 0: a dynamic scale (scale fields: scale, growth count, hysteresis count); 1: a
 // fixed one (the scale alone, kept).
-std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>> bookkeeping(
+std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor, std::vector<Tensor>> bookkeeping(
     const Tensor &finite, const TensorList &scale, const TensorList &stats, const Tensor &step,
     const TensorList &counters, c10::ArrayRef<double> config, int64_t kind) {
   TORCH_CHECK(finite.scalar_type() == at::kBool && finite.is_contiguous(), "finite: a dense bool tensor");
@@ -837,6 +837,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>
   for (const auto &t : stats) stats_out.push_back(fresh(t));
   for (const auto &t : counters) counters_out.push_back(fresh(t));
   Tensor step_out = fresh(step);
+  Tensor inv_out = fresh(scale[0]);  // fl32(1 / fl64(s')): the next update's unscale factor
 
   const double gf = config[0], bf = config[1], max_scale = config[4];
   const double interval = config[2];  // compared exactly with an int32 count
@@ -864,6 +865,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>
   }
   const int32_t *step_in = step.data_ptr<int32_t>();
   int32_t *step_new = step_out.data_ptr<int32_t>();
+  float *inv = inv_out.data_ptr<float>();
   const int64_t n = finite.numel();
   for (int64_t i = 0; i < n; ++i) {
     const bool f = fin[i];
@@ -885,6 +887,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>
       hc_out[i] = f ? (grow ? hysteresis : hc) : hyst_over;
     }
     s_out[i] = s_new;
+    inv[i] = static_cast<float>(1.0 / static_cast<double>(s_new));
     st_out[0][i] = wrap_add(st_in[0][i], f ? 0 : 1);
     st_out[1][i] = wrap_add(st_in[1][i], s_new > s ? 1 : 0);
     st_out[2][i] = wrap_add(st_in[2][i], s_new < s ? 1 : 0);
@@ -899,7 +902,7 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, std::vector<Tensor>
       }
     }
   }
-  return {scale_out, stats_out, step_out, counters_out};
+  return {scale_out, stats_out, step_out, inv_out, counters_out};
 }
 
 }  // namespace
@@ -938,7 +941,7 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
   m.impl("stored_step", c10::DispatchKey::CPU, TORCH_FN(stored_step));
   m.def(
       "bookkeeping(Tensor finite, Tensor[] scale, Tensor[] stats, Tensor step, "
-      "Tensor[] counters, float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor[])");
+      "Tensor[] counters, float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor, Tensor[])");
   m.impl("grad_stats", c10::DispatchKey::CPU, TORCH_FN(grad_stats));
   m.impl("bookkeeping", c10::DispatchKey::CPU, TORCH_FN(bookkeeping));
 }

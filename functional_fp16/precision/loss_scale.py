@@ -140,7 +140,7 @@ class _LossScaleBase:
     :meth:`unscale` use the ``loss_scale`` leaf; a subclass supplies ``adjust``.
     """
 
-    __slots__ = ()
+    __slots__ = ("_inverse",)  # (the scale tensor, its unscale factor): see remember_inverse
     TENSOR_FIELDS: tuple[str, ...] = ()
     TENSOR_DTYPES: tuple[torch.dtype, ...] = ()
     CONFIG_FIELDS: tuple[str, ...] = ()
@@ -507,4 +507,16 @@ def unscale_inverse(loss_scale: LossScale) -> torch.Tensor | None:
     the library's loss scales; ``None`` for :class:`NoOpLossScale` (no product at all)."""
     if isinstance(loss_scale, NoOpLossScale):
         return None
+    if not torch.compiler.is_compiling():
+        known = getattr(loss_scale, "_inverse", None)
+        if known is not None and known[0] is loss_scale.loss_scale:
+            return known[1]
     return unscale_factor(loss_scale.loss_scale)
+
+
+def remember_inverse(loss_scale: LossScale, inverse: torch.Tensor) -> None:
+    """Keeps ``inverse`` (``unscale_factor`` of ``loss_scale.loss_scale``, as the update's
+    bookkeeping op computed it) with the loss scale, for :func:`unscale_inverse` to return
+    while its scale tensor is the same object: a value derived from the state, not state
+    (a rebuilt or replaced loss scale has none and computes it)."""
+    loss_scale._inverse = (loss_scale.loss_scale, inverse)
