@@ -337,17 +337,38 @@ def _lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
     return _planned_lr_factor(plan, shared, like, memo)
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a ``(1,)`` float32 tensor on ``device``: kept across calls in eager
+    mode, a fresh fill where it would be traced or captured."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    ):
+        return torch.full((1,), value, dtype=torch.float32, device=device)
+    key = (value, device)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) > 256:  # learning rates that change by hand, call after call
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = torch.full((1,), value, dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
+
+
 def _planned_lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
     r"""The signed step factor :math:`\sigma\,\eta_t` as a ``(1,)`` float32 tensor.
 
-    A constant :math:`\eta` is a fill on the device (capturable in CUDA
-    graphs); a schedule is evaluated at its count (the number of applied
-    steps), once per call for every group that shares it.
+    A constant :math:`\eta` is made once per value and device and kept (no op reads
+    more than its value, none writes it); in a trace (``torch.compile``, a CUDA graph's
+    capture) it is a fill, so that the graph holds it. A schedule is evaluated at its
+    count (the number of applied steps), once per call for every group that shares it.
     """
     if not callable(plan.learning_rate):
         key = ("lr", plan.sign * plan.learning_rate)
         if key not in memo:
-            memo[key] = torch.full((1,), key[1], dtype=torch.float32, device=like.device)
+            memo[key] = _constant(key[1], like.device)
         return memo[key]
     key = ("lr", shared["lr_count"], plan.learning_rate, plan.sign)
     if key not in memo:
