@@ -458,3 +458,30 @@ def stored_step_grads(state, seed, bad=None):
     if bad is not None:
         out["v"][7, 290] = bad
     return out
+
+
+def run_cases_in_interpreter(test_file: str, runner: str, at_least: int, skips=False) -> str:
+    """Runs the cases of ``test_file`` but ``runner`` (the test calling this) in a child
+    pytest with ``TRITON_INTERPRET=1`` (Triton interprets only where that was set before
+    it was imported) and no forced CPU kernel; requires it to pass ``at_least`` cases and
+    (unless ``skips``: the file's parent-only cases) skip none. Returns its output."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from functional_fp16._fused import device_kernels as dk
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop(dk.CPU_KERNEL_VARIABLE, None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd += [str(test_file), "-k", f"not {runner}"]
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed.group(1)) >= at_least, out[-3000:]
+    assert skips or not re.search(r"\d+ skipped", out), out[-3000:]
+    return out

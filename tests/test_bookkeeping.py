@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from functional_fp16._fused import bookkeeping as bk
 from functional_fp16._fused import device_kernels as dk
 from functional_fp16._fused import triton_bookkeeping
 from functional_fp16._kernels import cpu as c_kernel
+from tests.helpers import run_cases_in_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_child = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter's process")
@@ -198,15 +196,9 @@ def test_the_triton_cases_pass_in_the_interpreter():
         pytest.skip("this is the interpreter's process")
     if triton_bookkeeping.triton is None:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(dk.CPU_KERNEL_VARIABLE, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += [str(Path(__file__)), "-k", "not test_the_triton_cases_pass_in_the_interpreter"]
-    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-6000:]
-    passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 3, out[-3000:]
+    run_cases_in_interpreter(
+        __file__, "test_the_triton_cases_pass_in_the_interpreter", 5, skips=True
+    )
 
 
 @pytest.mark.parametrize("make", [lambda: ff.StaticLossScale(8.0), ff.NoOpLossScale])

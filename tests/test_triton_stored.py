@@ -15,9 +15,6 @@ kernel is held to the reference in ``test_fused_stored_moments``).
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,13 @@ import functional_fp16 as ff
 from functional_fp16._fused import device_kernels as dk
 from functional_fp16._fused import triton_stored
 from functional_fp16._util.tree import tree_leaves, tree_map
-from tests.helpers import assert_bitwise_unchanged, bit_snapshot, bits, stored_step_grads
+from tests.helpers import (
+    assert_bitwise_unchanged,
+    bit_snapshot,
+    bits,
+    run_cases_in_interpreter,
+    stored_step_grads,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_child = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter's process")
@@ -39,16 +42,7 @@ def test_the_cases_pass_in_the_interpreter():
         pytest.skip("this is the interpreter's process")
     if triton_stored.triton is None:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(dk.CPU_KERNEL_VARIABLE, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += [str(Path(__file__)), "-k", "not test_the_cases_pass_in_the_interpreter"]
-    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-6000:]
-    passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= N_CASES, out[-3000:]
-    assert not re.search(r"\d+ skipped", out), out[-3000:]
+    run_cases_in_interpreter(__file__, "test_the_cases_pass_in_the_interpreter", N_CASES)
 
 
 def _params(dtype, seed=0):
