@@ -145,9 +145,19 @@ BOOKKEEPING = _define("bookkeeping", SCHEMA, _kernel, _fake, _rule)
 """``torch.ops.functional_fp16.bookkeeping.default``."""
 
 
+_CONFIGS: dict = {}
+
+
 def _config(loss_scale) -> tuple[int, list[float]] | None:
     """The op's ``kind`` and ``config`` for ``loss_scale``; ``None`` where the op cannot
-    take it (counts or hysteresis past int32)."""
+    take it (counts or hysteresis past int32). Made once per configuration."""
+    key = (type(loss_scale), loss_scale.config())
+    if key not in _CONFIGS:
+        _CONFIGS[key] = _make_config(loss_scale)
+    return _CONFIGS[key]
+
+
+def _make_config(loss_scale) -> tuple[int, list[float]] | None:
     if not isinstance(loss_scale, DynamicLossScale):
         return 1, [0.0] * 6
     if loss_scale.growth_interval > _INT32_MAX or loss_scale.hysteresis > _INT32_MAX:
