@@ -5,7 +5,9 @@ and the optimisers' counts and flags in one call, bitwise the library's referenc
 kernel: the C++ kernel here, the Triton kernel in Triton's interpreter (a child process
 with ``TRITON_INTERPRET=1``, started by :func:`test_the_triton_cases_pass_in_the_interpreter`).
 Trajectories of random flags from random configurations, scales at float32's edges,
-counters at int32's top; ``vmap`` per member; ``torch.compile``; one launch an update.
+counters at int32's top; ``vmap`` per member; one launch an update. (``torch.compile``
+through the op's fake kernel: ``tests/test_compile.py``, every optimiser compiled against
+eager, scale, statistics and step included.)
 """
 
 from __future__ import annotations
@@ -155,26 +157,6 @@ def test_vmap_steps_each_member_as_alone():
                            [c[i] for c in counters], conf, kind)  # fmt: skip
         for g, w in zip(_flat(got), _flat(one)):
             _equal(g[i], w)
-
-
-@in_parent
-def test_compiled_update_equals_eager():
-    """``torch.compile(fullgraph=True)`` of an update through the op (its fake kernel)."""
-    params = {"w": torch.randn(8, 4).half(), "b": torch.zeros(4).half()}
-    tx = ff.sgd(0.05, momentum=0.9)
-    state = ff.fp16_init(params, tx, ff.DynamicLossScale(init_scale=4.0, growth_interval=2,
-                                                         hysteresis=2))  # fmt: skip
-    step = torch.compile(ff.fp16_update, fullgraph=True)
-    eager, compiled = state, state
-    for k in range(5):
-        g = {"w": torch.randn(8, 4).half(), "b": torch.ones(4).half()}
-        if k in (1, 2):
-            g["b"][0] = float("inf")
-        eager, compiled = ff.fp16_update(eager, g), step(compiled, g)
-    for a, b in zip(ff._util.tree.tree_leaves(compiled), ff._util.tree.tree_leaves(eager)):
-        assert torch.equal(_bits(a) if a.dtype != torch.float16 else a.view(torch.int16),
-                           _bits(b) if b.dtype != torch.float16 else b.view(torch.int16))  # fmt: skip
-    assert eager.scale_stats.skips.item() == 2 and eager.step.item() == 5
 
 
 @in_child
