@@ -328,7 +328,8 @@ def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     if not all(map(Tensor.numel, grads)):  # an empty leaf's peak is 0: the norm of one zero
         shown = [g if g.numel() else g.new_zeros(1) for g in grads]
     tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
-    peak.copy_(torch.where(torch.isnan(tops), float("inf"), tops))
+    inf = float("inf")  # a NaN anywhere makes the leaf's peak +inf (norms are never -inf)
+    torch.nan_to_num(tops, nan=inf, posinf=inf, out=peak)
     if sum_squares:
         sums = []
         for src in _unscaled_pieces(grads, inv):  # bounded float32 and float64 temporaries
