@@ -211,7 +211,7 @@ def test_a_fixed_scale_is_kept_and_counted(make):
 @in_parent
 def test_the_next_update_reads_the_inverse_the_op_made():
     """An update's state carries its scale's unscale factor (from the op, bitwise
-    ``unscale_factor``); a rebuilt loss scale carries none and computes it."""
+    ``unscale_factor``); a scale written in place, or a rebuilt loss scale, computes it."""
     from functional_fp16.precision.loss_scale import unscale_factor, unscale_inverse
 
     params = {"w": torch.randn(8, 4).half()}
@@ -219,8 +219,10 @@ def test_the_next_update_reads_the_inverse_the_op_made():
     state = ff.fp16_update(state, {"w": torch.randn(8, 4).half()})
     known = state.loss_scale._inverse
     assert known[0] is state.loss_scale.loss_scale
-    assert unscale_inverse(state.loss_scale) is known[1]
-    _equal(known[1], unscale_factor(state.loss_scale.loss_scale))
+    assert unscale_inverse(state.loss_scale) is known[2]
+    _equal(known[2], unscale_factor(state.loss_scale.loss_scale))
+    state.loss_scale.loss_scale.copy_(torch.tensor(7.0))  # written in place: not kept
+    _equal(unscale_inverse(state.loss_scale), unscale_factor(torch.tensor(7.0)))
     rebuilt = state.loss_scale.replace(loss_scale=torch.tensor(5.0))
     assert not hasattr(rebuilt, "_inverse")
     _equal(unscale_inverse(rebuilt), unscale_factor(torch.tensor(5.0)))

@@ -43,7 +43,7 @@ from functional_fp16._fused.bookkeeping import bookkeep
 from functional_fp16._fused.chains import chain_parts
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
-from functional_fp16._fused.op_library import call_grad_stats
+from functional_fp16._fused.op_library import _transformed, call_grad_stats
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
 from functional_fp16._util.tree import tree_flatten, tree_leaves, tree_rebuild
 from functional_fp16.precision.loss_scale import (
@@ -343,11 +343,7 @@ _CONSTANTS: dict = {}
 def _constant(value: float, device: torch.device) -> torch.Tensor:
     """``value`` as a ``(1,)`` float32 tensor on ``device``: kept across calls in eager
     mode, a fresh fill where it would be traced or captured."""
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    ):
+    if _transformed() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), value, dtype=torch.float32, device=device)
     key = (value, device)
     if key not in _CONSTANTS:

@@ -507,16 +507,29 @@ def unscale_inverse(loss_scale: LossScale) -> torch.Tensor | None:
     the library's loss scales; ``None`` for :class:`NoOpLossScale` (no product at all)."""
     if isinstance(loss_scale, NoOpLossScale):
         return None
-    if not torch.compiler.is_compiling():
+    scale = loss_scale.loss_scale
+    if _eager(scale):
         known = getattr(loss_scale, "_inverse", None)
-        if known is not None and known[0] is loss_scale.loss_scale:
-            return known[1]
-    return unscale_factor(loss_scale.loss_scale)
+        if known is not None and known[0] is scale and known[1] == scale._version:
+            return known[2]
+    return unscale_factor(scale)
+
+
+def _eager(scale: torch.Tensor) -> bool:
+    """Whether a kept inverse may stand for ``scale``'s: not in a ``torch.compile`` trace
+    and not in a CUDA graph's capture, which would record the kept tensor instead of the
+    scale's reciprocal (a replay after the scale changed would unscale by the old one)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def remember_inverse(loss_scale: LossScale, inverse: torch.Tensor) -> None:
     """Keeps ``inverse`` (``unscale_factor`` of ``loss_scale.loss_scale``, as the update's
     bookkeeping op computed it) with the loss scale, for :func:`unscale_inverse` to return
-    while its scale tensor is the same object: a value derived from the state, not state
-    (a rebuilt or replaced loss scale has none and computes it)."""
-    loss_scale._inverse = (loss_scale.loss_scale, inverse)
+    while its scale tensor is the same object, unwritten since (its version counter): a
+    value derived from the state, not state (a rebuilt or replaced loss scale, or one
+    written in place, computes it)."""
+    scale = loss_scale.loss_scale
+    if _eager(scale):
+        loss_scale._inverse = (scale, scale._version, inverse)
