@@ -71,6 +71,33 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, math.inf)) - x
 
 
+FUSED_ADAM_STEP_ROUNDINGS = 4
+"""How many float32 roundings (units of 2^-24) of the step ``|m' - m|`` PyTorch's fused
+Adam and the reference may differ by, beyond their own final roundings: each forms the
+Adam term with three (the reference ``a'/d``, ``* (1/c1)``, the decay's sum; PyTorch's
+``fl32(lr/c1)``, ``* a'``, ``/ d``), and where they differ in sign the sum stays below
+four of the step's, the decay's own product being below 0.1 of the master's ulp for
+``lr * weight_decay <= 0.1``."""
+
+
+def fused_adam_excess(ref: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    r"""What a master stepped by PyTorch's fused Adam/AdamW may differ from the reference's
+    beyond :func:`assert_within_one_operation_ulp`'s one ulp at the operation's scale
+    :math:`S`: one more ulp of :math:`S` (PyTorch's AdamW rounds the decayed master
+    :math:`m(1 - \eta\lambda)` before the Adam term is subtracted: two roundings at the
+    master's scale to the reference's one, contracted) and
+    :data:`FUSED_ADAM_STEP_ROUNDINGS` roundings of the step:
+
+    .. math:: |m'_{\mathrm{torch}} - m'_{\mathrm{ref}}| \le 2\,\mathrm{ulp}(S)
+              + 4 \cdot 2^{-24}\, |m'_{\mathrm{ref}} - m|
+
+    The moments take no extra: PyTorch's CPU kernel forms them as ``lerp`` and
+    ``addcmul`` do, bitwise (measured; CUDA's kernel is not run here).
+    """
+    scale = torch.maximum(torch.maximum(old.abs(), ref.abs()), (ref - old).abs())
+    return ulp(scale) + FUSED_ADAM_STEP_ROUNDINGS * 2.0**-24 * (ref - old).abs()
+
+
 def assert_within_one_operation_ulp(new, ref, old, extra=None):
     """|new - ref| <= ulp(max(|old|, |ref|, |ref - old|)) (+ ``extra``), elementwise.
 

@@ -83,7 +83,13 @@ def test_opcheck_sgd(param_dtype, flags, skip, clip):
 @pytest.mark.parametrize("param_dtype", DTYPES)
 @pytest.mark.parametrize("decay", ["l2", "decoupled", "none"])
 @pytest.mark.parametrize("skip", [False, True])
-def test_opcheck_adam(param_dtype, decay, skip):
+@pytest.mark.parametrize("given", ["corrections", "count", "count-generic"])
+def test_opcheck_adam(param_dtype, decay, skip, given, monkeypatch):
+    # The bias corrections (the C kernels' form) or the step count (the plain kernel's,
+    # PyTorch's fused Adam; the C kernels make the corrections of it).
+    if given == "count-generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    given = given.split("-")[0]
     grads, master, params = _leaves(param_dtype)
     separate = [param_dtype != torch.float32] * len(master)
     own = [p for p, s in zip(params, separate) if s]
@@ -92,8 +98,9 @@ def test_opcheck_adam(param_dtype, decay, skip):
     s, _ = _scalars(skip, clip=not skip)
     kwargs = dict(
         **s,
-        inv_c1=torch.tensor([10.0]),
-        sqrt_c2=torch.tensor([0.03]),
+        inv_c1=torch.tensor([10.0]) if given == "corrections" else None,
+        sqrt_c2=torch.tensor([0.03]) if given == "corrections" else None,
+        count=torch.tensor([7.0]) if given == "count" else None,
         l2=1e-2 if decay == "l2" else 0.0,
         b1=0.9,
         b2=0.999,

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_fp16._fused import op_checks, plain_kernels
+from functional_fp16._fused import op_checks, op_library, plain_kernels
 from functional_fp16._fused.adam_stored import ADAM_STORED_OPS, ROUNDINGS, STORED_DTYPES
 from functional_fp16._fused.adam_stored import _generic as adam_stored_generic
 from functional_fp16._fused.chains import Path, chain_parts
@@ -154,6 +154,7 @@ def _kernel_args(a: dict, used: list[str]) -> dict:
     del used
     names = ("grads", "master", "mu", "nu", "params", "master_out", "mu_out", "nu_out")
     names += ("params_out", "inv", "clip_div", "clip_mul", "lr", "inv_c1", "sqrt_c2", "l2")
+    names += ("count", "b1")  # PyTorch's fused kernel's (the plain kernel's alone)
     return dict(
         {n: a[n] for n in names},
         w=f32(1.0 - a["b1"]),  # torch.lerp's weight, rounded once to float32
@@ -184,13 +185,24 @@ def _generic(
     inv_c1,
     sqrt_c2,
     l2,
+    count,
+    b1,
     w,
     b2,
     c2,
     eps,
     decoupled,
 ) -> None:
-    """The plain PyTorch kernel: one leaf of one member at a time (bitwise the C one on the CPU)."""
+    """The plain PyTorch kernel: one group of one member through PyTorch's fused Adam
+    (:func:`_fused`, given the step ``count``); else one leaf of one member at a time
+    (bitwise the C one on the CPU)."""
+    if plain_kernels.one_group(lr, members) and count is not None and not (l2 and decoupled):
+        return _fused(
+            grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out, inv,
+            clip_div, clip_mul, lr, apply, count, l2, b1, b2, eps, decoupled,
+        )  # fmt: skip
+    if inv_c1 is None:  # the corrections of the count, as the C kernel is given them
+        inv_c1, sqrt_c2 = bias_corrections(count, b1, b2)
     c2 = f32(c2)
     if plain_kernels.one_group(lr, members):
         return _lists(
@@ -227,6 +239,47 @@ def _generic(
             nu_out=nu_out,
             params_out=params_out,
         )
+
+
+def _fused(
+    grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out, inv, clip_div,
+    clip_mul, lr, apply, count, l2, b1, b2, eps, decoupled,
+) -> None:  # fmt: skip
+    r"""One group of one member through PyTorch's fused Adam/AdamW kernel
+    (``torch._fused_adam_`` / ``torch._fused_adamw_``), as ``torch.optim.Adam``/``AdamW``
+    with ``fused=True`` steps: on the unscaled (clipped) gradients ``u`` of
+    :func:`~functional_fp16._fused.plain_kernels.unscaled_lists`, the step count
+    ``t`` (this step's, float32, one tensor for every leaf), the learning rate
+    :math:`\eta = -\mathrm{lr}` (the op's ``lr`` is the signed factor, PyTorch's kernels
+    descend) and ``found_inf`` the skip, on which the kernel writes nothing. It
+    computes, per element,
+
+    .. math::
+        a' &= \beta_1 a + (1 - \beta_1) u, \qquad v' = \beta_2 v + (1 - \beta_2) u^2, \\
+        m' &= m(1 - \eta\lambda_d) - \frac{\eta}{1 - \beta_1^t}\,
+              \frac{a'}{\sqrt{v'} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+    (Adam's L2 term :math:`u \leftarrow u + \lambda_2 m` instead of the decoupled one):
+    the master and the moments bitwise ``torch.optim``'s fused step from the same state,
+    within the bound ``tests/test_fused_adam.py`` states of the reference's (whose
+    moments are ``lerp`` and ``addcmul``, its corrections float32 factors). A chain with
+    both decays runs :func:`_lists`.
+
+    Temporaries, in bytes a parameter: ``u`` (4), then the FP16 working copies' rounding
+    (2) once ``u`` is freed: 4 at most, pure or donated (a pure step's new state is
+    copied from the old one and stepped in place).
+    """
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    for out, old in ((master_out, master), (mu_out, mu), (nu_out, nu)):
+        plain_kernels.start_from(out, old)
+    fused = torch._fused_adam_ if l2 else torch._fused_adamw_  # l2 and decoupled: not both
+    fused(
+        master_out, u, mu_out, nu_out, [], [count.reshape(())] * len(u), lr=lr.reshape(()).neg(),
+        beta1=b1, beta2=b2, weight_decay=decoupled or l2, eps=eps, amsgrad=False,
+        maximize=False, grad_scale=None, found_inf=plain_kernels.skip_flag(apply),
+    )  # fmt: skip
+    del u
+    plain_kernels.refresh_params(apply, master_out, params, params_out)
 
 
 def _lists(
@@ -280,6 +333,9 @@ def _split_generic(*, members, apply, used, mu, nu, **kw) -> bool:
     CUDA, joining and splitting in its one pass), its moments float32, rounded to
     nearest (a float32 moment is stored as it is)."""
     del used
+    count, b1 = kw.pop("count"), kw.pop("b1")
+    if kw["inv_c1"] is None:  # given the count (see _step): its corrections
+        kw["inv_c1"], kw["sqrt_c2"] = bias_corrections(count, b1, kw["b2"])
     adam_stored_generic(
         members=members, apply=apply, mu=mu, nu=nu, mu_scales=[], nu_scales=[],
         mu_scales_out=[], nu_scales_out=[], count=kw["lr"], block_size=DEFAULT_BLOCK,
@@ -291,7 +347,9 @@ def _split_generic(*, members, apply, used, mu, nu, **kw) -> bool:
 SPEC = StepSpec(
     name="adam_step",
     states=("mu", "nu"),
-    scalars=("inv_c1", "sqrt_c2"),
+    # The C kernels take the bias corrections; PyTorch's fused kernel (the plain one) the
+    # step count, float32 (see _step).
+    scalars=("inv_c1", "sqrt_c2", "count"),
     bool_scalars=(),
     hyper=(
         ("l2", "float"),
@@ -303,6 +361,8 @@ SPEC = StepSpec(
     entry="adam_update",
     # split: 0, a split master reaching the C entry here having been joined (run_step)
     c_extra={"split": 0},
+    generic_only=("count", "b1"),
+    for_c=lambda a: _with_corrections(a),
     check=lambda op, a: _require_corrections(op, a),
     kernel_args=_kernel_args,
     generic=_generic,
@@ -319,10 +379,20 @@ SPEC = StepSpec(
 )
 
 
+def _with_corrections(a: dict) -> dict:
+    """``a`` with the bias corrections of its ``count`` where it gives the count alone
+    (the form the plain kernel takes; the C kernels take the corrections)."""
+    if a["inv_c1"] is not None or a["count"] is None:
+        return a
+    inv_c1, sqrt_c2 = bias_corrections(a["count"], a["b1"], a["b2"])
+    return {**a, "inv_c1": inv_c1, "sqrt_c2": sqrt_c2}
+
+
 def _require_corrections(op: str, a: dict) -> list[str]:
-    for name in ("inv_c1", "sqrt_c2"):
-        if a[name] is None:
-            op_checks.fail(op, f"{name} is required", TypeError)
+    if a["count"] is None or a["inv_c1"] is not None or a["sqrt_c2"] is not None:
+        for name in ("inv_c1", "sqrt_c2"):
+            if a[name] is None:
+                op_checks.fail(op, f"{name} is required (or count alone)", TypeError)
     return ["mu", "nu"]
 
 
@@ -349,8 +419,13 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
-    inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
-    hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps)
+    if op_library.kernel_for(masters[0].device) == "c":
+        inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
+        count = None
+    else:  # PyTorch's fused kernel forms the corrections from the count itself
+        inv_c1 = sqrt_c2 = None
+        count = _count(shared["count"], memo)
+    hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps, count=count)
     hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
     a = dict(grads=grads, master=masters, mu=mu, nu=nu, params=own, **common, **hyper)
     if donate:
@@ -369,6 +444,15 @@ def _corrections(plan: AdamPlan, position: int, memo: dict):
     if key not in memo:
         inv_c1, sqrt_c2 = bias_corrections(incremented(memo, position), plan.b1, plan.b2)
         memo[key] = (inv_c1.reshape(1), sqrt_c2.reshape(1))
+    return memo[key]
+
+
+def _count(position: int, memo: dict) -> torch.Tensor:
+    """The count at ``position`` after this step as a ``(1,)`` float32 tensor (the step
+    PyTorch's fused Adam reads), once per call for every group that shares it."""
+    key = ("adam count", position)
+    if key not in memo:
+        memo[key] = incremented(memo, position).to(torch.float32).reshape(1)
     return memo[key]
 
 

@@ -150,7 +150,11 @@ _CONFIGS: dict = {}
 
 def _config(loss_scale) -> tuple[int, list[float]] | None:
     """The op's ``kind`` and ``config`` for ``loss_scale``; ``None`` where the op cannot
-    take it (counts or hysteresis past int32). Made once per configuration."""
+    take it (counts or hysteresis past int32). Made once per configuration in eager mode;
+    in a ``torch.compile`` trace made afresh, so that the graph's guards do not read the
+    cache (which the first trace fills: a recompile on the second call)."""
+    if torch.compiler.is_compiling():
+        return _make_config(loss_scale)
     key = (type(loss_scale), loss_scale.config())
     if key not in _CONFIGS:
         _CONFIGS[key] = _make_config(loss_scale)

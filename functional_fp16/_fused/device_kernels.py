@@ -178,6 +178,8 @@ def run_step(
     if split and not spec.stored and (kernel != "generic" or spec.split_generic is None):
         return _run_split(spec, a, used, out, kernel, speculate)
     groups, members = a["lr"].numel(), a["members"]
+    if kernel == "c" and spec.for_c is not None:
+        a = spec.for_c(a)
     inputs = {**a, "params": working_copies(a["master"], a["params"], a["separate"])}
     kw = spec.kernel_args({**inputs, **{f"{k}_out": v for k, v in out.items()}}, used)
     if kernel == "c" and speculate and spec.speculative and a["apply"] is None:
@@ -207,7 +209,7 @@ def run_step(
             leaves_checked=True,
             threads=_threads(),
             **{**spec.c_extra, **decided},
-            **kw,
+            **{k: v for k, v in kw.items() if k not in spec.generic_only},
         )
     else:
         spec.generic(members=members, apply=finite, **kw)
@@ -246,13 +248,15 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
     storages that nothing refers to any more), decides the step as
     :func:`run_step` does and calls the same C kernel.
     """
+    if spec.for_c is not None:
+        a = spec.for_c(a)
     if spec.c_block:
         return _cpp_block_step(spec, a, donated)
     if spec.stored:
         return _cpp_stored_step(spec, a, donated)
     lists = [a[n] for n in ("grads", "master", *spec.states, "params")]
     scalars = [a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")]
-    scalars += [a[n] for n in spec.scalars]
+    scalars += [a[n] for n in spec.scalars if n not in spec.generic_only]
     return c_kernel.run_op(
         spec.cpp_op,
         *lists,

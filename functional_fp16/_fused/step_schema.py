@@ -93,6 +93,12 @@ class StepSpec(NamedTuple):
     # apply, used); it returns False where it does not apply (the master is then joined,
     # stepped and split around ``generic``). None: always so.
     split_generic: Callable[..., bool] | None = None
+    # Kernel keywords and scalars only the plain kernel takes (PyTorch's fused optimiser
+    # kernels read them); the C entry and the C++ op are called without them.
+    generic_only: tuple[str, ...] = ()
+    # The arguments the C kernels need from those the plain kernel's form gives (the bias
+    # corrections from a step count): op arguments by name -> the same, completed.
+    for_c: Callable[[dict], dict] | None = None
 
 
 def schema(spec: StepSpec, donated: bool) -> str:
