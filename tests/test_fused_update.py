@@ -109,10 +109,7 @@ def _torch_adam_leaves(state) -> set[int]:
     if fp is None:
         return set()
     return {
-        i
-        for g in fp.groups
-        if g.fusable.name == "adam" and not g.plan.stored
-        for i in g.leaves
+        i for g in fp.groups if g.fusable.name == "adam" and not g.plan.stored for i in g.leaves
     }
 
 
