@@ -163,6 +163,38 @@ def test_a_skipped_step_is_bitwise_its_input_and_the_op_never_writes_inputs(
     assert all(torch.equal(bits(x), b) for x, b in zip([*master, *trace, *params], before))
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("optimiser", ["sgd", "sgd_dampening", "adamw"])
+@pytest.mark.parametrize("kernel", ["c", "generic"])
+def test_a_skipped_step_keeps_working_copies_that_are_not_the_master_rounded(
+    kernel, optimiser, donate, monkeypatch
+):
+    """A working copy need not be its master rounded (a state built or edited by hand):
+    a skipped step still gives it back bit for bit, not the master rounded again; every
+    kernel's path (PyTorch's fused SGD and Adam, the multi-tensor one, the C kernel)."""
+    if kernel == "generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    grads, master, params = _leaves(torch.float16)
+    params = [(p.view(torch.int16) + 1).view(torch.float16) for p in params]  # next fp16
+    s, started = _scalars(skip=True)
+    if optimiser == "adamw":
+        mu, nu = [torch.randn_like(m) for m in master], [torch.rand_like(m) for m in master]
+        states, op, op_ = (mu, nu), adam_step, adam_step_
+        hyper = dict(inv_c1=None, sqrt_c2=None, count=torch.tensor([3.0]), l2=0.0, b1=0.9)
+        hyper.update(b2=0.999, eps=1e-8, decoupled=1e-2)
+    else:
+        states, op, op_ = ([torch.randn_like(m) for m in master],), sgd_step, sgd_step_
+        hyper = dict(started=started, **SGD_FLAGS[1 if optimiser == "sgd_dampening" else 0])
+    before = [bits(x).clone() for x in params]
+    if donate:
+        copies = [[x.clone() for x in xs] for xs in (master, *states, params)]
+        op_(grads, *copies, [True] * 3, **s, **hyper, members=1)
+        new = copies[-1]
+    else:
+        new = op(grads, master, *states, params, [True] * 3, **s, **hyper, members=1)[-3]
+    assert all(torch.equal(bits(x), b) for x, b in zip(new, before))
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -270,8 +270,7 @@ def _fused(
     copied from the old one and stepped in place).
     """
     u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
-    for out, old in ((master_out, master), (mu_out, mu), (nu_out, nu)):
-        plain_kernels.start_from(out, old)
+    plain_kernels.start_from(master_out + mu_out + nu_out, master + mu + nu)  # one copy
     fused = torch._fused_adam_ if l2 else torch._fused_adamw_  # l2 and decoupled: not both
     fused(
         master_out, u, mu_out, nu_out, [], [count.reshape(())] * len(u), lr=lr.reshape(()).neg(),

@@ -308,18 +308,35 @@ def adam_direction_(u, new_mu, denom, master, inv_c1, sqrt_c2, eps, decoupled) -
 
 
 def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
-    """The working copies that are their own tensors: ``fl16`` of the new master where
-    ``apply``, else the old ones bit for bit (one FP16 temporary, 2 B a parameter)."""
+    r"""The working copies that are their own tensors: ``fl16`` of the new master where
+    ``apply``, else the old ones bit for bit, without reading ``apply`` on the host.
+
+    On the bit patterns as integers, :math:`p' = p + (\operatorname{fl}_{16}(m') - p)\,a`
+    with :math:`a \in \{0, 1\}` (exact: integer arithmetic wraps), a fixed number of
+    multi-tensor ops. A pure step rounds into its fresh outputs and restores the skipped
+    bits there (no temporary); a donated one rounds into a temporary (2 B a parameter
+    for FP16 copies) and adds the difference into the copies in place.
+    """
     own = [
         i for i, (m, p) in enumerate(zip(master_out, params_out)) if p.data_ptr() != m.data_ptr()
     ]
-    if own:
-        rounded = [torch.empty_like(params_out[i]) for i in own]
-        torch._foreach_copy_(rounded, [master_out[i] for i in own])
-        select_into(
-            apply.reshape(()), rounded, [params[i] for i in own], [params_out[i] for i in own],
-            consume=True,
-        )  # fmt: skip
+    if not own:
+        return
+    old = [params[i] for i in own]
+    out = [params_out[i] for i in own]
+    rounded_from = [master_out[i] for i in own]
+    if any(o is not x for o, x in zip(out, old)):  # fresh outputs
+        torch._foreach_copy_(out, rounded_from)
+        restore_skipped_(apply, out, old)
+        return
+    rounded = [torch.empty_like(p) for p in out]
+    torch._foreach_copy_(rounded, rounded_from)
+    for kind, idx in by_bit_width(rounded):
+        delta = [rounded[i].view(kind) for i in idx]
+        bits = [out[i].view(kind) for i in idx]
+        torch._foreach_sub_(delta, bits)
+        torch._foreach_mul_(delta, apply.reshape(()).to(kind))
+        torch._foreach_add_(bits, delta)
 
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:

@@ -289,8 +289,9 @@ def _lists(
     u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
     apply = apply.reshape(())
     if trace is None or take == 1.0:
-        m_out = plain_kernels.start_from(master_out, master)
-        t_out = plain_kernels.start_from(trace_out, trace) if trace is not None else []
+        t_out, t_in = (trace_out, trace) if trace is not None else ([], [])
+        plain_kernels.start_from(master_out + t_out, master + t_in)  # one copy
+        m_out = master_out
         torch._fused_sgd_(
             m_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
             lr=torch.neg(lr.reshape(())), dampening=0.0, nesterov=bool(nesterov and t_out),
