@@ -47,6 +47,7 @@ from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
+from functional_fp16.precision.master_split import holds_residuals
 from functional_fp16.precision.moment_storage import DEFAULT_BLOCK, FLOAT32, MomentFormat
 from functional_fp16.transforms.adam import AdamSpec, bias_corrections, sqrt_rn
 from functional_fp16.transforms.base import (
@@ -418,10 +419,10 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
-    if op_library.kernel_for(masters[0].device) == "c":
+    if op_library.kernel_for(masters[0].device) == "c" or holds_residuals(masters):
         inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
         count = None
-    else:  # PyTorch's fused kernel forms the corrections from the count itself
+    else:  # PyTorch's fused kernel (a float32 master) forms them from the count itself
         inv_c1 = sqrt_c2 = None
         count = _count(shared["count"], memo)
     hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps, count=count)
@@ -447,11 +448,14 @@ def _corrections(plan: AdamPlan, position: int, memo: dict):
 
 
 def _count(position: int, memo: dict) -> torch.Tensor:
-    """The count at ``position`` after this step as a ``(1,)`` float32 tensor (the step
-    PyTorch's fused Adam reads), once per call for every group that shares it."""
+    """The count at ``position`` after this step as a ``(1,)`` float32 tensor, the step
+    PyTorch's fused Adam reads (``torch.optim`` keeps it in float32 too), once per call
+    for every group that shares it: ``fl32(fl32(count) + 1)``, one launch, exact below
+    2^24 steps (past them float32 holds no more: so does ``torch.optim``'s step)."""
     key = ("adam count", position)
     if key not in memo:
-        memo[key] = incremented(memo, position).to(torch.float32).reshape(1)
+        t = torch.add(memo["opt"][position], 1.0)  # float32 unless the default dtype isn't
+        memo[key] = (t if t.dtype == torch.float32 else t.float()).reshape(1)
     return memo[key]
 
 

@@ -16,7 +16,7 @@ import os
 import torch
 from torch import Tensor
 
-from functional_fp16._fused.plain_kernels import stats_generic
+from functional_fp16._fused.plain_kernels import leaves_finite, stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16.precision import master_split
@@ -191,6 +191,11 @@ def run_step(
     elif a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
         leaves = torch.empty(0, dtype=torch.bool, device=finite.device)
+        decided = {"apply": finite}
+    elif kernel == "generic" and groups == members == 1:  # the flags alone, no peaks
+        leaves = leaves_finite(a["grads"], a["inv"])
+        finite = leaves.all().reshape(1)
+        finite = finite if a["require"] is None else finite & a["require"]
         decided = {"apply": finite}
     else:
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)

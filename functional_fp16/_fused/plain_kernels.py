@@ -27,7 +27,7 @@ from functional_fp16._util.multi_tensor import by_bit_width
 
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
 __all__ += ["one_group", "unscaled_lists", "skip_flag", "start_from", "fma_step_", "correct_sqrt"]
-__all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params"]
+__all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params", "leaves_finite"]
 
 
 def f32(x: float) -> float:
@@ -337,6 +337,18 @@ def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
         torch._foreach_sub_(delta, bits)
         torch._foreach_mul_(delta, apply.reshape(()).to(kind))
         torch._foreach_add_(bits, delta)
+
+
+def leaves_finite(grads: list[Tensor], inv: Tensor | None) -> Tensor:
+    r"""Per leaf of one group of one member, whether its unscaled gradient is finite:
+    :math:`\operatorname{isfinite}(\operatorname{fl}_{32}(M_l)\, s^{-1})`, with :math:`M_l`
+    the leaf's largest magnitude, as :func:`stats_lists`' peaks decide (a NaN peak is
+    not finite either: no need to map it to inf first); four launches."""
+    shown = grads
+    if not all(map(Tensor.numel, grads)):  # an empty leaf's peak is 0: the norm of one zero
+        shown = [g if g.numel() else g.new_zeros(1) for g in grads]
+    tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
+    return torch.isfinite(tops if inv is None else tops * inv)
 
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
