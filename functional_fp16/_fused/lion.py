@@ -174,20 +174,10 @@ def _generic(
 ) -> None:
     """The plain PyTorch kernel (bitwise the C one on the CPU)."""
     if plain_kernels.one_group(lr, members):
-        u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
-        d = torch._foreach_mul(u, w1)
-        torch._foreach_add_(d, torch._foreach_mul(mu, b1))
-        torch._foreach_sign_(d)
-        if decoupled != 0.0:
-            torch._foreach_add_(d, master, alpha=decoupled)
-        na = torch._foreach_mul(u, w2)
-        torch._foreach_add_(na, torch._foreach_mul(mu, b2))
-        del u
-        plain_kernels.write_lists(
-            apply.reshape(()), {"mu": na}, d, lr, master=master, mu=mu, params=params,
-            master_out=master_out, mu_out=mu_out, params_out=params_out,
+        return _lists(
+            grads, master, mu, params, master_out, mu_out, params_out, inv, clip_div,
+            clip_mul, lr, apply.reshape(()), w1, b1, w2, b2, decoupled,
         )  # fmt: skip
-        return
     results = []
     for b, leaf, k in plain_kernels.walk(len(grads), lr.numel(), members):
         m = plain_kernels.member(master[leaf], b, members)
@@ -204,6 +194,50 @@ def _generic(
             b, leaf, members, apply[k], {"master": nm, "mu": na}, master=master, mu=mu,
             params=params, master_out=master_out, mu_out=mu_out, params_out=params_out,
         )  # fmt: skip
+
+
+def _lists(
+    grads, master, mu, params, master_out, mu_out, params_out, inv, clip_div, clip_mul, lr,
+    apply, w1, b1, w2, b2, decoupled,
+) -> None:  # fmt: skip
+    r"""One group of one member in multi-tensor ops, each sum of two products rounded
+    as the C kernel rounds it (:math:`\operatorname{fl}(\operatorname{fl}(x) +
+    \operatorname{fl}(y))`, never contracted: the sign of :math:`d` depends on it).
+
+    Temporaries, in bytes a parameter: a pure step computes in its fresh outputs
+    (:math:`u` in the new master's buffers, the products in the new momentum's) and
+    keeps only :math:`d`: 4. A donated one may not write its state before the
+    decision is applied, so it keeps :math:`u` beside :math:`d` (8), steps the
+    master, then forms :math:`u` again for :math:`a'`: 8 at most.
+    """
+    pure = any(o is not x for o, x in zip(mu_out, mu))
+    if pure:  # fresh outputs as scratch
+        u = plain_kernels.unscaled_into(master_out, grads, inv, clip_div, clip_mul)
+        d = plain_kernels.start_from([torch.empty_like(m) for m in master], mu)
+        torch._foreach_mul_(d, b1)
+        torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w1)
+        torch._foreach_add_(d, mu_out)  # fl(a b1) + fl(u w1)
+        torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w2)
+        torch._foreach_mul_(plain_kernels.start_from(master_out, mu), b2)  # u is spent
+        torch._foreach_add_(mu_out, master_out)  # a' = fl(u w2) + fl(a b2)
+        plain_kernels.restore_skipped_(apply, mu_out, mu)
+    else:
+        u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+        d = torch._foreach_mul(mu, b1)
+        torch._foreach_mul_(u, w1)
+        torch._foreach_add_(d, u)  # u is spent
+    torch._foreach_sign_(d)
+    if decoupled != 0.0:
+        torch._foreach_add_(d, master, alpha=decoupled)
+    plain_kernels.fma_step_(master_out, master, d, lr, plain_kernels.skip_flag(apply))
+    del d
+    if not pure:  # donated: u formed again for a', selected into the old momentum
+        u = plain_kernels.unscaled_into(u, grads, inv, clip_div, clip_mul)
+        torch._foreach_mul_(u, w2)
+        torch._foreach_add_(u, torch._foreach_mul(mu, b2))
+        plain_kernels.select_into(apply, u, mu, mu_out, consume=True)
+        del u
+    plain_kernels.refresh_params(apply, master_out, params, params_out)
 
 
 def _split_generic(*, members, apply, used, mu, **kw) -> bool:

@@ -26,7 +26,15 @@ from torch import Tensor
 from functional_fp16._util.multi_tensor import by_bit_width
 
 __all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
-__all__ += ["one_group", "unscaled_lists", "skip_flag", "start_from", "fma_step_", "correct_sqrt"]
+__all__ += [
+    "one_group",
+    "unscaled_lists",
+    "unscaled_into",
+    "skip_flag",
+    "start_from",
+    "fma_step_",
+    "correct_sqrt",
+]
 __all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params", "leaves_finite"]
 
 
@@ -120,7 +128,12 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     gradient: :math:`u = \operatorname{fl}_{32}(g)\cdot\mathrm{inv}`, then
     :math:`(u / c_d)\, c_m` when clipping; a few multi-tensor ops, whatever the
     number of leaves."""
-    u = [torch.empty_like(m, dtype=torch.float32) for m in like]
+    return unscaled_into([torch.empty_like(m, dtype=torch.float32) for m in like], grads, inv,
+                         clip_div, clip_mul)  # fmt: skip
+
+
+def unscaled_into(u: list[Tensor], grads, inv, clip_div, clip_mul) -> list[Tensor]:
+    """:func:`unscaled_lists` into the float32 tensors ``u`` (returned)."""
     torch._foreach_copy_(u, grads)
     if inv is not None:
         torch._foreach_mul_(u, inv.reshape(()))
