@@ -419,11 +419,14 @@ def _step(plan: AdamPlan, grads, masters, roles, shared, own, common, donate, me
     if plan.stored:
         return _stored_step(plan, grads, masters, roles, shared, own, common, donate, memo)
     mu, nu = roles["mu"], roles["nu"]
-    if op_library.kernel_for(masters[0].device) == "c" or holds_residuals(masters):
+    # The C kernels take the bias corrections; PyTorch's fused kernel (the plain one, a
+    # float32 master) the count. In a torch.compile trace the op chooses its kernel when
+    # it runs: it is given both (Inductor fuses the corrections' arithmetic).
+    compiling = torch.compiler.is_compiling()
+    inv_c1 = sqrt_c2 = count = None
+    if compiling or holds_residuals(masters) or op_library.kernel_for(masters[0].device) == "c":
         inv_c1, sqrt_c2 = _corrections(plan, shared["count"], memo)
-        count = None
-    else:  # PyTorch's fused kernel (a float32 master) forms them from the count itself
-        inv_c1 = sqrt_c2 = None
+    if compiling or inv_c1 is None:
         count = _count(shared["count"], memo)
     hyper = dict(l2=plan.l2_decay, b1=plan.b1, b2=plan.b2, eps=plan.eps, count=count)
     hyper.update(decoupled=plan.decoupled_decay, inv_c1=inv_c1, sqrt_c2=sqrt_c2)
