@@ -155,3 +155,27 @@ def test_compiled_update_matches_eager(tx, donate):
             assert bool(comp.grads_finite) == (i != 1)
     assert counters["stats"]["unique_graphs"] == 1
     _assert_traced_as(backend.graphs, "foreach")
+
+
+_FIRST_USE = """
+import torch
+import functional_fp16 as ff
+state = ff.fp16_init({"w": torch.randn(8).half()}, ff.adamw(1e-3, weight_decay=0.1))
+fn = torch.compile(ff.fp16_update, fullgraph=True)
+new = fn(state, {"w": torch.ones(8, dtype=torch.float16)})
+ref = ff.fp16_update(state, {"w": torch.ones(8, dtype=torch.float16)})
+assert torch.equal(new.master["w"], ref.master["w"]), (new.master, ref.master)
+print("ok")
+"""
+
+
+def test_a_compiled_update_may_be_the_first_use_in_a_process():
+    """The first update of a process compiled (the kernels not yet loaded): the trace
+    asks nothing that would load them (a fresh interpreter, Adam's step)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_USE], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
