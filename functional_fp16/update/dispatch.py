@@ -60,13 +60,19 @@ class Route(NamedTuple):
     # (and None while torch.compile traces: the op chooses when it runs)
     run: Callable  # run(state, grads, decision, donate) -> FP16State
     batches: bool  # runs under vmap as it is (else once per member)
+    # run_leaves(state, the gradients' leaves, decision, donate): the same, given the leaves
+    # fp16_update has already flattened and checked (None: the route takes the tree)
+    run_leaves: Callable | None = None
 
 
 def _fused_runner(fp):
-    def run(state, grads, decision, donate):
-        return fused_update(state, tree_leaves(grads), fp, decision, donate)
+    def run_leaves(state, g_leaves, decision, donate):
+        return fused_update(state, g_leaves, fp, decision, donate)
 
-    return run
+    def run(state, grads, decision, donate):
+        return run_leaves(state, tree_leaves(grads), decision, donate)
+
+    return run, run_leaves
 
 
 def _warn_generic(device) -> None:
@@ -155,6 +161,7 @@ def _route(state, impl: str) -> Route:
             # CUDA's default, and CUDA's default asked for on the CPU: no warning.
             if kernel == "generic" and device.type != "cuda" and not _asked(device):
                 _warn_generic(device)
-        return Route("fused", kernel, _fused_runner(fp), batches=True)
+        run, run_leaves = _fused_runner(fp)
+        return Route("fused", kernel, run, batches=True, run_leaves=run_leaves)
     name = "foreach-sgd" if sgd_sequence(state) is not None else "foreach"
     return Route(name, None, foreach_update, batches=False)

@@ -118,6 +118,7 @@ def fp16_update(
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if _any_requires_grad(g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
+        g_leaves = [g.detach() for g in g_leaves]
     chosen = route(state, impl, signature)
     decision = _decision(loss, agree, global_sum)
     # Under torch.func.vmap (a batched state, gradients or loss) the fused op
@@ -132,6 +133,8 @@ def fp16_update(
     # The fused op checks its own arguments; Dynamo traces no data pointers.
     if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
         check_disjoint(state, g_leaves)
+    if chosen.run_leaves is not None:  # the leaves flattened once, above
+        return mark_checked(chosen.run_leaves(state, g_leaves, decision, donate), signature)
     return mark_checked(chosen.run(state, grads, decision, donate), signature)
 
 
