@@ -106,8 +106,7 @@ def _walk(spec: Any, index: Any, real: Any, state: Any, key: tuple, out: list) -
     # A leaf's index among the part's leaves in the library's flattening order (the
     # positions' order; torch's pytree, which pairs them with the state, may differ).
     rank = {leaf: r for r, leaf in enumerate(sorted(leaves))}
-    for j, leaf in enumerate(leaves):
-        positions = _state_of(spec, state, j, len(leaves))
+    for leaf, positions in zip(leaves, _states_of(spec, state, len(leaves))):
         if INDEX in positions:
             positions[INDEX] = rank[leaf]
         out[leaf].append((spec, key, positions))
@@ -126,44 +125,49 @@ def _masked(inner: Any, mask: Any, index: Any, real: Any, state: Any, key: tuple
     _walk(inner, _hide(mask, index), _hide(mask, real), state.inner_state, key, out)
 
 
-def _state_of(spec: Any, state: Any, j: int, n: int) -> dict[str, int]:
-    """Positions of the state tensors of part ``spec`` for the ``j``-th of its ``n`` leaves.
+def _states_of(spec: Any, state: Any, n: int) -> list[dict[str, int]]:
+    """Per leaf of part ``spec`` (``n`` of them), the positions of its state tensors.
 
     A part's state is a NamedTuple: each field that holds one tensor per leaf
-    gives the ``j``-th position, each 0-d tensor (a counter, a flag) its own
-    (``{"mu": 17, "nu": 165, "count": 3}`` for Adam); a moment stored as block
-    codes gives its codes' position and its scales' (``"mu_scales"``), and
-    :data:`INDEX` is set by the caller. The learning rate keeps a count only with a
-    schedule; clipping and weight decay keep nothing.
+    gives the ``j``-th leaf its ``j``-th position, each 0-d tensor (a counter, a
+    flag) every leaf its own (``{"mu": 17, "nu": 165, "count": 3}`` for Adam); a
+    moment stored as block codes gives its codes' position and its scales'
+    (``"mu_scales"``), and :data:`INDEX` is set by the caller. The learning rate
+    keeps a count only with a schedule; clipping and weight decay keep nothing.
+    Each field is flattened once for all the leaves (once per leaf would be
+    quadratic in the leaves, and ``torch.compile`` traces it).
     """
+    if n == 0:  # a part that acts on no leaf: nothing of its state is read
+        return []
     if isinstance(spec, LearningRateSpec):
         if isinstance(state, ScaleByScheduleState) and type(state.count) is int:
-            return {"count": state.count}
+            return [{"count": state.count} for _ in range(n)]
         if isinstance(state, EmptyState) and not callable(spec.learning_rate):
-            return {}
+            return [{} for _ in range(n)]
         raise _Unfusable
     if isinstance(spec, (ClipSpec, DecaySpec)):
         if not isinstance(state, EmptyState):
             raise _Unfusable
-        return {}
+        return [{} for _ in range(n)]
     if not isinstance(state, tuple) or not hasattr(state, "_fields"):
         raise _Unfusable
-    out: dict[str, int] = {INDEX: j}
+    out: list[dict[str, int]] = [{INDEX: j} for j in range(n)]
     for name in state._fields:
         value = getattr(state, name)
         if type(value) is int:
-            out[name] = value
+            for positions in out:
+                positions[name] = value
             continue
         entries = [x for x in tp.tree_leaves(value, is_leaf=_stored) if x is not None]
         if len(entries) != n:
             raise _Unfusable
-        entry = entries[j]
-        if isinstance(entry, BlockCodes):  # a coded moment: its codes, and its block scales
-            out[name], out[f"{name}_scales"] = _positions(entry)
-        elif type(entry) is int:
-            out[name] = entry
-        else:  # a moment with a per-tensor scale, or something else
-            raise _Unfusable
+        for positions, entry in zip(out, entries):
+            if isinstance(entry, BlockCodes):  # a coded moment: its codes, its block scales
+                positions[name], positions[f"{name}_scales"] = _positions(entry)
+            elif type(entry) is int:
+                positions[name] = entry
+            else:  # a moment with a per-tensor scale, or something else
+                raise _Unfusable
     return out
 
 
