@@ -69,15 +69,21 @@ def unscaled(grads: list[torch.Tensor], inv: torch.Tensor) -> list[torch.Tensor]
     return [g.float() * inv for g in grads]
 
 
-def zero_where(flag: torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """New tensors: ``+0`` (all bits zero) where the 0-d bool ``flag`` holds, else ``xs``
-    bit for bit (inf, NaN and -0.0 kept); a multiply of the bit patterns as integers by
-    0 or 1 where the multi-tensor form may run."""
+def zero_where(flag: torch.Tensor, xs: list[torch.Tensor], in_place: bool = False) -> list:
+    """``+0`` (all bits zero) where the 0-d bool ``flag`` holds, else ``xs`` bit for bit
+    (inf, NaN and -0.0 kept); a multiply of the bit patterns as integers by 0 or 1 where
+    the multi-tensor form may run: into new tensors, or with ``in_place`` into ``xs``
+    themselves (returned; elsewhere new tensors all the same)."""
     if multi_tensor(xs) and not is_batched([flag]) and all(x.is_contiguous() for x in xs):
         keep = torch.logical_not(flag)
         out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
         for kind, idx in by_bit_width(xs):
-            kept = torch._foreach_mul([xs[i].view(kind) for i in idx], keep.to(kind))
+            bits = [xs[i].view(kind) for i in idx]
+            if in_place:
+                torch._foreach_mul_(bits, keep.to(kind))
+                kept = bits
+            else:
+                kept = torch._foreach_mul(bits, keep.to(kind))
             for i, k in zip(idx, kept):
                 out[i] = k.view(xs[i].dtype)
         return out

@@ -177,10 +177,14 @@ def hand_over(acc: list[torch.Tensor], k: torch.Tensor, mean: bool) -> list[torc
     return torch._foreach_div(acc, k.to(torch.float32))
 
 
-def empty_unless(emit: torch.Tensor, acc: list[torch.Tensor]) -> list[torch.Tensor]:
+def empty_unless(
+    emit: torch.Tensor, acc: list[torch.Tensor], in_place: bool = False
+) -> list[torch.Tensor]:
     """The accumulator after this call: +0.0 where the window closed, else ``acc`` (bit for
-    bit, inf and NaN kept); multi-tensor ops outside ``vmap``."""
-    return zero_where(emit, acc)
+    bit, inf and NaN kept); multi-tensor ops outside ``vmap``. ``in_place``: ``acc`` is
+    the caller's own and may be written (no second buffer where the multi-tensor form
+    runs)."""
+    return zero_where(emit, acc, in_place=in_place)
 
 
 def MultiSteps(  # optax's name (a class there), kept for its users

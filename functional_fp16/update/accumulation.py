@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from functional_fp16._util.finite import leaves_finite
-from functional_fp16._util.multi_tensor import unscaled
+from functional_fp16._util.multi_tensor import multi_tensor, unscaled
 from functional_fp16._util.tree import PyTree, tree_flatten, tree_select, tree_unflatten
 from functional_fp16.precision.loss_scale import NoOpLossScale, unscale_inverse
 from functional_fp16.precision.scale_stats import stepped_stats
@@ -111,7 +111,13 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
             f"expected {m_spec}, got {acc_spec}"
         )
     local = leaves_finite(g32, None)
-    acc = torch._foreach_add(acc_leaves, g32)
+    if donate and multi_tensor([*acc_leaves, *g32]):  # the donated accumulator, in place
+        torch._foreach_add_(acc_leaves, g32)
+        acc = acc_leaves
+    else:
+        acc = torch._foreach_add(acc_leaves, g32)
+    del g32  # freed before the inner step (4 B a parameter)
+    owned = acc is acc_leaves or spec.use_grad_mean
     k = window_size(spec.every_k_schedule, ms.gradient_step)
     emit = window_closes(ms, k)
     handed = tree_unflatten(m_spec, hand_over(acc, k, spec.use_grad_mean))
@@ -143,6 +149,7 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         flags, finite = decide.leaves(local)
         window_ok = ms.acc_finite & finite
         stepped = impl(inner, handed, decide.with_require(emit & window_ok), reuse)
+    del handed  # freed before the accumulator is emptied
     # Per leaf, finite in every micro-batch of the window so far (a window opens afresh).
     window_leaves = torch.where(ms.mini_step == 0, flags, state.leaf_finite & flags)
     applied = stepped.grads_finite
@@ -151,7 +158,9 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         mini_step=mini_step,
         gradient_step=gradient_step,
         inner_opt_state=stepped.opt_state,
-        acc_grads=tree_unflatten(acc_spec, empty_unless(emit, acc)),
+        # emptied in place where ``acc`` is the donated accumulator, or this call's own sum
+        # and the inner update was handed the mean (else it was given ``acc`` itself)
+        acc_grads=tree_unflatten(acc_spec, empty_unless(emit, acc, owned)),
         acc_finite=emit | window_ok,
     )
     adjusted = state.loss_scale.adjust(applied)
