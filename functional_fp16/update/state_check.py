@@ -223,13 +223,19 @@ _WHAT = {
 
 
 def _compare(state: FP16State, template: FP16State) -> None:
-    """Raises at the first part or leaf where ``state`` departs from ``template``."""
-    device = tree_flatten(state.params)[0][0].device
-    for path, p in zip(tree_paths(state.params), tree_flatten(state.params)[0]):
+    """Raises at the first part or leaf where ``state`` departs from ``template``.
+
+    Each tree is flattened once; a leaf's path is found only for the message of a
+    refusal (paths cost more than the comparison, and ``torch.compile`` traces both).
+    """
+    params = tree_flatten(state.params)[0]
+    device = params[0].device
+    for i, p in enumerate(params):
         if not dense_without_overlap(p):
             raise ValueError(
-                f"state.params{path}: strides {p.stride()} for shape {tuple(p.shape)} leave "
-                "gaps or overlap elements; a state tensor must be dense (e.g. .contiguous())"
+                f"state.params{_path(state.params, i)}: strides {p.stride()} for shape "
+                f"{tuple(p.shape)} leave gaps or overlap elements; a state tensor must be "
+                "dense (e.g. .contiguous())"
             )
     for field in _FIELDS[1:]:
         want, got = getattr(template, field), getattr(state, field)
@@ -242,36 +248,50 @@ def _compare(state: FP16State, template: FP16State) -> None:
                 where = ("", f"expected structure {want_spec}, got {got_spec}")
             path = "" if where[0] == "<root>" else where[0]
             raise ValueError(f"{name}{path}: {where[1]}; {name} must be {_WHAT[field]}")
-        for path, w, g in zip(tree_paths(want), want_leaves, got_leaves):
-            if path == "<root>":
-                path = ""
+        for i, (w, g) in enumerate(zip(want_leaves, got_leaves)):
             if not isinstance(w, torch.Tensor):
                 continue  # a non-tensor leaf of tx.init's: only its place is checked
             expected_device = device if w.device == _META else w.device
-            expected = f"{w.dtype} tensor of shape {tuple(w.shape)} on {expected_device}"
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(f"{name}{path}: expected a {expected}, got {describe_tensor(g)}")
-            if g.dtype != w.dtype:
-                raise TypeError(
-                    f"{name}{path}: dtype {g.dtype}, expected {w.dtype} ({_WHAT[field]})"
-                )
-            if g.shape != w.shape:
-                raise ValueError(
-                    f"{name}{path}: shape {tuple(g.shape)}, expected {tuple(w.shape)} "
-                    f"({_WHAT[field]})"
-                )
-            if g.device != expected_device:
-                raise ValueError(
-                    f"{name}{path}: on {g.device}, expected {expected_device} "
-                    "(every tensor of a state lives on the parameters' device)"
-                )
-            if g.layout != torch.strided:
-                raise TypeError(f"{name}{path}: layout {g.layout}, expected a dense tensor")
-            if not dense_without_overlap(g):
-                raise ValueError(
-                    f"{name}{path}: strides {g.stride()} for shape {tuple(g.shape)} leave gaps "
-                    "or overlap elements; a state tensor must be dense (e.g. .contiguous())"
-                )
+            if (
+                isinstance(g, torch.Tensor)
+                and g.dtype == w.dtype
+                and g.shape == w.shape
+                and g.device == expected_device
+                and g.layout == torch.strided
+                and dense_without_overlap(g)
+            ):
+                continue
+            _refuse(name, field, _path(want, i), w, g, expected_device)
+
+
+def _path(tree: Any, i: int) -> str:
+    """The path of leaf ``i`` of ``tree`` as a message shows it (the root: empty)."""
+    path = tree_paths(tree)[i]
+    return "" if path == "<root>" else path
+
+
+def _refuse(name: str, field: str, path: str, w, g, expected_device) -> None:
+    """Raises for the state leaf ``g`` at ``name + path``, which is not like ``w``."""
+    expected = f"{w.dtype} tensor of shape {tuple(w.shape)} on {expected_device}"
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name}{path}: expected a {expected}, got {describe_tensor(g)}")
+    if g.dtype != w.dtype:
+        raise TypeError(f"{name}{path}: dtype {g.dtype}, expected {w.dtype} ({_WHAT[field]})")
+    if g.shape != w.shape:
+        raise ValueError(
+            f"{name}{path}: shape {tuple(g.shape)}, expected {tuple(w.shape)} ({_WHAT[field]})"
+        )
+    if g.device != expected_device:
+        raise ValueError(
+            f"{name}{path}: on {g.device}, expected {expected_device} "
+            "(every tensor of a state lives on the parameters' device)"
+        )
+    if g.layout != torch.strided:
+        raise TypeError(f"{name}{path}: layout {g.layout}, expected a dense tensor")
+    raise ValueError(
+        f"{name}{path}: strides {g.stride()} for shape {tuple(g.shape)} leave gaps "
+        "or overlap elements; a state tensor must be dense (e.g. .contiguous())"
+    )
 
 
 def check_disjoint(state: FP16State, grads: list[torch.Tensor]) -> None:
