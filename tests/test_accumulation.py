@@ -386,6 +386,21 @@ def test_donated_updates_equal_pure_ones(impl):
             assert same_bits(pure, donated)
 
 
+def test_a_donated_accumulator_that_shares_memory_is_refused(impl):
+    """A donated update sums into the accumulator in place: two of its leaves over one
+    tensor would be summed twice, so the state is refused, naming them, and untouched."""
+    params = {"a": m0(0, 8), "b": m0(1, 8)}
+    state = ff.fp16_init(params, ff.MultiSteps(sgd_momentum(), 2), dynamic_scale())
+    shared = torch.zeros(8)
+    ms = state.opt_state
+    state = state.replace(opt_state=ms._replace(acc_grads={"a": shared, "b": shared}))
+    grads = {k: (torch.ones(8) * 64).half() for k in params}
+    with pytest.raises(ValueError, match=r"acc_grads.*share memory"):
+        ff.fp16_update(state, grads, impl=impl, donate=True)
+    assert bool((shared == 0).all())
+    ff.fp16_update(state, grads, impl=impl)  # pure: nothing is written in place
+
+
 def test_never_synchronises_with_the_host(impl):
     state = ff.fp16_init({"w": m0()}, ff.MultiSteps(adamw(), 3), dynamic_scale())
     grads = random_window(0, 3, 2.0**10, inject=(1, math.nan)) + random_window(1, 3, 2.0**9)

@@ -113,6 +113,21 @@ def test_opcheck_adam(param_dtype, decay, skip, given, monkeypatch):
     torch.library.opcheck(adam_step_, (grads, *copies, separate), kwargs)
 
 
+@pytest.mark.parametrize("kernel", ["c", "generic"])
+def test_a_count_that_is_not_float32_is_refused_by_every_kernel(kernel, monkeypatch):
+    if kernel == "generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    grads, master, params = _leaves(torch.float16)
+    mu, nu = [torch.zeros_like(m) for m in master], [torch.zeros_like(m) for m in master]
+    s, _ = _scalars()
+    hyper = dict(l2=0.0, b1=0.9, b2=0.999, eps=1e-8, decoupled=0.0, members=1)
+    with pytest.raises(TypeError, match="count must be torch.float32"):
+        adam_step(
+            grads, master, mu, nu, params, [True] * 3, **s, inv_c1=None, sqrt_c2=None,
+            count=torch.tensor([7]), **hyper,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("param_dtype", DTYPES)
 @pytest.mark.parametrize("decay", [0.0, 1e-2])
 @pytest.mark.parametrize("skip", [False, True])

@@ -197,11 +197,16 @@ def _generic(
     """The plain PyTorch kernel: one group of one member through PyTorch's fused Adam
     (:func:`_fused`, given the step ``count``); else one leaf of one member at a time
     (bitwise the C one on the CPU)."""
-    if plain_kernels.one_group(lr, members) and count is not None and not (l2 and decoupled):
-        return _fused(
-            grads, master, mu, nu, params, master_out, mu_out, nu_out, params_out, inv,
-            clip_div, clip_mul, lr, apply, count, l2, b1, b2, eps, decoupled,
-        )  # fmt: skip
+    if count is not None and not (l2 and decoupled):
+        # A call of several groups or members (vmap) steps each as a call of its own
+        # would: a batched update is bitwise its members' updates.
+        for _, of, at in plain_kernels.calls(len(grads), lr.numel(), members):
+            _fused(
+                of(grads), of(master), of(mu), of(nu), of(params), of(master_out), of(mu_out),
+                of(nu_out), of(params_out), at(inv), at(clip_div), at(clip_mul), at(lr),
+                at(apply), at(count), l2, b1, b2, eps, decoupled,
+            )  # fmt: skip
+        return
     if inv_c1 is None:  # the corrections of the count, as the C kernel is given them
         inv_c1, sqrt_c2 = bias_corrections(count, b1, b2)
     c2 = f32(c2)
@@ -384,6 +389,10 @@ def _with_corrections(a: dict) -> dict:
     (the form the plain kernel takes; the C kernels take the corrections)."""
     if a["inv_c1"] is not None or a["count"] is None:
         return a
+    if a["count"].dtype != torch.float32:  # as the plain kernel's checks refuse it
+        op_checks.fail(
+            "adam_step", f"count must be torch.float32, got {a['count'].dtype}", TypeError
+        )
     inv_c1, sqrt_c2 = bias_corrections(a["count"], a["b1"], a["b2"])
     return {**a, "inv_c1": inv_c1, "sqrt_c2": sqrt_c2}
 
@@ -457,8 +466,12 @@ def _count(position: int, memo: dict) -> torch.Tensor:
     2^24 steps (past them float32 holds no more: so does ``torch.optim``'s step)."""
     key = ("adam count", position)
     if key not in memo:
-        t = torch.add(memo["opt"][position], 1.0)  # float32 unless the default dtype isn't
-        memo[key] = (t if t.dtype == torch.float32 else t.float()).reshape(1)
+        count = memo["opt"][position]
+        if torch.get_default_dtype() == torch.float32:  # int32 + 1.0 computes in float32
+            t = torch.add(count, 1.0)
+        else:  # another default dtype would compute in it
+            t = count.to(torch.float32).add_(1.0)
+        memo[key] = t.reshape(1)
     return memo[key]
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from functional_fp16._util.multi_tensor import by_bit_width
 
-__all__ = ["f32", "walk", "member", "unscaled", "write_member", "stats_generic"]
+__all__ = ["f32", "walk", "calls", "member", "unscaled", "write_member", "stats_generic"]
 __all__ += [
     "one_group",
     "unscaled_lists",
@@ -50,6 +50,26 @@ def walk(n_leaves: int, groups: int, members: int):
     for b in range(members):
         for leaf in range(n_leaves):
             yield b, leaf, b * per_member + leaf // per_group
+
+
+def calls(n_leaves: int, groups: int, members: int):
+    """``(k, of, at)`` for every group ``k`` of every member, each as a call of its own:
+    ``of(xs)`` the group's leaves of member ``b`` (views), ``at(x)`` a per-group scalar's
+    entry ``k`` (shape ``(1,)``; ``None`` stays ``None``). A kernel that steps each this
+    way gives a batched call (``vmap``) exactly its members' unbatched results."""
+    per_member = groups // members
+    per_group = n_leaves // per_member
+    for k in range(groups):
+        b, first = divmod(k, per_member)
+        leaves = range(first * per_group, (first + 1) * per_group)
+
+        def of(xs, b=b, leaves=leaves):
+            return [member(xs[i], b, members) for i in leaves]
+
+        def at(x, k=k):
+            return None if x is None else x[k : k + 1]
+
+        yield k, of, at
 
 
 def member(x: Tensor, b: int, members: int) -> Tensor:

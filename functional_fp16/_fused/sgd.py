@@ -224,6 +224,15 @@ def _generic(
     agrees with the C kernel bit for bit.
     """
     take = f32(take_started)
+    if trace is None or take == 1.0:  # PyTorch's fused SGD: each group as a call of its own
+        for _, of, at in plain_kernels.calls(len(grads), lr.numel(), members):
+            _lists(
+                of(grads), of(master), None if trace is None else of(trace), of(params),
+                of(master_out), None if trace is None else of(trace_out), of(params_out),
+                at(inv), at(clip_div), at(clip_mul), at(lr), at(apply), at(started),
+                weight_decay, momentum, take, nesterov,
+            )  # fmt: skip
+        return
     if plain_kernels.one_group(lr, members):
         return _lists(
             grads, master, trace, params, master_out, trace_out, params_out, inv, clip_div,

@@ -27,6 +27,7 @@ from functional_fp16.transforms.accumulation import (
 )
 from functional_fp16.transforms.base import ChainSpec, GradientTransformation
 from functional_fp16.update.decision import Carry, LeafAgreement
+from functional_fp16.update.state_check import check_disjoint
 
 __all__ = ["fp16_accumulates", "inner_fp16_state", "fp16_accumulate_update"]
 
@@ -112,6 +113,8 @@ def fp16_accumulate_update(state, grads: PyTree, decide, donate: bool, impl):
         )
     local = leaves_finite(g32, None)
     if donate and multi_tensor([*acc_leaves, *g32]):  # the donated accumulator, in place
+        if not torch.compiler.is_compiling():  # (no data pointers in a trace)
+            check_disjoint(state, tree_flatten(grads)[0])  # summed in place: no sharing
         torch._foreach_add_(acc_leaves, g32)
         acc = acc_leaves
     else:
