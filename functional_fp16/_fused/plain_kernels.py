@@ -2,9 +2,11 @@ r"""The plain PyTorch kernels' parts: CUDA's kernel, and any device's without a 
 
 Where the C library (CPU) does not run, an op computes with PyTorch's own
 operations (multi-tensor ops and fused optimiser kernels, which PyTorch
-verifies on GPUs; leaf by leaf and member by member under ``vmap``), the same
-arithmetic as the C kernel up to the multiply-adds PyTorch's kernels contract. This module holds what every such kernel
-shares: the walk over ``(member, leaf, group)``, a member's view of a leaf,
+verifies on GPUs; under ``vmap`` each member's group as a call of its own where
+PyTorch's fused kernels step it (:func:`calls`), else leaf by leaf), the same
+arithmetic as the C kernel up to the multiply-adds PyTorch's kernels contract. This
+module holds what every such kernel shares: the walk over ``(member, leaf, group)``,
+a member's view of a leaf,
 the unscaled and clipped gradient
 
 .. math:: u = \operatorname{fl}_{32}(g)\cdot \mathrm{inv}_k, \qquad
