@@ -271,17 +271,23 @@ def _batches(x: list[Tensor], out: list[Tensor], size: int):
         yield src, dst
 
 
-def restore_skipped_(apply: Tensor, out: list[Tensor], old: list[Tensor]) -> None:
+def restore_skipped_(
+    apply: Tensor, out: list[Tensor], old: list[Tensor], into_old: bool = False
+) -> None:
     r"""``out[i] = out[i] if apply else old[i]``, bit for bit, in place and without a
     temporary: on the bit patterns as integers, :math:`o \leftarrow o_{old} + (o - o_{old})\,a`
     with :math:`a \in \{0, 1\}` (integer arithmetic wraps, so it is exact for every
-    pattern). ``out`` holds new values the step computed in its own buffers."""
+    pattern). ``out`` holds new values the step computed in its own buffers. With
+    ``into_old`` the result goes into ``old`` instead (``out`` is then a spent temporary)."""
     for kind, idx in by_bit_width(out):
         o = [out[i].view(kind) for i in idx]
         old_bits = [old[i].view(kind) for i in idx]
         torch._foreach_sub_(o, old_bits)
         torch._foreach_mul_(o, apply.reshape(()).to(kind))
-        torch._foreach_add_(o, old_bits)
+        if into_old:
+            torch._foreach_add_(old_bits, o)
+        else:
+            torch._foreach_add_(o, old_bits)
 
 
 def select_into(
@@ -366,12 +372,7 @@ def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
         return
     rounded = [torch.empty_like(p) for p in out]
     torch._foreach_copy_(rounded, rounded_from)
-    for kind, idx in by_bit_width(rounded):
-        delta = [rounded[i].view(kind) for i in idx]
-        bits = [out[i].view(kind) for i in idx]
-        torch._foreach_sub_(delta, bits)
-        torch._foreach_mul_(delta, apply.reshape(()).to(kind))
-        torch._foreach_add_(bits, delta)
+    restore_skipped_(apply, rounded, out, into_old=True)
 
 
 def leaves_finite(grads: list[Tensor], inv: Tensor | None) -> Tensor:
