@@ -207,8 +207,7 @@ def _generic(
                 at(apply), at(count), l2, b1, b2, eps, decoupled,
             )  # fmt: skip
         return
-    if inv_c1 is None:  # the corrections of the count, as the C kernel is given them
-        inv_c1, sqrt_c2 = bias_corrections(count, b1, b2)
+    inv_c1, sqrt_c2 = _corrections_given(inv_c1, sqrt_c2, count, b1, b2)
     c2 = f32(c2)
     if plain_kernels.one_group(lr, members):
         return _lists(
@@ -339,8 +338,9 @@ def _split_generic(*, members, apply, used, mu, nu, **kw) -> bool:
     nearest (a float32 moment is stored as it is)."""
     del used
     count, b1 = kw.pop("count"), kw.pop("b1")
-    if kw["inv_c1"] is None:  # given the count (see _step): its corrections
-        kw["inv_c1"], kw["sqrt_c2"] = bias_corrections(count, b1, kw["b2"])
+    kw["inv_c1"], kw["sqrt_c2"] = _corrections_given(
+        kw["inv_c1"], kw["sqrt_c2"], count, b1, kw["b2"]
+    )
     adam_stored_generic(
         members=members, apply=apply, mu=mu, nu=nu, mu_scales=[], nu_scales=[],
         mu_scales_out=[], nu_scales_out=[], count=kw["lr"], block_size=DEFAULT_BLOCK,
@@ -382,6 +382,14 @@ SPEC = StepSpec(
         a["decoupled"],
     ),
 )
+
+
+def _corrections_given(inv_c1, sqrt_c2, count, b1: float, b2: float):
+    """The bias corrections ``(inv_c1, sqrt_c2)`` a call gives, or those of its ``count``
+    where it gives the count alone (the plain kernel's form)."""
+    if inv_c1 is not None:
+        return inv_c1, sqrt_c2
+    return bias_corrections(count, b1, b2)
 
 
 def _with_corrections(a: dict) -> dict:

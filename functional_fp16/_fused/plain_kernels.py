@@ -380,19 +380,22 @@ def leaves_finite(grads: list[Tensor], inv: Tensor | None) -> Tensor:
     :math:`\operatorname{isfinite}(\operatorname{fl}_{32}(M_l)\, s^{-1})`, with :math:`M_l`
     the leaf's largest magnitude, as :func:`stats_lists`' peaks decide (a NaN peak is
     not finite either: no need to map it to inf first); four launches."""
+    tops = _largest_magnitudes(grads)
+    return torch.isfinite(tops if inv is None else tops * inv)
+
+
+def _largest_magnitudes(grads: list[Tensor]) -> Tensor:
+    """Per leaf its largest ``|g|`` as float32 (NaN where it holds a NaN, 0 for an empty
+    leaf), one multi-tensor norm and a stack."""
     shown = grads
     if not all(map(Tensor.numel, grads)):  # an empty leaf's peak is 0: the norm of one zero
         shown = [g if g.numel() else g.new_zeros(1) for g in grads]
-    tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
-    return torch.isfinite(tops if inv is None else tops * inv)
+    return torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
 
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     """:func:`stats_generic` of one group of one member, with multi-tensor ops."""
-    shown = grads
-    if not all(map(Tensor.numel, grads)):  # an empty leaf's peak is 0: the norm of one zero
-        shown = [g if g.numel() else g.new_zeros(1) for g in grads]
-    tops = torch.stack(torch._foreach_norm(shown, float("inf"), dtype=torch.float32))
+    tops = _largest_magnitudes(grads)
     inf = float("inf")  # a NaN anywhere makes the leaf's peak +inf (norms are never -inf)
     torch.nan_to_num(tops, nan=inf, posinf=inf, out=peak)
     if sum_squares:

@@ -300,9 +300,8 @@ def _lists(
     if trace is None or take == 1.0:
         t_out, t_in = (trace_out, trace) if trace is not None else ([], [])
         plain_kernels.start_from(master_out + t_out, master + t_in)  # one copy
-        m_out = master_out
         torch._fused_sgd_(
-            m_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
+            master_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
             lr=torch.neg(lr.reshape(())), dampening=0.0, nesterov=bool(nesterov and t_out),
             maximize=False, is_first_step=False, grad_scale=None,
             found_inf=plain_kernels.skip_flag(apply),
