@@ -368,3 +368,89 @@ def test_threads_learning_many_structures_at_once_get_optrees_answers(monkeypatc
         sys.setswitchinterval(interval)
     assert errors == []
     assert len(T._STRUCTURES) <= 4
+
+
+# ---------------------------------------------------------------------------
+# The walk a torch.compile trace flattens with (``_util/tree._traced_flatten``).
+# ---------------------------------------------------------------------------
+
+
+def _traced_same(tree) -> None:
+    """The traced walk gives optree's leaves, rebuilds the tree, and its spec is equal
+    for another tree exactly when optree's is."""
+    leaves, spec = T._traced_flatten(tree)
+    want, want_spec = _optree(tree)
+    assert len(leaves) == len(want) and all(x is y for x, y in zip(leaves, want))
+    assert spec.num_leaves == len(want)
+    rebuilt = T.tree_unflatten(spec, leaves)
+    again, again_spec = _optree(rebuilt)
+    assert again_spec == want_spec and all(x is y for x, y in zip(again, want))
+    if isinstance(tree, dict):  # the keys in their order, of their types
+        assert [(k, type(k)) for k in rebuilt] == [(k, type(k)) for k in tree]
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees, trees)
+def test_the_traced_walk_flattens_rebuilds_and_compares_as_optree_does(tree, other):
+    _traced_same(tree)
+    same_structure = _optree(tree)[1] == _optree(other)[1]
+    assert (T._traced_flatten(tree)[1] == T._traced_flatten(other)[1]) == same_structure
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {2: torch.zeros(1), 1: torch.ones(1)},
+        {_Key("a"): torch.zeros(1), "b": torch.ones(1)},
+        {_Colour.RED: torch.zeros(1), "b": torch.ones(1)},
+        collections.OrderedDict(b=torch.zeros(1), a=torch.ones(1)),
+        {"a": torch.nn.Parameter(torch.zeros(1)), "b": 3},
+        (torch.zeros(1), 2.5, "x"),
+        {"z": {"b": torch.zeros(1), "a": None}, "y": [torch.ones(2)]},
+        {},
+        (),
+    ],
+)
+def test_the_traced_walk_takes_or_leaves_to_optree_every_other_node_kind(tree):
+    _traced_same(tree)
+
+
+def test_the_traced_walk_flattens_the_librarys_nodes_by_their_registration():
+    params = {"w": torch.zeros(2, dtype=torch.float16), "b": torch.zeros(2, dtype=torch.float16)}
+    for tx in (ff.sgd(0.1, momentum=0.9), ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))):
+        state = ff.fp16_init(params, tx)
+        _traced_same(state)
+        _traced_same((state.loss_scale, state.opt_state))
+        leaves, spec = T._traced_flatten(state)
+        assert T.tree_unflatten(spec, leaves).tx is tx
+
+
+def test_the_traced_walk_leaves_a_registered_named_tuple_to_optree():
+    class Tied(NamedTuple):
+        a: object
+        b: object
+
+    tree = {"x": Tied(torch.zeros(1), torch.ones(1))}
+    _traced_same(tree)  # the default entry: walked
+    with warnings.catch_warnings():  # optree notes that it overrides the named tuple's entry
+        warnings.simplefilter("ignore")
+        optree.register_pytree_node(
+            Tied,
+            lambda t: ((t.b, t.a), None, ("b", "a")),  # the fields the other way round
+            lambda _, ch: Tied(ch[1], ch[0]),
+            namespace=T.NAMESPACE,
+        )
+    try:
+        leaves, spec = T._traced_flatten(tree)
+        assert spec.optree_spec is not None
+        assert [x is y for x, y in zip(leaves, [tree["x"].b, tree["x"].a])] == [True, True]
+        _traced_same(tree)
+    finally:
+        optree.unregister_pytree_node(Tied, namespace=T.NAMESPACE)
+
+
+def test_the_traced_walk_leaves_insertion_ordered_dicts_to_optree():
+    tree = {"b": torch.zeros(1), "a": torch.ones(1)}
+    with optree.dict_insertion_ordered(True, namespace=T.NAMESPACE):
+        leaves, spec = T._traced_flatten(tree)
+        assert spec.optree_spec is not None and leaves[0] is tree["b"]
