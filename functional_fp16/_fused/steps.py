@@ -44,6 +44,7 @@ from functional_fp16._fused.chains import chain_parts
 from functional_fp16._fused.device_kernels import finite_from_peak
 from functional_fp16._fused.groups import leaf_parts
 from functional_fp16._fused.op_library import _transformed, call_grad_stats
+from functional_fp16._fused.step_scalars import step_scalars
 from functional_fp16._kernels.signatures import DTYPE_CODES, dense
 from functional_fp16._util.tree import tree_flatten, tree_leaves, tree_rebuild
 from functional_fp16.precision.loss_scale import (
@@ -56,6 +57,7 @@ from functional_fp16.precision.master_split import holds_residuals
 from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_leaf_sums, wants_leaf_sums
 from functional_fp16.transforms.hyperparams import InjectHyperparamsState, InjectSpec
+from functional_fp16.transforms.schedules import declared_form
 from functional_fp16.transforms.sgd import LearningRateSpec
 
 __all__ = ["Fusable", "register", "Group", "FusedPlan", "fused_plan", "why_not_fused"]
@@ -304,19 +306,25 @@ def _one(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(1)
 
 
-def _decision_inputs(fp: FusedPlan, g, inv, decision):
-    """``(apply, require, clip, leaf_finite)``: what the ops are told before they run, and
-    the leaves' flags where they are known before.
+def _scalars_before(fp: FusedPlan, g, inv, decision, memo: dict, schedules: list):
+    """``(apply, require, clip_div, clip_mul, leaf_finite)``: what the ops are told before
+    they run, and the leaves' flags where they are known before; the declared schedules'
+    signed factors go into ``memo``.
 
     With one group, no clipping and no cross-replica hook the op decides
     itself (``apply=None``), with the rule's ``require`` (the loss is finite),
     and returns the leaves' flags; otherwise one ``grad_stats`` call gives each
     leaf's peak, hence its flag, the rule (``decision``) the decision from
-    them, and the sum of squares the clipping norm.
+    them, and the sum of squares the clipping norm. Without hooks one
+    ``step_scalars`` call computes the decision, the clip factors and the
+    schedules together; a hook (an all-reduce) runs between them otherwise.
     """
+    device = g[0].device
+    require = decision.require
+    require = None if require is None else _one(require.to(device))
     if fp.decides and decision.agree is None:
-        require = decision.require
-        return None, None if require is None else _one(require.to(g[0].device)), None, None
+        _schedules(schedules, memo, None, None, None, None, 0.0)
+        return None, require, None, None, None
     clipping = fp.max_norm is not None
     # A hook that counts leaves differently (a DTensor state's) gets one sum per leaf.
     groups = len(g) if clipping and wants_leaf_sums(decision.global_sum) else 1
@@ -324,11 +332,53 @@ def _decision_inputs(fp: FusedPlan, g, inv, decision):
     if groups > 1 and inv is not None:
         inv_groups = inv_groups.expand(groups).contiguous()
     peak, sum_sq = call_grad_stats(g, inv_groups, groups, 1, clipping)
+    if decision.agree is None and decision.global_sum is None:
+        sum_sq = sum_sq if clipping else None
+        leaves, finite, div, mul = _schedules(
+            schedules, memo, peak, _one(inv), require, sum_sq, fp.max_norm or 0.0
+        )
+        return finite, None, (div if clipping else None), (mul if clipping else None), leaves
+    _schedules(schedules, memo, None, None, None, None, 0.0)
     leaves, finite = decision.leaves(finite_from_peak(peak, _one(inv)))
-    clip = None
+    clip_div = clip_mul = None
     if clipping:
-        clip = norm_of_leaf_sums(sum_sq, decision.global_sum)
-    return _one(finite), None, clip, leaves
+        norm = norm_of_leaf_sums(sum_sq, decision.global_sum)
+        clip_div, clip_mul = (_one(x) for x in clip_factors(norm, fp.max_norm))
+    return _one(finite), None, clip_div, clip_mul, leaves
+
+
+def _schedules(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm):
+    """One ``step_scalars`` call (where it has anything to compute): the declared
+    schedules' factors into ``memo`` (under the keys :func:`_planned_lr_factor` reads);
+    returns the decision's and the clip's outputs."""
+    if peak is None and sum_sq is None and not schedules:
+        return None
+    leaves, finite, div, mul, lrs = step_scalars(
+        peak, inv, require, sum_sq, max_norm, [(c, sign, form) for _, c, sign, form in schedules]
+    )
+    for (key, *_), lr in zip(schedules, lrs):
+        memo[key] = lr
+    return leaves, finite, div, mul
+
+
+def _declared_schedules(fp: FusedPlan, memo: dict) -> list:
+    """``(memo key, count, sign, declared form)`` of each distinct schedule the groups
+    evaluate (an injected learning rate's parts excepted)."""
+    out, seen = [], set()
+    injected = memo.get("injected", ((),))[0]
+    for grp in fp.groups:
+        plan = grp.plan
+        if not callable(plan.learning_rate) or plan.lr_path in injected:
+            continue
+        form = declared_form(plan.learning_rate)
+        if form is None:
+            continue
+        position = dict(grp.shared)["lr_count"]
+        key = ("lr", position, plan.learning_rate, plan.sign)
+        if key not in seen:
+            seen.add(key)
+            out.append((key, memo["opt"][position], float(plan.sign), form))
+    return out
 
 
 def _lr_factor(plan, shared: dict, like: torch.Tensor, memo: dict):
@@ -410,13 +460,13 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     opt = tree_leaves(state.opt_state)
     g = _grads_like(g_leaves, masters, fp.strides)
     inv = unscale_inverse(state.loss_scale)
-    apply, require, norm, leaf_finite = _decision_inputs(fp, g, inv, decision)
-    clip_div = clip_mul = None
-    if norm is not None:
-        clip_div, clip_mul = (_one(x) for x in clip_factors(norm, fp.max_norm))
     memo: dict = {"opt": opt}
     if injected is not None:
         memo["injected"] = injected
+    schedules = _declared_schedules(fp, memo)
+    apply, require, clip_div, clip_mul, leaf_finite = _scalars_before(
+        fp, g, inv, decision, memo, schedules
+    )
     new_m, new_p, new_opt = list(masters), list(params), list(opt)
     pending: dict[int, None] = {}  # positions of the counts and flags to advance, in order
     finite = None

@@ -165,7 +165,7 @@ def call(
     getattr(_lib, sig.symbol)(*packed.args)
 
 
-_CXX_FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
+_CXX_FLAGS = ["-O2", "-ffp-contract=off", "-std=c++20", "-fPIC", "-shared", "-fopenmp"]
 _OPS_SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _ops_loaded = False
 _ops_reason: str | None = None

@@ -905,6 +905,171 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor, std::vector
   return {scale_out, stats_out, step_out, inv_out, counters_out};
 }
 
+
+// ---------------------------------------------------------------------------
+// The scalars a step needs before it runs (_fused/step_scalars.py has the reference and
+// the math): the decision from the leaves' peaks, the clip factors from the sum of
+// squares, and each declared schedule's value, per member.
+// ---------------------------------------------------------------------------
+
+// torch.pow(x, e) for a float64 tensor and a Python float e, as ATen's CPU kernel takes it.
+static double pow_scalar(double x, double e) {
+  if (e == 0.0) return 1.0;
+  if (e == 1.0) return x;
+  if (e == 0.5) return std::sqrt(x);
+  if (e == -0.5) return 1.0 / std::sqrt(x);
+  if (e == -1.0) return 1.0 / x;
+  if (e == 2.0) return x * x;
+  if (e == 3.0) return x * x * x;
+  if (e == -2.0) return 1.0 / (x * x);
+  return std::pow(x, e);
+}
+
+static inline double clamp_to(double x, double lo, double hi) { return std::min(std::max(x, lo), hi); }
+
+// One declared schedule at step t (an int32 count as float64): the float64 operations of
+// transforms/schedules.py in their order, rounded once to float32. `p` walks the program.
+static float schedule_at(const double *&p, const double *end, double t) {
+  TORCH_CHECK(p < end, "programs: a schedule ends early");
+  const int kind = static_cast<int>(*p++);
+  auto take = [&](int n) {
+    TORCH_CHECK(p + n <= end, "programs: a schedule ends early");
+    const double *q = p;
+    p += n;
+    return q;
+  };
+  switch (kind) {
+    case 0: {  // constant(v)
+      const double *a = take(1);
+      return static_cast<float>(a[0]);
+    }
+    case 1: {  // linear(v0, v1, T, tb)
+      const double *a = take(4);
+      const double u = clamp_to(t - a[3], 0.0, a[2]);
+      return static_cast<float>(a[0] + (a[1] - a[0]) * (u / a[2]));
+    }
+    case 2: {  // polynomial(v0, v1, power, T, tb)
+      const double *a = take(5);
+      const double u = clamp_to(t - a[4], 0.0, a[3]);
+      return static_cast<float>((a[0] - a[1]) * pow_scalar(1.0 - u / a[3], a[2]) + a[1]);
+    }
+    case 3: {  // exponential(v0, T, rate, tb, staircase, has_end, end)
+      const double *a = take(7);
+      const double u = t - a[3];
+      double q = u / a[1];
+      if (a[4] != 0.0) q = std::floor(q);
+      double v = 0.0;
+      if (a[0] != 0.0) v = u <= 0.0 ? a[0] : a[0] * (a[2] == 1.0 ? 1.0 : std::pow(a[2], q));
+      if (a[5] != 0.0) v = a[2] < 1.0 ? std::max(v, a[6]) : std::min(v, a[6]);
+      return static_cast<float>(v);
+    }
+    case 4: {  // piecewise(v0, n, bounds[n], values[n])
+      const double *a = take(2);
+      const int64_t n = static_cast<int64_t>(a[1]);
+      TORCH_CHECK(n >= 0, "programs: a piecewise schedule with ", n, " boundaries");
+      const double *b = take(static_cast<int>(2 * n));
+      double v = a[0];
+      for (int64_t i = 0; i < n; ++i) v = t >= b[i] ? b[n + i] : v;
+      return static_cast<float>(v);
+    }
+    case 5: {  // cosine(v0, T, alpha, exponent)
+      const double *a = take(4);
+      const double u = clamp_to(t, 0.0, a[1]);
+      const double c = 0.5 * (1.0 + std::cos(u * 3.141592653589793 / a[1]));
+      return static_cast<float>(a[0] * ((1.0 - a[2]) * pow_scalar(c, a[3]) + a[2]));
+    }
+    case 6: {  // join(n, boundaries[n - 1], n schedules)
+      const double *a = take(1);
+      const int64_t n = static_cast<int64_t>(a[0]);
+      TORCH_CHECK(n >= 1, "programs: a join of ", n, " schedules");
+      const double *b = take(static_cast<int>(n - 1));
+      const int32_t step = static_cast<int32_t>(t);
+      float v = schedule_at(p, end, t);
+      for (int64_t i = 1; i < n; ++i) {
+        const int32_t shifted = step - static_cast<int32_t>(b[i - 1]);
+        const float w = schedule_at(p, end, static_cast<double>(shifted));
+        v = static_cast<double>(step) >= b[i - 1] ? w : v;
+      }
+      return v;
+    }
+    default:
+      TORCH_CHECK(false, "programs: unknown schedule kind ", kind);
+  }
+  return 0.0f;
+}
+
+// peak: members * L float32 (or empty: no decision); inv, require, sum_sq: members each
+// (or undefined); counts: int32, members each; programs: per count, its sign, then its
+// schedule.
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
+    const c10::optional<Tensor> &peak, const c10::optional<Tensor> &inv,
+    const c10::optional<Tensor> &require, const c10::optional<Tensor> &sum_sq, double max_norm,
+    const TensorList &counts, c10::ArrayRef<double> programs, int64_t members) {
+  TORCH_CHECK(members >= 1, "members: at least 1");
+  auto dense = [&](const c10::optional<Tensor> &x, at::ScalarType dt, int64_t n, const char *what) {
+    if (!x.has_value() || !x->defined()) return;
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == dt && x->numel() == n && x->is_contiguous(),
+                what, ": expected a dense ", c10::toString(dt), " tensor of ", n, " elements on the CPU");
+  };
+  const bool deciding = peak.has_value() && peak->defined();
+  const int64_t n_peak = deciding ? peak->numel() : 0;
+  TORCH_CHECK(n_peak % members == 0, "peak: ", n_peak, " values for ", members, " members");
+  dense(peak, at::kFloat, n_peak, "peak");
+  dense(inv, at::kFloat, members, "inv");
+  dense(require, at::kBool, members, "require");
+  dense(sum_sq, at::kDouble, members, "sum_sq");
+  for (const auto &c : counts) {
+    TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == at::kInt && c.numel() == members &&
+                    c.is_contiguous(),
+                "counts: dense int32 tensors of ", members, " elements on the CPU");
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  Tensor leaves = at::empty({n_peak}, at::TensorOptions().dtype(at::kBool));
+  Tensor finite = at::empty({deciding ? members : 0}, at::TensorOptions().dtype(at::kBool));
+  const bool clipping = sum_sq.has_value() && sum_sq->defined();
+  Tensor div = at::empty({clipping ? members : 0}, f32), mul = at::empty({clipping ? members : 0}, f32);
+  std::vector<Tensor> lrs;
+  for (size_t k = 0; k < counts.size(); ++k) lrs.push_back(at::empty({members}, f32));
+
+  const int64_t per = n_peak / members;
+  const float *pk = deciding ? peak->data_ptr<float>() : nullptr;
+  const float *iv = inv.has_value() && inv->defined() ? inv->data_ptr<float>() : nullptr;
+  const bool *rq = require.has_value() && require->defined() ? require->data_ptr<bool>() : nullptr;
+  for (int64_t m = 0; m < members && deciding; ++m) {
+    bool all = true;
+    for (int64_t l = 0; l < per; ++l) {
+      const float x = pk[m * per + l];
+      const bool ok = std::isfinite(iv ? x * iv[m] : x);
+      leaves.data_ptr<bool>()[m * per + l] = ok;
+      all = all && ok;
+    }
+    finite.data_ptr<bool>()[m] = all && (rq ? rq[m] : true);
+  }
+  if (clipping) {
+    const float cap = static_cast<float>(max_norm);
+    const double *sq = sum_sq->data_ptr<double>();
+    for (int64_t m = 0; m < members; ++m) {
+      const float norm = static_cast<float>(std::sqrt(sq[m]));
+      const bool inside = norm < cap;
+      div.data_ptr<float>()[m] = inside ? 1.0f : norm;
+      mul.data_ptr<float>()[m] = inside ? 1.0f : cap;
+    }
+  }
+  const double *p = programs.data(), *end = programs.data() + programs.size();
+  for (size_t k = 0; k < counts.size(); ++k) {
+    TORCH_CHECK(p < end, "programs: ", counts.size(), " schedules expected");
+    const double sign = *p++;
+    const double *start = p;
+    for (int64_t m = 0; m < members; ++m) {
+      p = start;
+      const float v = schedule_at(p, end, static_cast<double>(counts[k].data_ptr<int32_t>()[m]));
+      lrs[k].data_ptr<float>()[m] = v * static_cast<float>(sign);
+    }
+  }
+  TORCH_CHECK(p == end, "programs: more numbers than the schedules take");
+  return {leaves, finite, div, mul, lrs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(functional_fp16_cpu, m) {
@@ -944,4 +1109,8 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
       "Tensor[] counters, float[] config, int kind) -> (Tensor[], Tensor[], Tensor, Tensor, Tensor[])");
   m.impl("grad_stats", c10::DispatchKey::CPU, TORCH_FN(grad_stats));
   m.impl("bookkeeping", c10::DispatchKey::CPU, TORCH_FN(bookkeeping));
+  m.def(
+      "step_scalars(Tensor? peak, Tensor? inv, Tensor? require, Tensor? sum_sq, float max_norm, "
+      "Tensor[] counts, float[] programs, int members) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])");
+  m.impl("step_scalars", c10::DispatchKey::CPU, TORCH_FN(step_scalars));
 }

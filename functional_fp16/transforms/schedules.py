@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "cosine_decay_schedule",
     "join_schedules",
     "warmup_cosine_decay_schedule",
+    "declared_form",
 ]
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
@@ -45,6 +47,39 @@ def _check_steps(name: str, value: int, minimum: int = 1) -> int:
     return validate.integer(name, value, minimum)
 
 
+_EXACT = 2**53  # integers beyond it have no exact float64
+
+
+def _declared(schedule: Schedule, *form: Any) -> Schedule:
+    """``schedule`` with its declared form: the constructor's name and normalised arguments,
+    which ``_fused/step_scalars.py`` evaluates in one kernel with the same float64
+    operations (see :func:`declared_form`). A form whose integers exceed float64's exact
+    range is not declared (the schedule is then evaluated by its tensor operations)."""
+    if all(abs(x) <= _EXACT for x in _numbers(form)):
+        schedule.declared = form  # type: ignore[attr-defined]
+    return schedule
+
+
+def _numbers(form: Any) -> list[float]:
+    out: list[float] = []
+    for x in form:
+        if isinstance(x, tuple):
+            out += _numbers(x)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(x)
+    return out
+
+
+def declared_form(schedule: Any) -> tuple | None:
+    """The declared form of a schedule made by this module, ``None`` for any other callable.
+
+    ``("constant", v)``, ``("linear", v0, v1, T, tb)``, ``("polynomial", v0, v1, p, T,
+    tb)``, ``("exponential", v0, T, r, tb, staircase, end)``, ``("piecewise", v0, bounds,
+    values)``, ``("cosine", v0, T, alpha, p)``, ``("join", forms, boundaries)``.
+    """
+    return getattr(schedule, "declared", None)
+
+
 def constant_schedule(value: float) -> Schedule:
     """``step -> value``.
 
@@ -56,7 +91,7 @@ def constant_schedule(value: float) -> Schedule:
     def schedule(step: int | torch.Tensor) -> torch.Tensor:
         return torch.full_like(_as_step(step), value).float()
 
-    return schedule
+    return _declared(schedule, "constant", value)
 
 
 def linear_schedule(
@@ -87,7 +122,7 @@ def linear_schedule(
         t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
         return (v0 + (v1 - v0) * (t / steps)).float()
 
-    return schedule
+    return _declared(schedule, "linear", v0, v1, steps, begin)
 
 
 def polynomial_schedule(
@@ -132,7 +167,7 @@ def polynomial_schedule(
         t = torch.clamp(_as_step(step) - begin, min=0.0, max=float(steps))
         return ((v0 - v1) * torch.pow(1.0 - t / steps, power) + v1).float()
 
-    return schedule
+    return _declared(schedule, "polynomial", v0, v1, power, steps, begin)
 
 
 def exponential_decay(
@@ -194,7 +229,7 @@ def exponential_decay(
             value = torch.clamp(value, min=end) if rate < 1.0 else torch.clamp(value, max=end)
         return value.float()
 
-    return schedule
+    return _declared(schedule, "exponential", v0, steps, rate, begin, staircase, end)
 
 
 def piecewise_constant_schedule(
@@ -243,7 +278,12 @@ def piecewise_constant_schedule(
             )
         values.append(value)
     # A boundary beyond any int32 step is never reached; clamped so that it converts to float.
-    bounds = [float(min(b, 2**53)) for b, _ in pairs]
+    return piecewise_values(v0, tuple(float(min(b, 2**53)) for b, _ in pairs), tuple(values))
+
+
+def piecewise_values(v0: float, bounds: tuple[float, ...], values: tuple[float, ...]) -> Schedule:
+    r"""``values[i]`` from step ``bounds[i]`` on (the last reached), ``v0`` before the
+    first: :func:`piecewise_constant_schedule` once its products are formed."""
 
     def schedule(step: int | torch.Tensor) -> torch.Tensor:
         t = _as_step(step)
@@ -252,7 +292,7 @@ def piecewise_constant_schedule(
             out = torch.where(t >= b, v, out)
         return out.float()
 
-    return schedule
+    return _declared(schedule, "piecewise", v0, bounds, values)
 
 
 def cosine_decay_schedule(
@@ -280,7 +320,7 @@ def cosine_decay_schedule(
         cosine = 0.5 * (1.0 + torch.cos(math.pi * t / steps))
         return (v0 * ((1.0 - alpha) * cosine**exponent + alpha)).float()
 
-    return schedule
+    return _declared(schedule, "cosine", v0, steps, alpha, exponent)
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
@@ -321,7 +361,10 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             value = torch.where(t >= b, s(t - b), value)
         return value
 
-    return schedule
+    forms = tuple(declared_form(s) for s in schedules)
+    if any(f is None or f[0] == "join" for f in forms) or any(b >= 2**31 for b in boundaries):
+        return schedule  # a join of joins, an undeclared part, a boundary past int32 steps
+    return _declared(schedule, "join", forms, tuple(boundaries))
 
 
 def warmup_cosine_decay_schedule(

@@ -1,0 +1,244 @@
+r"""The scalars a fused step needs before it runs, in one op: decision, clip factors, schedules.
+
+Per member :math:`k` (one, or the members of a ``vmap``), from the leaves' peak
+magnitudes :math:`M_l` (``grad_stats``), the unscale factor :math:`s^{-1}`, the
+condition :math:`r` (a finite loss), the float64 sum of squares :math:`S` of the
+unscaled gradients and the counts :math:`c_j` of the schedules:
+
+.. math::
+    \ell_l &= \operatorname{isfinite}(\operatorname{fl}_{32}(M_l\, s^{-1})), \qquad
+    f = r \wedge \textstyle\bigwedge_l \ell_l \\
+    n &= \operatorname{fl}_{32}(\sqrt{S}), \qquad
+    (d, c) = \begin{cases} (1, 1) & n < \operatorname{fl}_{32}(C) \\
+                           (n, \operatorname{fl}_{32}(C)) & \text{otherwise} \end{cases} \\
+    \eta_j &= \sigma_j\, v_j(c_j)
+
+(the decision of ``Decision.leaves``, the factors of ``clip_by_global_norm``, each
+schedule's signed step factor), each part only where it is asked for. A schedule is
+given by its declared form (``transforms.schedules.declared_form``) and evaluated with
+the float64 operations of its definition, in their order, rounded once to float32:
+the same bits as the schedule called on its count.
+
+``functional_fp16::step_scalars`` is one op call: on the CPU one launch of its C++
+kernel (``functional_fp16_cpu::step_scalars``); on CUDA, and where CUDA's default is
+forced on the CPU, the reference's PyTorch ops inside the op (a Triton kernel, as the
+bookkeeping op has, is not written yet: there the launches are those of the ops). Under
+``torch.compile`` it is one opaque call, whose scalars Inductor does not generate
+kernels for.
+
+A float64 operation taken in another order than the definition's would change the
+float32 result only where the float64 value lies within an ulp of a float32 rounding
+boundary; ``tests/test_step_scalars.py`` finds what changes more (a float32
+intermediate fails it), and the kernel takes the definition's order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
+from functional_fp16._fused.op_library import _define
+from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16.transforms import schedules as sch
+from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
+
+__all__ = ["STEP_SCALARS", "program", "reference", "step_scalars"]
+
+SCHEMA = (
+    "(Tensor? peak, Tensor? inv, Tensor? require, Tensor? sum_sq, float max_norm, "
+    "Tensor[] counts, float[] programs, int members) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
+)
+r"""``peak``: ``members * L`` float32 peaks, member-major (``None``: no decision);
+``inv``, ``require``, ``sum_sq`` (``None``: no clipping): one per member; ``counts``:
+int32, one per member each; ``programs``: for each count its sign :math:`\sigma_j`,
+then its schedule's program (:func:`program`). The outputs: the leaves' flags, the
+decisions, the clip divisor and factor (empty without clipping), one signed factor
+per count."""
+
+_KINDS = {
+    "constant": 0, "linear": 1, "polynomial": 2, "exponential": 3, "piecewise": 4,
+    "cosine": 5, "join": 6,
+}  # fmt: skip
+
+
+def program(form: tuple) -> list[float]:
+    """A declared schedule form as the kernels' program: its kind, then its numbers."""
+    kind, *args = form
+    code = float(_KINDS[kind])
+    if kind == "exponential":
+        v0, steps, rate, begin, staircase, end = args
+        has_end = end is not None
+        return [code, v0, steps, rate, begin, float(staircase), float(has_end), end or 0.0]
+    if kind == "piecewise":
+        v0, bounds, values = args
+        return [code, v0, float(len(bounds)), *bounds, *values]
+    if kind == "join":
+        forms, boundaries = args
+        out = [code, float(len(forms)), *map(float, boundaries)]
+        for f in forms:
+            out += program(f)
+        return out
+    return [code, *map(float, args)]
+
+
+def _schedule(form: tuple):
+    """The library's schedule that ``form`` declares (the reference's definition)."""
+    kind, *args = form
+    if kind == "constant":
+        return sch.constant_schedule(*args)
+    if kind == "linear":
+        return sch.linear_schedule(*args)
+    if kind == "polynomial":
+        return sch.polynomial_schedule(*args)
+    if kind == "exponential":
+        v0, steps, rate, begin, staircase, end = args
+        return sch.exponential_decay(v0, steps, rate, begin, staircase, end)
+    if kind == "piecewise":
+        v0, bounds, values = args
+        return sch.piecewise_values(v0, bounds, values)
+    if kind == "cosine":
+        return sch.cosine_decay_schedule(*args)
+    forms, boundaries = args
+    return sch.join_schedules([_schedule(f) for f in forms], list(boundaries))
+
+
+def _forms(programs: list[float], n: int) -> list[tuple[float, tuple]]:
+    """``(sign, form)`` of each of the ``n`` programs (the inverse of :func:`program`)."""
+    it = iter(programs)
+    out = [(next(it), _read(it)) for _ in range(n)]
+    if next(it, None) is not None:
+        raise ValueError("programs: more numbers than the schedules take")
+    return out
+
+
+def _read(it) -> tuple:
+    kind = {v: k for k, v in _KINDS.items()}[int(next(it))]
+    take = lambda k: [next(it) for _ in range(k)]  # noqa: E731
+    if kind == "constant":
+        return (kind, *take(1))
+    if kind == "linear":
+        v0, v1, steps, begin = take(4)
+        return (kind, v0, v1, int(steps), int(begin))
+    if kind == "polynomial":
+        v0, v1, power, steps, begin = take(5)
+        return (kind, v0, v1, power, int(steps), int(begin))
+    if kind == "exponential":
+        v0, steps, rate, begin, stair, has_end, end = take(7)
+        return (kind, v0, int(steps), rate, int(begin), bool(stair), end if has_end else None)
+    if kind == "piecewise":
+        v0, n = take(2)
+        bounds = take(int(n))
+        return (kind, v0, tuple(bounds), tuple(take(int(n))))
+    if kind == "cosine":
+        v0, steps, alpha, exponent = take(4)
+        return (kind, v0, int(steps), alpha, exponent)
+    n = int(next(it))
+    boundaries = tuple(int(b) for b in take(n - 1))
+    return (kind, tuple(_read(it) for _ in range(n)), boundaries)
+
+
+def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
+    """The op's outputs by the library's definitions: ``finite_from_peak``'s flags and
+    ``Decision``'s AND, ``norm_of_sum_of_squares`` and ``clip_factors``, each schedule
+    called on its count (PyTorch ops, one per quantity)."""
+    device = (peak if peak is not None else counts[0] if counts else sum_sq).device
+    leaves = torch.empty(0, dtype=torch.bool, device=device)
+    finite = torch.empty(0, dtype=torch.bool, device=device)
+    if peak is not None:
+        by = peak.reshape(members, -1)
+        leaves = torch.isfinite(by if inv is None else by * inv.reshape(members, 1))
+        finite = leaves.all(dim=1)
+        finite = finite if require is None else finite & require
+        leaves = leaves.reshape(-1)
+    div = mul = torch.empty(0, dtype=torch.float32, device=device)
+    if sum_sq is not None:
+        div, mul = clip_factors(norm_of_sum_of_squares(sum_sq), max_norm)
+    lrs = []
+    for count, (sign, form) in zip(counts, _forms(list(programs), len(counts))):
+        schedule = _schedule(form)
+        if members == 1:  # the schedule on the 0-d count, as the transforms call it
+            lrs.append((schedule(count.reshape(())) * sign).reshape(1))
+        else:
+            lrs.append(torch.stack([schedule(c) for c in count.unbind()]) * sign)
+    return leaves, finite, div, mul, lrs
+
+
+def _kernel(peak, inv, require, sum_sq, max_norm, counts, programs, members):
+    """The device's kernel: the C++ kernel where the CPU runs the C kernel, else the
+    reference."""
+    like = next(t for t in (peak, sum_sq, *counts) if t is not None)
+    if cpp_ready(None, kernel_for(like.device)):
+        return c_kernel.run_op(
+            "step_scalars", peak, inv, require, sum_sq, max_norm, counts, programs, members
+        )
+    return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
+
+
+def _fake(peak, inv, require, sum_sq, max_norm, counts, programs, members):
+    del inv, require, max_norm, programs
+    like = next(t for t in (peak, sum_sq, *counts) if t is not None)
+    device = like.device
+    n = 0 if peak is None else peak.numel()
+    deciding = members if peak is not None else 0
+    clipping = members if sum_sq is not None else 0
+    f32 = dict(dtype=torch.float32, device=device)
+    return (
+        torch.empty(n, dtype=torch.bool, device=device),
+        torch.empty(deciding, dtype=torch.bool, device=device),
+        torch.empty(clipping, **f32),
+        torch.empty(clipping, **f32),
+        [torch.empty(members, **f32) for _ in counts],
+    )
+
+
+def _rule(op):
+    def rule(info, in_dims, peak, inv, require, sum_sq, max_norm, counts, programs, members):
+        """Every input with its batch dimension first (an unbatched one expanded to the
+        batch) and flattened: ``K`` batches of ``members`` are ``K * members`` members of
+        one call; every output batched at 0."""
+        size = info.batch_size
+
+        def first(x, d):
+            if x is None:
+                return None
+            x = x.unsqueeze(0).expand(size, *x.shape) if d is None else x.movedim(d, 0)
+            return x.reshape(-1).contiguous()
+
+        d_peak, d_inv, d_req, d_sq, _, d_counts = in_dims[:6]
+        out = op(
+            first(peak, d_peak), first(inv, d_inv), first(require, d_req), first(sum_sq, d_sq),
+            max_norm, [first(c, d) for c, d in zip(counts, d_counts or [None] * len(counts))],
+            programs, members * size,
+        )  # fmt: skip
+        leaves, finite, div, mul, lrs = out
+        shaped = (
+            leaves.reshape(size, -1), finite.reshape(size, -1), div.reshape(size, -1),
+            mul.reshape(size, -1), [x.reshape(size, -1) for x in lrs],
+        )  # fmt: skip
+        return shaped, (0, 0, 0, 0, [0] * len(lrs))
+
+    return rule
+
+
+STEP_SCALARS = _define("step_scalars", SCHEMA, _kernel, _fake, _rule)
+"""``torch.ops.functional_fp16.step_scalars.default``."""
+
+
+def step_scalars(
+    peak: Tensor | None,
+    inv: Tensor | None,
+    require: Tensor | None,
+    sum_sq: Tensor | None,
+    max_norm: float,
+    schedules: list[tuple[Tensor, float, Any]],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """One op call for one member (shapes ``(1,)``): ``schedules`` are ``(count, sign,
+    declared form)``. See the module docstring."""
+    counts = [c.reshape(1) for c, _, _ in schedules]
+    programs: list[float] = []
+    for _, sign, form in schedules:
+        programs += [float(sign), *program(form)]
+    return STEP_SCALARS(peak, inv, require, sum_sq, float(max_norm), counts, programs, 1)
