@@ -1,8 +1,9 @@
 """The step-scalars op (``functional_fp16::step_scalars``, ``_fused/step_scalars.py``): the
 decision from the leaves' peaks, the clip factors and every declared schedule in one
 call, bitwise the library's definitions (``Decision.leaves``, ``clip_factors``, the
-schedule called on its count) from every kernel: the C++ kernel and the reference (what
-CUDA runs inside the op). Schedules of every
+schedule called on its count) from every kernel: the C++ kernel here, the Triton kernel
+in Triton's interpreter (a child process with ``TRITON_INTERPRET=1``, started by
+:func:`test_the_triton_cases_pass_in_the_interpreter`). Schedules of every
 kind with random parameters (the exponents whose powers ATen computes specially among
 them), at counts from 0 to int32's top; ``vmap`` per member.
 """
@@ -10,6 +11,7 @@ them), at counts from 0 to int32's top; ``vmap`` per member.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,8 +20,13 @@ from hypothesis import strategies as st
 
 import functional_fp16 as ff
 from functional_fp16._fused import step_scalars as ss
+from functional_fp16._fused import triton_step_scalars
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16.transforms.schedules import declared_form
+from tests.helpers import run_cases_in_interpreter
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_parent = pytest.mark.skipif(INTERPRETED, reason="the C++ kernel's cases run in the parent")
 
 values = st.sampled_from([0.0, 1e-3, 6e-4, 0.1, 1.0, 3.0, 1e-8, 123.456])
 steps = st.sampled_from([1, 2, 7, 10, 1000, 100_000, 2**31 - 1])
@@ -80,6 +87,8 @@ def _bits(t: torch.Tensor) -> list[int]:
 
 
 def _kernels():
+    if INTERPRETED:
+        return {"triton": triton_step_scalars.run}
     out = {"reference": ss.reference}
     if c_kernel.ops_available():
         out["c++"] = lambda *a: c_kernel.run_op("step_scalars", *a)
@@ -150,6 +159,7 @@ def test_every_kernel_decides_and_clips_as_the_library_defines(members, leaves, 
         assert got[4] == []
 
 
+@in_parent
 def test_the_op_steps_vmapped_members_as_alone():
     sched = ff.warmup_cosine_decay_schedule(0.0, 1e-3, 3, 50, 1e-4)
     form = declared_form(sched)
@@ -178,6 +188,7 @@ def test_a_schedule_the_library_did_not_make_declares_nothing():
     assert declared_form(ff.linear_schedule(0.0, 1.0, 2**60)) is None  # past float64's integers
 
 
+@in_parent
 def test_the_cpp_kernel_refuses_what_it_cannot_read():
     if not c_kernel.ops_available():
         pytest.skip("no C++ ops here")
@@ -194,3 +205,10 @@ def test_the_cpp_kernel_refuses_what_it_cannot_read():
         )
     with pytest.raises(RuntimeError, match="peak"):
         c_kernel.run_op("step_scalars", torch.ones(3), None, None, None, 1.0, [], [], 2)
+
+
+@in_parent
+def test_the_triton_cases_pass_in_the_interpreter():
+    run_cases_in_interpreter(
+        __file__, "test_the_triton_cases_pass_in_the_interpreter", 3, skips=True
+    )

@@ -19,10 +19,10 @@ given by its declared form (``transforms.schedules.declared_form``) and evaluate
 the float64 operations of its definition, in their order, rounded once to float32:
 the same bits as the schedule called on its count.
 
-``functional_fp16::step_scalars`` is one op call: on the CPU one launch of its C++
-kernel (``functional_fp16_cpu::step_scalars``); on CUDA, and where CUDA's default is
-forced on the CPU, the reference's PyTorch ops inside the op (a Triton kernel, as the
-bookkeeping op has, is not written yet: there the launches are those of the ops). Under
+``functional_fp16::step_scalars`` is one op call, and each kernel behind it one
+launch: the C++ kernel on the CPU (``functional_fp16_cpu::step_scalars``), the Triton
+kernel on CUDA (:mod:`.triton_step_scalars`; on the CPU in Triton's interpreter when
+CUDA's default is forced there), the reference's PyTorch ops elsewhere. Under
 ``torch.compile`` it is one opaque call, whose scalars Inductor does not generate
 kernels for.
 
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from functional_fp16._fused import triton_step_scalars
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
 from functional_fp16._fused.op_library import _define
 from functional_fp16._kernels import cpu as c_kernel
@@ -167,13 +168,14 @@ def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
 
 
 def _kernel(peak, inv, require, sum_sq, max_norm, counts, programs, members):
-    """The device's kernel: the C++ kernel where the CPU runs the C kernel, else the
-    reference."""
-    like = next(t for t in (peak, sum_sq, *counts) if t is not None)
-    if cpp_ready(None, kernel_for(like.device)):
-        return c_kernel.run_op(
-            "step_scalars", peak, inv, require, sum_sq, max_norm, counts, programs, members
-        )
+    """The device's kernel: the C++ kernel where the CPU runs the C kernel, the Triton
+    kernel where it runs (CUDA; the CPU in its interpreter), else the reference."""
+    args = (peak, inv, require, sum_sq, max_norm, counts, programs, members)
+    device = next(t for t in (peak, sum_sq, *counts) if t is not None).device
+    if cpp_ready(None, kernel_for(device)):
+        return c_kernel.run_op("step_scalars", *args)
+    if triton_step_scalars.available(device):
+        return triton_step_scalars.run(*args)
     return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
 
 

@@ -1,0 +1,289 @@
+r"""The step-scalars op's Triton kernel (:mod:`.step_scalars` has the math): one launch.
+
+One program over the members (and, for the decision, their leaves): the leaves' flags
+and each member's decision, the clip factors, and up to :data:`SLOTS` declared schedules,
+read from their programs (a float64 tensor made once per programs and device). Every
+schedule takes the float64 operations of its definition in their order, rounded once
+to float32, as PyTorch's kernels of the device take them: on CUDA a division by the
+schedule's step count is a product with its reciprocal (``div_true_kernel_cuda`` does
+that for a divisor given as a Python number), in the interpreter on the CPU a
+division; multiply-adds are not contracted (``enable_fp_fusion=False``). A power takes
+ATen's special exponents (0, 0.5, 1, 2, 3) as ATen does. On the CPU the kernel runs in
+Triton's interpreter (``TRITON_INTERPRET=1``), where a launch is the profiler range
+:data:`LAUNCH_LABEL`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from functional_fp16._fused import triton_stored
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - triton ships with torch's builds
+    triton = tl = libdevice = None
+
+__all__ = ["available", "run", "SLOTS"]
+
+SLOTS = 4
+"""Schedules one launch evaluates; more take one more launch per ``SLOTS``."""
+
+LAUNCH_LABEL = "triton::step_scalars"
+"""The profiler range of one launch in the interpreter."""
+
+_PAD = 8  # zeros after the programs: a segment reads its numbers before it knows its kind
+_PROGRAMS: dict = {}
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel runs on ``device`` (as :func:`.triton_stored.available`)."""
+    return triton_stored.available(device)
+
+
+def _length(programs: list[float], pos: int) -> int:
+    """The numbers of the schedule program at ``pos``."""
+    kind = int(programs[pos])
+    if kind == 4:  # piecewise: v0, n, n bounds, n values
+        return 3 + 2 * int(programs[pos + 2])
+    if kind == 6:  # join: n, n - 1 boundaries, n programs
+        n = int(programs[pos + 1])
+        end = pos + 1 + n
+        for _ in range(n):
+            end += _length(programs, end)
+        return end - pos
+    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4}[kind]
+
+
+def _starts(programs: list[float], n: int) -> list[int]:
+    """Where each of the ``n`` (sign, program) pairs begins."""
+    out, pos = [], 0
+    for _ in range(n):
+        out.append(pos)
+        pos += 1 + _length(programs, pos + 1)
+    if pos != len(programs):
+        raise ValueError(f"programs: {len(programs)} numbers for {n} schedules")
+    return out
+
+
+_SPECIAL = (0.0, 0.5, 1.0, 2.0, 3.0)
+
+
+def _general_power(programs: list[float], pos: int) -> bool:
+    """Whether the schedule program at ``pos`` takes a power that is not one of ATen's
+    special exponents (Triton's interpreter has no ``pow``: such a program is evaluated
+    by the reference there)."""
+    kind = int(programs[pos])
+    if kind == 2:
+        return programs[pos + 3] not in _SPECIAL
+    if kind == 5:
+        return programs[pos + 4] not in _SPECIAL
+    if kind == 3:
+        return programs[pos + 3] != 1.0
+    if kind == 6:
+        n, at = int(programs[pos + 1]), pos + 1 + int(programs[pos + 1])
+        found = False
+        for _ in range(n):
+            found = found or _general_power(programs, at)
+            at += _length(programs, at)
+        return found
+    return False
+
+
+def _programs_tensor(programs: list[float], device) -> torch.Tensor:
+    key = (tuple(programs), str(device))
+    if key not in _PROGRAMS:
+        if len(_PROGRAMS) > 256:
+            _PROGRAMS.clear()
+        padded = [*programs, *[0.0] * _PAD]
+        _PROGRAMS[key] = torch.tensor(padded, dtype=torch.float64, device=device)
+    return _PROGRAMS[key]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _div(x, d, CUDA: tl.constexpr):
+        # ATen's CUDA kernel divides by a number as a product with its reciprocal
+        if CUDA:
+            return x * (1.0 / d)
+        else:
+            return x / d
+
+    @triton.jit
+    def _general_pow(x, e, CUDA: tl.constexpr):
+        if CUDA:
+            return libdevice.pow(x, tl.zeros_like(x) + e)
+        else:  # never taken: the interpreter has no pow (run() leaves such programs out)
+            return x
+
+    @triton.jit
+    def _pow(x, e, CUDA: tl.constexpr):
+        # torch.pow(x, e) for a float64 x and a number e, ATen's special exponents first
+        v = _general_pow(x, e, CUDA)
+        v = tl.where(e == 3.0, x * x * x, v)
+        v = tl.where(e == 2.0, x * x, v)
+        v = tl.where(e == 0.5, tl.sqrt(x), v)
+        v = tl.where(e == 1.0, x, v)
+        v = tl.where(e == 0.0, tl.zeros_like(x) + 1.0, v)
+        return v
+
+    @triton.jit
+    def _clamp(x, lo, hi):
+        return tl.minimum(tl.maximum(x, lo), hi)
+
+    @triton.jit
+    def _segment(prog, pos, t, CUDA: tl.constexpr):
+        """One schedule that is not a join, at the float64 steps ``t``: (values, end)."""
+        kind = tl.load(prog + pos).to(tl.int32)
+        a0 = tl.load(prog + pos + 1)
+        a1 = tl.load(prog + pos + 2)
+        a2 = tl.load(prog + pos + 3)
+        a3 = tl.load(prog + pos + 4)
+        a4 = tl.load(prog + pos + 5)
+        a5 = tl.load(prog + pos + 6)
+        a6 = tl.load(prog + pos + 7)
+        zero = tl.zeros_like(t)
+        v = zero + a0  # constant
+        end = pos + 2
+        if kind == 1:  # linear(v0, v1, T, tb)
+            u = _clamp(t - a3, 0.0, a2)
+            v = a0 + (a1 - a0) * _div(u, a2, CUDA)
+            end = pos + 5
+        if kind == 2:  # polynomial(v0, v1, power, T, tb)
+            u = _clamp(t - a4, 0.0, a3)
+            v = (a0 - a1) * _pow(1.0 - _div(u, a3, CUDA), a2, CUDA) + a1
+            end = pos + 6
+        if kind == 3:  # exponential(v0, T, rate, tb, staircase, has_end, end)
+            u = t - a3
+            q = _div(u, a1, CUDA)
+            q = tl.where(a4 != 0.0, tl.floor(q), q)
+            r = tl.where(a2 == 1.0, zero + 1.0, _general_pow(zero + a2, q, CUDA))
+            v = tl.where(u <= 0.0, zero + a0, a0 * r)
+            v = tl.where(a0 == 0.0, zero, v)
+            bounded = tl.where(a2 < 1.0, tl.maximum(v, a6), tl.minimum(v, a6))
+            v = tl.where(a5 != 0.0, bounded, v)
+            end = pos + 8
+        if kind == 4:  # piecewise(v0, n, bounds, values)
+            n = a1.to(tl.int32)
+            for i in range(n):
+                b = tl.load(prog + pos + 3 + i)
+                value = tl.load(prog + pos + 3 + n + i)
+                v = tl.where(t >= b, zero + value, v)
+            end = pos + 3 + 2 * n
+        if kind == 5:  # cosine(v0, T, alpha, exponent)
+            u = _clamp(t, 0.0, a1)
+            c = 0.5 * (1.0 + tl.cos(_div(u * 3.141592653589793, a1, CUDA)))
+            v = a0 * ((1.0 - a2) * _pow(c, a3, CUDA) + a2)
+            end = pos + 5
+        return v, end
+
+    @triton.jit
+    def _schedule(prog, pos, step, CUDA: tl.constexpr):
+        """The schedule at ``pos`` at the int32 counts ``step``, rounded to float32."""
+        kind = tl.load(prog + pos).to(tl.int32)
+        v, end = _segment(prog, pos, step.to(tl.float64), CUDA)
+        if kind == 6:  # join(n, boundaries, n schedules)
+            n = tl.load(prog + pos + 1).to(tl.int32)
+            at = pos + 1 + n
+            v, at = _segment(prog, at, step.to(tl.float64), CUDA)
+            for i in range(1, n):
+                b = tl.load(prog + pos + 1 + i).to(tl.int32)
+                w, at = _segment(prog, at, (step - b).to(tl.float64), CUDA)
+                v = tl.where(step >= b, w, v)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _lr(prog, start, c_ptr, o_ptr, m, mask, CUDA: tl.constexpr):
+        sign = tl.load(prog + start).to(tl.float32)
+        step = tl.load(c_ptr + m, mask=mask, other=0)
+        tl.store(o_ptr + m, _schedule(prog, start + 1, step, CUDA) * sign, mask=mask)
+
+    @triton.jit
+    def step_scalars_kernel(
+        members, n_leaves, peak_ptr, inv_ptr, req_ptr, sq_ptr, max_norm, prog,
+        leaves_ptr, finite_ptr, div_ptr, mul_ptr,
+        s0, s1, s2, s3, c0, c1, c2, c3, o0, o1, o2, o3,
+        PEAK: tl.constexpr, INV: tl.constexpr, REQUIRE: tl.constexpr, CLIP: tl.constexpr,
+        NS: tl.constexpr, CUDA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.arange(0, BLOCK_M)
+        in_m = m < members
+        if PEAK:
+            ell = tl.arange(0, BLOCK_L)
+            where = m[:, None] * n_leaves + ell[None, :]
+            mask = in_m[:, None] & (ell[None, :] < n_leaves)
+            x = tl.load(peak_ptr + where, mask=mask, other=0.0)
+            if INV:
+                x = x * tl.load(inv_ptr + m, mask=in_m, other=1.0)[:, None]
+            ok = tl.abs(x) < float("inf")  # false for inf and NaN
+            tl.store(leaves_ptr + where, ok, mask=mask)
+            decided = tl.min(tl.where(mask, ok.to(tl.int32), 1), axis=1) != 0
+            if REQUIRE:
+                decided = decided & (tl.load(req_ptr + m, mask=in_m, other=0) != 0)
+            tl.store(finite_ptr + m, decided, mask=in_m)
+        if CLIP:
+            norm = tl.sqrt(tl.load(sq_ptr + m, mask=in_m, other=0.0)).to(tl.float32)
+            inside = norm < max_norm
+            one = tl.zeros_like(norm) + 1.0
+            tl.store(div_ptr + m, tl.where(inside, one, norm), mask=in_m)
+            tl.store(mul_ptr + m, tl.where(inside, one, one * max_norm), mask=in_m)
+        if NS > 0:
+            _lr(prog, s0, c0, o0, m, in_m, CUDA)
+        if NS > 1:
+            _lr(prog, s1, c1, o1, m, in_m, CUDA)
+        if NS > 2:
+            _lr(prog, s2, c2, o2, m, in_m, CUDA)
+        if NS > 3:
+            _lr(prog, s3, c3, o3, m, in_m, CUDA)
+
+
+def _block(n: int) -> int:
+    return max(2, 1 << max(0, (n - 1).bit_length()))
+
+
+def run(peak, inv, require, sum_sq, max_norm, counts, programs, members):
+    """The op's outputs from the Triton kernel: one launch (and one more per
+    :data:`SLOTS` schedules past the first ``SLOTS``)."""
+    like = next(t for t in (peak, sum_sq, *counts) if t is not None)
+    device = like.device
+    interpreted = device.type != "cuda"
+    n_peak = 0 if peak is None else peak.numel()
+    n_leaves = n_peak // members
+    leaves = torch.empty(n_peak, dtype=torch.bool, device=device)
+    finite = torch.empty(members if peak is not None else 0, dtype=torch.bool, device=device)
+    clip = members if sum_sq is not None else 0
+    div = torch.empty(clip, dtype=torch.float32, device=device)
+    mul = torch.empty(clip, dtype=torch.float32, device=device)
+    lrs = [torch.empty(members, dtype=torch.float32, device=device) for _ in counts]
+    programs = [float(x) for x in programs]
+    starts = _starts(programs, len(counts))
+    if interpreted and any(_general_power(programs, i + 1) for i in starts):
+        from functional_fp16._fused.step_scalars import reference
+
+        return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
+    prog = _programs_tensor(programs, device)
+    options = {} if interpreted else {"enable_fp_fusion": False}
+    for j, first in enumerate(range(0, max(1, len(counts)), SLOTS)):
+        part = list(zip(starts[first : first + SLOTS], counts[first : first + SLOTS],
+                        lrs[first : first + SLOTS]))  # fmt: skip
+        ns = len(part)
+        part += [(0, like, like)] * (SLOTS - ns)  # unused slots: never read
+        head = j == 0
+        with torch.profiler.record_function(LAUNCH_LABEL) if interpreted else nullcontext():
+            step_scalars_kernel[(1,)](
+                members, n_leaves, peak if peak is not None else like,
+                inv if inv is not None else like, require if require is not None else like,
+                sum_sq if sum_sq is not None else like, float(max_norm), prog,
+                leaves, finite, div, mul,
+                *(s for s, _, _ in part), *(c for _, c, _ in part), *(o for _, _, o in part),
+                PEAK=head and peak is not None, INV=inv is not None,
+                REQUIRE=require is not None, CLIP=head and sum_sq is not None, NS=ns,
+                CUDA=not interpreted, BLOCK_M=_block(members), BLOCK_L=_block(n_leaves),
+                **options,
+            )  # fmt: skip
+    return leaves, finite, div, mul, lrs
