@@ -179,3 +179,17 @@ def test_a_compiled_update_may_be_the_first_use_in_a_process():
         [sys.executable, "-c", _FIRST_USE], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tx", [ff.sgd(0.05, momentum=0.9), ff.adamw(1e-3, weight_decay=0.1)])
+def test_a_compiled_update_recompiles_for_other_shapes(tx):
+    """A second state of other shapes recompiles the update with dynamic shapes (Dynamo's
+    automatic dynamic): the state checks trace their symbolic strides (a sort of them
+    failed), and each state's update equals its eager one."""
+    fn = torch.compile(ff.fp16_update, fullgraph=True)
+    for n in (8, 12, 20):
+        state = ff.fp16_init({"w": torch.randn(3, n).half(), "b": torch.randn(n).half()}, tx)
+        grads = tree_map(lambda p: torch.full_like(p, 0.5), state.params)
+        new, ref = fn(state, grads), ff.fp16_update(state, grads)
+        assert torch.equal(new.master["w"], ref.master["w"])
+        assert torch.equal(new.loss_scale.loss_scale, ref.loss_scale.loss_scale)

@@ -45,6 +45,7 @@ from functional_fp16._fused.chains import Path, chain_parts
 from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
+from functional_fp16._fused.step_scalars import count_after
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
 from functional_fp16.precision.master_split import holds_residuals
@@ -278,7 +279,7 @@ def _fused(
     plain_kernels.start_from(master_out + mu_out + nu_out, master + mu + nu)  # one copy
     fused = torch._fused_adam_ if l2 else torch._fused_adamw_  # l2 and decoupled: not both
     fused(
-        master_out, u, mu_out, nu_out, [], [count.reshape(())] * len(u), lr=lr.reshape(()).neg(),
+        master_out, u, mu_out, nu_out, [], [count.reshape(())] * len(u), lr=plain_kernels.descending(lr),
         beta1=b1, beta2=b2, weight_decay=decoupled or l2, eps=eps, amsgrad=False,
         maximize=False, grad_scale=None, found_inf=plain_kernels.skip_flag(apply),
     )  # fmt: skip
@@ -470,16 +471,12 @@ def _corrections(plan: AdamPlan, position: int, memo: dict):
 def _count(position: int, memo: dict) -> torch.Tensor:
     """The count at ``position`` after this step as a ``(1,)`` float32 tensor, the step
     PyTorch's fused Adam reads (``torch.optim`` keeps it in float32 too), once per call
-    for every group that shares it: ``fl32(fl32(count) + 1)``, one launch, exact below
-    2^24 steps (past them float32 holds no more: so does ``torch.optim``'s step)."""
+    for every group that shares it: ``fl32(fl32(count) + 1)``, exact below 2^24 steps
+    (past them float32 holds no more: so does ``torch.optim``'s step). The update's
+    ``step_scalars`` call makes it (:func:`_float_counts`); this is for any other caller."""
     key = ("adam count", position)
     if key not in memo:
-        count = memo["opt"][position]
-        if torch.get_default_dtype() == torch.float32:  # int32 + 1.0 computes in float32
-            t = torch.add(count, 1.0)
-        else:  # another default dtype would compute in it
-            t = count.to(torch.float32).add_(1.0)
-        memo[key] = t.reshape(1)
+        memo[key] = count_after(memo["opt"][position]).reshape(1)
     return memo[key]
 
 
@@ -507,4 +504,15 @@ def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, don
     return list(m_out), dict(zip(names, map(list, outs))), list(p_new), tuple(decided), {}
 
 
-register(Fusable("adam", _read, _positions, _step, _index))
+def _float_counts(plan: AdamPlan, shared: dict, masters: list) -> list[tuple[Any, int]]:
+    """The count PyTorch's fused Adam reads (:func:`_count`), where the step runs it."""
+    if plan.stored:
+        return []
+    if torch.compiler.is_compiling() or not (
+        holds_residuals(masters) or op_library.kernel_for(masters[0].device) == "c"
+    ):
+        return [(("adam count", shared["count"]), shared["count"])]
+    return []
+
+
+register(Fusable("adam", _read, _positions, _step, _index, _float_counts))

@@ -16,7 +16,7 @@ import os
 import torch
 from torch import Tensor
 
-from functional_fp16._fused.plain_kernels import leaves_finite, stats_generic
+from functional_fp16._fused.plain_kernels import largest_magnitudes, stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16.precision import master_split
@@ -191,21 +191,25 @@ def run_step(
     elif a["apply"] is not None:
         finite = a["apply"].clone() if a["require"] is None else a["apply"] & a["require"]
         leaves = torch.empty(0, dtype=torch.bool, device=finite.device)
-        decided = {"apply": finite}
-    elif kernel == "generic" and groups == members == 1:  # the flags alone, no peaks
-        leaves = leaves_finite(a["grads"], a["inv"])
-        finite = leaves.all().reshape(1)
-        finite = finite if a["require"] is None else finite & a["require"]
+        # The kernel is given the decision itself (the output is its copy): the skip flag
+        # derived from it is the update's, made once for all its groups.
+        decided = {"apply": a["apply"] if a["require"] is None else finite}
+    elif kernel == "generic" and groups == members == 1:  # the peaks, then one launch
+        from functional_fp16._fused.step_scalars import step_scalars  # (it imports this)
+
+        peak = largest_magnitudes(a["grads"])
+        leaves, finite, _, _, _ = step_scalars(peak, a["inv"], a["require"], None, 0.0, [])
         decided = {"apply": finite}
     else:
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)
         finite, leaves = decide_from_leaf_peaks(peak, a["inv"], a["require"], groups)
         decided = {"apply": finite}
+    given = finite if decided["apply"] is None else decided["apply"]
     if split and not spec.stored:  # the plain kernels' split step (see StepSpec)
-        if not spec.split_generic(members=members, apply=finite, used=used, **kw):
+        if not spec.split_generic(members=members, apply=given, used=used, **kw):
             return _run_split(spec, a, used, out, kernel, speculate)
     elif kernel == "c" and (spec.c_block or not spec.entry):  # C only through the C++ op
-        spec.generic(members=members, apply=finite, **kw)
+        spec.generic(members=members, apply=given, **kw)
     elif kernel == "c":
         c_kernel.call(
             spec.entry,
@@ -217,7 +221,7 @@ def run_step(
             **{k: v for k, v in kw.items() if k not in spec.generic_only},
         )
     else:
-        spec.generic(members=members, apply=finite, **kw)
+        spec.generic(members=members, apply=given, **kw)
     return finite, leaves
 
 

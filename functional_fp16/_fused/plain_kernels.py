@@ -33,11 +33,20 @@ __all__ += [
     "unscaled_lists",
     "unscaled_into",
     "skip_flag",
+    "descending",
+    "derived",
+    "remember",
     "start_from",
     "fma_step_",
     "correct_sqrt",
 ]
-__all__ += ["restore_skipped_", "select_into", "write_lists", "refresh_params", "leaves_finite"]
+__all__ += [
+    "restore_skipped_",
+    "select_into",
+    "write_lists",
+    "refresh_params",
+    "largest_magnitudes",
+]
 
 
 def f32(x: float) -> float:
@@ -180,8 +189,52 @@ def _unscaled_pieces(grads, inv):
 
 def skip_flag(apply: Tensor) -> Tensor:
     """``1.0`` where the step is skipped, else ``0.0``: the ``found_inf`` PyTorch's fused
-    optimiser kernels take (a float32 0-d tensor on ``apply``'s device; no host read)."""
-    return torch.where(apply.reshape(()), 0.0, 1.0)
+    optimiser kernels take (a float32 0-d tensor on ``apply``'s device; no host read).
+    Made once per decision (:func:`derived`): the groups of one update share it, and the
+    one ``step_scalars`` made with the decision (:func:`remember`) needs no launch."""
+    return derived("skip", apply, lambda a: torch.where(a.reshape(()), 0.0, 1.0))
+
+
+def descending(lr: Tensor) -> Tensor:
+    """``-lr`` as a 0-d tensor: the learning rate PyTorch's fused kernels descend by, from
+    the op's signed factor; once per factor (:func:`derived`)."""
+    return derived("neg", lr, lambda x: torch.neg(x.reshape(())))
+
+
+_DERIVED: dict = {}  # (name, id of the tensor) -> (the tensor, its version, the value)
+_DERIVED_KEPT = 64
+
+
+def _kept() -> bool:
+    """Whether a derived value may be kept: plain eager mode, not a trace, a transform or
+    a CUDA graph's capture (which must record every launch that makes it)."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def remember(name: str, x: Tensor, value: Tensor) -> None:
+    """Records ``value`` as ``derived(name, x)`` (made by the op that made ``x``)."""
+    if _kept():
+        if len(_DERIVED) >= _DERIVED_KEPT:
+            _DERIVED.clear()
+        _DERIVED[(name, id(x))] = (x, x._version, value)
+
+
+def derived(name: str, x: Tensor, make) -> Tensor:
+    """``make(x)``, made once for the tensor ``x`` while it is unwritten (the same object,
+    the same version counter): several groups of one update derive the same 0-d value
+    from the same decision or learning rate without a launch each."""
+    if not _kept():
+        return make(x)
+    found = _DERIVED.get((name, id(x)))
+    if found is not None and found[0] is x and found[1] == x._version:
+        return found[2]
+    value = make(x)
+    remember(name, x, value)
+    return value
 
 
 def start_from(out: list[Tensor], old: list[Tensor]) -> list[Tensor]:
@@ -375,16 +428,7 @@ def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
     restore_skipped_(apply, rounded, out, into_old=True)
 
 
-def leaves_finite(grads: list[Tensor], inv: Tensor | None) -> Tensor:
-    r"""Per leaf of one group of one member, whether its unscaled gradient is finite:
-    :math:`\operatorname{isfinite}(\operatorname{fl}_{32}(M_l)\, s^{-1})`, with :math:`M_l`
-    the leaf's largest magnitude, as :func:`stats_lists`' peaks decide (a NaN peak is
-    not finite either: no need to map it to inf first); four launches."""
-    tops = _largest_magnitudes(grads)
-    return torch.isfinite(tops if inv is None else tops * inv)
-
-
-def _largest_magnitudes(grads: list[Tensor]) -> Tensor:
+def largest_magnitudes(grads: list[Tensor]) -> Tensor:
     """Per leaf its largest ``|g|`` as float32 (NaN where it holds a NaN, 0 for an empty
     leaf), one multi-tensor norm and a stack."""
     shown = grads
@@ -395,7 +439,7 @@ def _largest_magnitudes(grads: list[Tensor]) -> Tensor:
 
 def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
     """:func:`stats_generic` of one group of one member, with multi-tensor ops."""
-    tops = _largest_magnitudes(grads)
+    tops = largest_magnitudes(grads)
     inf = float("inf")  # a NaN anywhere makes the leaf's peak +inf (norms are never -inf)
     torch.nan_to_num(tops, nan=inf, posinf=inf, out=peak)
     if sum_squares:

@@ -302,7 +302,7 @@ def _lists(
         plain_kernels.start_from(master_out + t_out, master + t_in)  # one copy
         torch._fused_sgd_(
             master_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
-            lr=torch.neg(lr.reshape(())), dampening=0.0, nesterov=bool(nesterov and t_out),
+            lr=plain_kernels.descending(lr), dampening=0.0, nesterov=bool(nesterov and t_out),
             maximize=False, is_first_step=False, grad_scale=None,
             found_inf=plain_kernels.skip_flag(apply),
         )  # fmt: skip

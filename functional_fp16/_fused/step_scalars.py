@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functional_fp16._fused import triton_step_scalars
+from functional_fp16._fused import plain_kernels, triton_step_scalars
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
-from functional_fp16._fused.op_library import _define
+from functional_fp16._fused.op_library import _define, _transformed
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16.transforms import schedules as sch
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
@@ -50,19 +50,30 @@ __all__ = ["STEP_SCALARS", "program", "reference", "step_scalars"]
 
 SCHEMA = (
     "(Tensor? peak, Tensor? inv, Tensor? require, Tensor? sum_sq, float max_norm, "
-    "Tensor[] counts, float[] programs, int members) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])"
+    "Tensor[] counts, float[] programs, int members) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
 )
 r"""``peak``: ``members * L`` float32 peaks, member-major (``None``: no decision);
 ``inv``, ``require``, ``sum_sq`` (``None``: no clipping): one per member; ``counts``:
 int32, one per member each; ``programs``: for each count its sign :math:`\sigma_j`,
 then its schedule's program (:func:`program`). The outputs: the leaves' flags, the
-decisions, the clip divisor and factor (empty without clipping), one signed factor
-per count."""
+decisions, the skips (``1.0`` where a member skips: the ``found_inf`` of PyTorch's
+fused optimisers), the clip divisor and factor (empty without clipping), one signed
+factor per count."""
 
 _KINDS = {
     "constant": 0, "linear": 1, "polynomial": 2, "exponential": 3, "piecewise": 4,
-    "cosine": 5, "join": 6,
+    "cosine": 5, "join": 6, "count": 7,
 }  # fmt: skip
+r"""The kinds of program; ``("count",)`` is no schedule but the step count after this
+step as PyTorch's fused Adam reads it, :math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)`
+(:func:`count_after`)."""
+
+
+def count_after(count: Tensor) -> Tensor:
+    r""":math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)`: the step count after
+    this step, in float32 as ``torch.optim`` keeps it (exact below 2^24 steps)."""
+    return count.to(torch.float32).add_(1.0)
 
 
 def program(form: tuple) -> list[float]:
@@ -102,6 +113,8 @@ def _schedule(form: tuple):
         return sch.piecewise_values(v0, bounds, values)
     if kind == "cosine":
         return sch.cosine_decay_schedule(*args)
+    if kind == "count":
+        return count_after
     forms, boundaries = args
     return sch.join_schedules([_schedule(f) for f in forms], list(boundaries))
 
@@ -136,6 +149,8 @@ def _read(it) -> tuple:
     if kind == "cosine":
         v0, steps, alpha, exponent = take(4)
         return (kind, v0, int(steps), alpha, exponent)
+    if kind == "count":
+        return (kind,)
     n = int(next(it))
     boundaries = tuple(int(b) for b in take(n - 1))
     return (kind, tuple(_read(it) for _ in range(n)), boundaries)
@@ -148,12 +163,14 @@ def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     device = (peak if peak is not None else counts[0] if counts else sum_sq).device
     leaves = torch.empty(0, dtype=torch.bool, device=device)
     finite = torch.empty(0, dtype=torch.bool, device=device)
+    skip = torch.empty(0, dtype=torch.float32, device=device)
     if peak is not None:
         by = peak.reshape(members, -1)
         leaves = torch.isfinite(by if inv is None else by * inv.reshape(members, 1))
         finite = leaves.all(dim=1)
         finite = finite if require is None else finite & require
         leaves = leaves.reshape(-1)
+        skip = torch.where(finite, 0.0, 1.0)
     div = mul = torch.empty(0, dtype=torch.float32, device=device)
     if sum_sq is not None:
         div, mul = clip_factors(norm_of_sum_of_squares(sum_sq), max_norm)
@@ -164,7 +181,7 @@ def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
             lrs.append((schedule(count.reshape(())) * sign).reshape(1))
         else:
             lrs.append(torch.stack([schedule(c) for c in count.unbind()]) * sign)
-    return leaves, finite, div, mul, lrs
+    return leaves, finite, skip, div, mul, lrs
 
 
 def _kernel(peak, inv, require, sum_sq, max_norm, counts, programs, members):
@@ -190,6 +207,7 @@ def _fake(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     return (
         torch.empty(n, dtype=torch.bool, device=device),
         torch.empty(deciding, dtype=torch.bool, device=device),
+        torch.empty(deciding, **f32),
         torch.empty(clipping, **f32),
         torch.empty(clipping, **f32),
         [torch.empty(members, **f32) for _ in counts],
@@ -215,12 +233,9 @@ def _rule(op):
             max_norm, [first(c, d) for c, d in zip(counts, d_counts or [None] * len(counts))],
             programs, members * size,
         )  # fmt: skip
-        leaves, finite, div, mul, lrs = out
-        shaped = (
-            leaves.reshape(size, -1), finite.reshape(size, -1), div.reshape(size, -1),
-            mul.reshape(size, -1), [x.reshape(size, -1) for x in lrs],
-        )  # fmt: skip
-        return shaped, (0, 0, 0, 0, [0] * len(lrs))
+        *scalars, lrs = out
+        shaped = (*(x.reshape(size, -1) for x in scalars), [x.reshape(size, -1) for x in lrs])
+        return shaped, (0, 0, 0, 0, 0, [0] * len(lrs))
 
     return rule
 
@@ -238,9 +253,21 @@ def step_scalars(
     schedules: list[tuple[Tensor, float, Any]],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """One op call for one member (shapes ``(1,)``): ``schedules`` are ``(count, sign,
-    declared form)``. See the module docstring."""
+    declared form)``. Returns ``(leaf flags, decision, clip divisor, clip factor, signed
+    factors)``; the decision's skip flag is kept for :func:`plain_kernels.skip_flag`. See
+    the module docstring."""
     counts = [c.reshape(1) for c, _, _ in schedules]
     programs: list[float] = []
     for _, sign, form in schedules:
         programs += [float(sign), *program(form)]
-    return STEP_SCALARS(peak, inv, require, sum_sq, float(max_norm), counts, programs, 1)
+    args = (peak, inv, require, sum_sq, float(max_norm), counts, programs, 1)
+    given = [t for t in (peak, inv, require, sum_sq, *counts) if t is not None]
+    if not all(type(t) is Tensor for t in given):  # a DTensor's loss: its own ops
+        leaves, finite, skip, div, mul, lrs = reference(*args)
+    elif not _transformed() and cpp_ready(None, kernel_for(given[0].device)):
+        leaves, finite, skip, div, mul, lrs = c_kernel.run_op("step_scalars", *args)  # direct
+    else:
+        leaves, finite, skip, div, mul, lrs = STEP_SCALARS(*args)
+    if peak is not None:
+        plain_kernels.remember("skip", finite, skip.reshape(()))
+    return leaves, finite, div, mul, lrs

@@ -82,6 +82,9 @@ class Fusable(NamedTuple):
     # (plan, {part key: state positions}) -> the leaf's index among its optimiser part's
     # leaves (the stochastic rounding's leaf salt); None: the step does not need it
     index: Callable[[Any, dict], int] | None = None
+    # (plan, shared positions, masters) -> [(memo key, count position)]: the counts the
+    # step reads as float32 after this step (``step_scalars``' ("count",) program)
+    counts: Callable[[Any, dict, list], list[tuple[Any, int]]] | None = None
 
 
 _FUSABLE: list[Fusable] = []
@@ -361,13 +364,19 @@ def _schedules(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm
     return leaves, finite, div, mul
 
 
-def _declared_schedules(fp: FusedPlan, memo: dict) -> list:
+def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
     """``(memo key, count, sign, declared form)`` of each distinct schedule the groups
-    evaluate (an injected learning rate's parts excepted)."""
+    evaluate (an injected learning rate's parts excepted), and of each count a step reads
+    as float32 (``Fusable.counts``)."""
     out, seen = [], set()
     injected = memo.get("injected", ((),))[0]
     for grp in fp.groups:
         plan = grp.plan
+        if grp.fusable.counts is not None:
+            for key, position in grp.fusable.counts(plan, dict(grp.shared), masters):
+                if key not in seen:
+                    seen.add(key)
+                    out.append((key, memo["opt"][position], 1.0, ("count",)))
         if not callable(plan.learning_rate) or plan.lr_path in injected:
             continue
         form = declared_form(plan.learning_rate)
@@ -463,7 +472,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     memo: dict = {"opt": opt}
     if injected is not None:
         memo["injected"] = injected
-    schedules = _declared_schedules(fp, memo)
+    schedules = _declared_schedules(fp, memo, masters)
     apply, require, clip_div, clip_mul, leaf_finite = _scalars_before(
         fp, g, inv, decision, memo, schedules
     )

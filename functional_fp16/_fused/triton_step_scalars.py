@@ -56,7 +56,7 @@ def _length(programs: list[float], pos: int) -> int:
         for _ in range(n):
             end += _length(programs, end)
         return end - pos
-    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4}[kind]
+    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4, 7: 0}[kind]
 
 
 def _starts(programs: list[float], n: int) -> list[int]:
@@ -187,6 +187,7 @@ if triton is not None:
         """The schedule at ``pos`` at the int32 counts ``step``, rounded to float32."""
         kind = tl.load(prog + pos).to(tl.int32)
         v, end = _segment(prog, pos, step.to(tl.float64), CUDA)
+        counted = step.to(tl.float32) + 1.0  # kind 7: fl32(fl32(t) + 1), not a schedule
         if kind == 6:  # join(n, boundaries, n schedules)
             n = tl.load(prog + pos + 1).to(tl.int32)
             at = pos + 1 + n
@@ -195,7 +196,7 @@ if triton is not None:
                 b = tl.load(prog + pos + 1 + i).to(tl.int32)
                 w, at = _segment(prog, at, (step - b).to(tl.float64), CUDA)
                 v = tl.where(step >= b, w, v)
-        return v.to(tl.float32)
+        return tl.where(kind == 7, counted, v.to(tl.float32))
 
     @triton.jit
     def _lr(prog, start, c_ptr, o_ptr, m, mask, CUDA: tl.constexpr):
@@ -206,7 +207,7 @@ if triton is not None:
     @triton.jit
     def step_scalars_kernel(
         members, n_leaves, peak_ptr, inv_ptr, req_ptr, sq_ptr, max_norm, prog,
-        leaves_ptr, finite_ptr, div_ptr, mul_ptr,
+        leaves_ptr, finite_ptr, skip_ptr, div_ptr, mul_ptr,
         s0, s1, s2, s3, c0, c1, c2, c3, o0, o1, o2, o3,
         PEAK: tl.constexpr, INV: tl.constexpr, REQUIRE: tl.constexpr, CLIP: tl.constexpr,
         NS: tl.constexpr, CUDA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -226,6 +227,7 @@ if triton is not None:
             if REQUIRE:
                 decided = decided & (tl.load(req_ptr + m, mask=in_m, other=0) != 0)
             tl.store(finite_ptr + m, decided, mask=in_m)
+            tl.store(skip_ptr + m, tl.where(decided, 0.0, 1.0), mask=in_m)
         if CLIP:
             norm = tl.sqrt(tl.load(sq_ptr + m, mask=in_m, other=0.0)).to(tl.float32)
             inside = norm < max_norm
@@ -256,6 +258,7 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     n_leaves = n_peak // members
     leaves = torch.empty(n_peak, dtype=torch.bool, device=device)
     finite = torch.empty(members if peak is not None else 0, dtype=torch.bool, device=device)
+    skip = torch.empty(finite.numel(), dtype=torch.float32, device=device)
     clip = members if sum_sq is not None else 0
     div = torch.empty(clip, dtype=torch.float32, device=device)
     mul = torch.empty(clip, dtype=torch.float32, device=device)
@@ -279,11 +282,11 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members):
                 members, n_leaves, peak if peak is not None else like,
                 inv if inv is not None else like, require if require is not None else like,
                 sum_sq if sum_sq is not None else like, float(max_norm), prog,
-                leaves, finite, div, mul,
+                leaves, finite, skip, div, mul,
                 *(s for s, _, _ in part), *(c for _, c, _ in part), *(o for _, _, o in part),
                 PEAK=head and peak is not None, INV=inv is not None,
                 REQUIRE=require is not None, CLIP=head and sum_sq is not None, NS=ns,
                 CUDA=not interpreted, BLOCK_M=_block(members), BLOCK_L=_block(n_leaves),
                 **options,
             )  # fmt: skip
-    return leaves, finite, div, mul, lrs
+    return leaves, finite, skip, div, mul, lrs

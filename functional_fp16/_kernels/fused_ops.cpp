@@ -978,6 +978,9 @@ static float schedule_at(const double *&p, const double *end, double t) {
       const double c = 0.5 * (1.0 + std::cos(u * 3.141592653589793 / a[1]));
       return static_cast<float>(a[0] * ((1.0 - a[2]) * pow_scalar(c, a[3]) + a[2]));
     }
+    case 7: {  // the count after this step as PyTorch's fused Adam keeps it: fl32(fl32(t) + 1)
+      return static_cast<float>(t) + 1.0f;
+    }
     case 6: {  // join(n, boundaries[n - 1], n schedules)
       const double *a = take(1);
       const int64_t n = static_cast<int64_t>(a[0]);
@@ -1001,7 +1004,7 @@ static float schedule_at(const double *&p, const double *end, double t) {
 // peak: members * L float32 (or empty: no decision); inv, require, sum_sq: members each
 // (or undefined); counts: int32, members each; programs: per count, its sign, then its
 // schedule.
-std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
     const c10::optional<Tensor> &peak, const c10::optional<Tensor> &inv,
     const c10::optional<Tensor> &require, const c10::optional<Tensor> &sum_sq, double max_norm,
     const TensorList &counts, c10::ArrayRef<double> programs, int64_t members) {
@@ -1026,6 +1029,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   Tensor leaves = at::empty({n_peak}, at::TensorOptions().dtype(at::kBool));
   Tensor finite = at::empty({deciding ? members : 0}, at::TensorOptions().dtype(at::kBool));
+  Tensor skip = at::empty({deciding ? members : 0}, f32);  // found_inf: 1 where skipped
   const bool clipping = sum_sq.has_value() && sum_sq->defined();
   Tensor div = at::empty({clipping ? members : 0}, f32), mul = at::empty({clipping ? members : 0}, f32);
   std::vector<Tensor> lrs;
@@ -1043,7 +1047,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
       leaves.data_ptr<bool>()[m * per + l] = ok;
       all = all && ok;
     }
-    finite.data_ptr<bool>()[m] = all && (rq ? rq[m] : true);
+    const bool applied = all && (rq ? rq[m] : true);
+    finite.data_ptr<bool>()[m] = applied;
+    skip.data_ptr<float>()[m] = applied ? 0.0f : 1.0f;
   }
   if (clipping) {
     const float cap = static_cast<float>(max_norm);
@@ -1067,7 +1073,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_scalars(
     }
   }
   TORCH_CHECK(p == end, "programs: more numbers than the schedules take");
-  return {leaves, finite, div, mul, lrs};
+  return {leaves, finite, skip, div, mul, lrs};
 }
 
 }  // namespace
@@ -1111,6 +1117,6 @@ TORCH_LIBRARY(functional_fp16_cpu, m) {
   m.impl("bookkeeping", c10::DispatchKey::CPU, TORCH_FN(bookkeeping));
   m.def(
       "step_scalars(Tensor? peak, Tensor? inv, Tensor? require, Tensor? sum_sq, float max_norm, "
-      "Tensor[] counts, float[] programs, int members) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])");
+      "Tensor[] counts, float[] programs, int members) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])");
   m.impl("step_scalars", c10::DispatchKey::CPU, TORCH_FN(step_scalars));
 }
