@@ -131,6 +131,12 @@ def decide_from_leaf_peaks(
     return (finite if require is None else finite & require), leaves.reshape(-1)
 
 
+def decide_from_leaf_peaks_one(peak: Tensor, inv: Tensor | None, require: Tensor | None):
+    """:func:`decide_from_leaf_peaks` of one group: ``(leaf_finite, finite)``."""
+    finite, leaves = decide_from_leaf_peaks(peak, inv, require, 1)
+    return leaves, finite
+
+
 def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor, Tensor]:
     """``grad_stats`` on ``kernel``: per leaf the peak (float32; ``members * L`` of them,
     member-major) and per group the sum of squares (float64)."""
@@ -153,6 +159,11 @@ def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor
     else:
         stats_generic(grads, inv, groups, members, sum_squares, peak, sq)
     return peak, sq
+
+
+DECIDE_FROM_PEAKS: list = [decide_from_leaf_peaks_one]
+"""``(leaf_finite, finite)`` of one group from its leaves' peaks: ``step_scalars``'s
+one launch, which that module puts here when it is imported (it imports this one)."""
 
 
 def run_step(
@@ -195,10 +206,8 @@ def run_step(
         # derived from it is the update's, made once for all its groups.
         decided = {"apply": a["apply"] if a["require"] is None else finite}
     elif kernel == "generic" and groups == members == 1:  # the peaks, then one launch
-        from functional_fp16._fused.step_scalars import step_scalars  # (it imports this)
-
         peak = largest_magnitudes(a["grads"])
-        leaves, finite, _, _, _ = step_scalars(peak, a["inv"], a["require"], None, 0.0, [])
+        leaves, finite = DECIDE_FROM_PEAKS[0](peak, a["inv"], a["require"])
         decided = {"apply": finite}
     else:
         peak, _ = stats(a["grads"], a["inv"], groups, members, False, kernel)

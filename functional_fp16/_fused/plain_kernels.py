@@ -78,7 +78,9 @@ def calls(n_leaves: int, groups: int, members: int):
             return [member(xs[i], b, members) for i in leaves]
 
         def at(x, k=k):
-            return None if x is None else x[k : k + 1]
+            if x is None or x.shape == (1,):  # one group: the scalar itself (no view), so
+                return x  # that what is derived from it once serves every group's call
+            return x[k : k + 1]
 
         yield k, of, at
 

@@ -296,7 +296,7 @@ def _lists(
     ops.
     """
     u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
-    apply = apply.reshape(())
+    given, apply = apply, apply.reshape(())
     if trace is None or take == 1.0:
         t_out, t_in = (trace_out, trace) if trace is not None else ([], [])
         plain_kernels.start_from(master_out + t_out, master + t_in)  # one copy
@@ -304,7 +304,7 @@ def _lists(
             master_out, u, t_out, weight_decay=weight_decay, momentum=momentum if t_out else 0.0,
             lr=plain_kernels.descending(lr), dampening=0.0, nesterov=bool(nesterov and t_out),
             maximize=False, is_first_step=False, grad_scale=None,
-            found_inf=plain_kernels.skip_flag(apply),
+            found_inf=plain_kernels.skip_flag(given),  # the decision's own: once an update
         )  # fmt: skip
         del u
         plain_kernels.refresh_params(apply, master_out, params, params_out)

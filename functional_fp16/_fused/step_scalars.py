@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from functional_fp16._fused import plain_kernels, triton_step_scalars
+from functional_fp16._fused import device_kernels, plain_kernels, triton_step_scalars
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
 from functional_fp16._fused.op_library import _define, _transformed
 from functional_fp16._kernels import cpu as c_kernel
@@ -192,7 +192,9 @@ def _kernel(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     if cpp_ready(None, kernel_for(device)):
         return c_kernel.run_op("step_scalars", *args)
     if triton_step_scalars.available(device):
-        return triton_step_scalars.run(*args)
+        found = triton_step_scalars.run(*args)
+        if found is not None:  # (None: a program the interpreter cannot evaluate)
+            return found
     return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
 
 
@@ -271,3 +273,12 @@ def step_scalars(
     if peak is not None:
         plain_kernels.remember("skip", finite, skip.reshape(()))
     return leaves, finite, div, mul, lrs
+
+
+def _decide_from_peaks(peak: Tensor, inv: Tensor | None, require: Tensor | None):
+    """``(leaf_finite, finite)`` of one group from its leaves' peaks, in one launch."""
+    leaves, finite, _, _, _ = step_scalars(peak, inv, require, None, 0.0, [])
+    return leaves, finite
+
+
+device_kernels.DECIDE_FROM_PEAKS[0] = _decide_from_peaks
