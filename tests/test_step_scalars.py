@@ -116,6 +116,42 @@ def test_every_kernel_evaluates_declared_schedules_bitwise(scheds, cs):
         _check_schedules(run, scheds, cs)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 9, 2**24 - 1, 2**24, 2**24 + 1, 10**7 + 3, 2**31 - 1]),
+             min_size=1, max_size=4),
+    st.sampled_from([0.9, 0.95, 0.999, 0.5, 0.0]),
+)  # fmt: skip
+def test_every_kernel_makes_what_a_step_reads_of_its_count(cs, b):
+    """Adam's float32 count after the step (``fl32(fl32(c) + 1)``, which rounds twice past
+    2^24) and its bias corrections at the count after the step (saturating), by their
+    definitions."""
+    from functional_fp16.transforms.adam import bias_corrections
+    from functional_fp16.transforms.base import saturating_increment
+
+    count = torch.tensor(cs, dtype=torch.int32)
+    forms = [("count",), ("inv_c1", b), ("sqrt_c2", b)]
+    programs = [x for f in forms for x in (1.0, *ss.program(f))]
+    for run in _kernels().values():
+        out = run(None, None, None, None, 1.0, [count] * 3, programs, len(cs))[5]
+        for k, c in enumerate(cs):
+            t = torch.tensor(c, dtype=torch.int32)
+            inv_c1, sqrt_c2 = bias_corrections(saturating_increment(t), b, b)
+            want = [t.to(torch.float32) + 1.0, inv_c1, sqrt_c2]
+            assert [_bits(o[k]) for o in out] == [_bits(w.reshape(())) for w in want], (c, b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(2.0**-126, 2.0**127, width=32), min_size=1, max_size=4))
+def test_every_kernel_makes_the_unscale_factor_of_a_scales_bits(scales):
+    from functional_fp16.precision.loss_scale import unscale_factor
+
+    s = torch.tensor(scales, dtype=torch.float32)
+    for run in _kernels().values():
+        out = run(None, None, None, None, 1.0, [s.view(torch.int32)], [1.0, 10.0], len(scales))
+        assert _bits(out[5][0]) == _bits(unscale_factor(s))
+
+
 peaks = st.sampled_from([0.0, 1.0, 6.5e4, 3.4e38, math.inf, math.nan, 1e-40, 2.0**127])
 invs = st.sampled_from([1.0, 2.0**-16, 2.0**10, 2.0**100, 0.3])
 

@@ -504,15 +504,24 @@ def _stored_step(plan: AdamPlan, grads, masters, roles, shared, own, common, don
     return list(m_out), dict(zip(names, map(list, outs))), list(p_new), tuple(decided), {}
 
 
-def _float_counts(plan: AdamPlan, shared: dict, masters: list) -> list[tuple[Any, int]]:
-    """The count PyTorch's fused Adam reads (:func:`_count`), where the step runs it."""
+def _float_counts(plan: AdamPlan, shared: dict, masters: list) -> list:
+    """What the step reads of its count, made by the update's ``step_scalars`` call: the
+    float32 count PyTorch's fused Adam reads (:func:`_count`) and the bias corrections the
+    C kernels read (:func:`_corrections`), where the step runs them (both in a trace)."""
     if plan.stored:
         return []
-    if torch.compiler.is_compiling() or not (
-        holds_residuals(masters) or op_library.kernel_for(masters[0].device) == "c"
-    ):
-        return [(("adam count", shared["count"]), shared["count"])]
-    return []
+    position = shared["count"]
+    compiling = torch.compiler.is_compiling()  # (a trace asks no kernel: it may load one)
+    c_kernel = (
+        compiling or holds_residuals(masters) or op_library.kernel_for(masters[0].device) == "c"
+    )
+    out = []
+    if c_kernel and not isinstance(plan.b1, torch.Tensor):
+        forms = (("inv_c1", plan.b1), ("sqrt_c2", plan.b2))
+        out.append((("adam", position, plan.b1, plan.b2), position, forms))
+    if compiling or not c_kernel:
+        out.append((("adam count", position), position, (("count",),)))
+    return out
 
 
 register(Fusable("adam", _read, _positions, _step, _index, _float_counts))

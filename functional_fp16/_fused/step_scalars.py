@@ -43,7 +43,10 @@ from functional_fp16._fused import device_kernels, plain_kernels, triton_step_sc
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
 from functional_fp16._fused.op_library import _define, _transformed
 from functional_fp16._kernels import cpu as c_kernel
+from functional_fp16.precision.loss_scale import unscale_factor
 from functional_fp16.transforms import schedules as sch
+from functional_fp16.transforms.adam import bias_corrections
+from functional_fp16.transforms.base import saturating_increment
 from functional_fp16.transforms.clipping import clip_factors, norm_of_sum_of_squares
 
 __all__ = ["STEP_SCALARS", "program", "reference", "step_scalars"]
@@ -63,11 +66,21 @@ factor per count."""
 
 _KINDS = {
     "constant": 0, "linear": 1, "polynomial": 2, "exponential": 3, "piecewise": 4,
-    "cosine": 5, "join": 6, "count": 7,
+    "cosine": 5, "join": 6, "count": 7, "inv_c1": 8, "sqrt_c2": 9, "inverse": 10,
 }  # fmt: skip
-r"""The kinds of program; ``("count",)`` is no schedule but the step count after this
-step as PyTorch's fused Adam reads it, :math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)`
-(:func:`count_after`)."""
+r"""The kinds of program. Besides the schedules, functions of a count that a step reads:
+``("count",)`` the step count after this step as PyTorch's fused Adam reads it,
+:math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)` (:func:`count_after`);
+``("inv_c1", b1)`` and ``("sqrt_c2", b2)`` Adam's bias corrections at the count after
+this step (``transforms.adam.bias_corrections``); ``("inverse",)`` the unscale factor
+:math:`\operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s))` of a float32 scale given as
+its bits (an int32 view; ``loss_scale.unscale_factor``)."""
+
+
+def _correction(count: Tensor, kind: str, b: float) -> Tensor:
+    """One of Adam's bias corrections at the count after this step."""
+    inv_c1, sqrt_c2 = bias_corrections(saturating_increment(count), b, b)
+    return inv_c1 if kind == "inv_c1" else sqrt_c2
 
 
 def count_after(count: Tensor) -> Tensor:
@@ -115,6 +128,10 @@ def _schedule(form: tuple):
         return sch.cosine_decay_schedule(*args)
     if kind == "count":
         return count_after
+    if kind in ("inv_c1", "sqrt_c2"):
+        return lambda count: _correction(count, kind, args[0])
+    if kind == "inverse":
+        return lambda bits: unscale_factor(bits.view(torch.float32))
     forms, boundaries = args
     return sch.join_schedules([_schedule(f) for f in forms], list(boundaries))
 
@@ -149,8 +166,10 @@ def _read(it) -> tuple:
     if kind == "cosine":
         v0, steps, alpha, exponent = take(4)
         return (kind, v0, int(steps), alpha, exponent)
-    if kind == "count":
+    if kind in ("count", "inverse"):
         return (kind,)
+    if kind in ("inv_c1", "sqrt_c2"):
+        return (kind, next(it))
     n = int(next(it))
     boundaries = tuple(int(b) for b in take(n - 1))
     return (kind, tuple(_read(it) for _ in range(n)), boundaries)

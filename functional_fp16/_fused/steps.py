@@ -51,6 +51,7 @@ from functional_fp16.precision.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
+    known_inverse,
     unscale_inverse,
 )
 from functional_fp16.precision.master_split import holds_residuals
@@ -82,9 +83,10 @@ class Fusable(NamedTuple):
     # (plan, {part key: state positions}) -> the leaf's index among its optimiser part's
     # leaves (the stochastic rounding's leaf salt); None: the step does not need it
     index: Callable[[Any, dict], int] | None = None
-    # (plan, shared positions, masters) -> [(memo key, count position)]: the counts the
-    # step reads as float32 after this step (``step_scalars``' ("count",) program)
-    counts: Callable[[Any, dict, list], list[tuple[Any, int]]] | None = None
+    # (plan, shared positions, masters) -> [(memo key, count position, forms)]: what the
+    # step reads of a count (``step_scalars``' programs, e.g. ("count",)), made before it
+    # runs; the memo holds one output, or a tuple of them for several forms
+    counts: Callable[[Any, dict, list], list[tuple[Any, int, tuple]]] | None = None
 
 
 _FUSABLE: list[Fusable] = []
@@ -356,12 +358,28 @@ def _schedules(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm
     returns the decision's and the clip's outputs."""
     if peak is None and sum_sq is None and not schedules:
         return None
-    leaves, finite, div, mul, lrs = step_scalars(
-        peak, inv, require, sum_sq, max_norm, [(c, sign, form) for _, c, sign, form in schedules]
-    )
-    for (key, *_), lr in zip(schedules, lrs):
-        memo[key] = lr
+    programs = [(c, sign, form) for _, c, sign, forms in schedules for form in forms]
+    leaves, finite, div, mul, lrs = step_scalars(peak, inv, require, sum_sq, max_norm, programs)
+    outputs = iter(lrs)
+    for key, _, _, forms in schedules:
+        made = [next(outputs) for _ in forms]
+        memo[key] = made[0] if len(made) == 1 else tuple(made)
     return leaves, finite, div, mul
+
+
+def _inverse(loss_scale, schedules: list, memo: dict):
+    """The unscale factor: the one the last update's bookkeeping kept, else made by a
+    ``step_scalars`` call before the gradients are read, with the step's programs (a
+    trace, or the first update of a state: one launch instead of its three)."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return None
+    known = known_inverse(loss_scale)
+    scale = loss_scale.loss_scale
+    if known is not None or type(scale) is not torch.Tensor or scale.dtype != torch.float32:
+        return unscale_inverse(loss_scale) if known is None else known
+    mine = ("inverse", scale.view(torch.int32), 1.0, (("inverse",),))  # the scale's bits
+    _schedules([mine, *schedules], memo, None, None, None, None, 0.0)
+    return memo["inverse"].reshape(())
 
 
 def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
@@ -373,10 +391,10 @@ def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
     for grp in fp.groups:
         plan = grp.plan
         if grp.fusable.counts is not None:
-            for key, position in grp.fusable.counts(plan, dict(grp.shared), masters):
+            for key, position, forms in grp.fusable.counts(plan, dict(grp.shared), masters):
                 if key not in seen:
                     seen.add(key)
-                    out.append((key, memo["opt"][position], 1.0, ("count",)))
+                    out.append((key, memo["opt"][position], 1.0, forms))
         if not callable(plan.learning_rate) or plan.lr_path in injected:
             continue
         form = declared_form(plan.learning_rate)
@@ -386,7 +404,7 @@ def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
         key = ("lr", position, plan.learning_rate, plan.sign)
         if key not in seen:
             seen.add(key)
-            out.append((key, memo["opt"][position], float(plan.sign), form))
+            out.append((key, memo["opt"][position], float(plan.sign), (form,)))
     return out
 
 
@@ -468,11 +486,13 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     params, p_spec = tree_flatten(state.params)
     opt = tree_leaves(state.opt_state)
     g = _grads_like(g_leaves, masters, fp.strides)
-    inv = unscale_inverse(state.loss_scale)
     memo: dict = {"opt": opt}
     if injected is not None:
         memo["injected"] = injected
     schedules = _declared_schedules(fp, memo, masters)
+    inv = _inverse(state.loss_scale, schedules, memo)
+    if inv is not None and "inverse" in memo:  # the programs came with it
+        schedules = []
     apply, require, clip_div, clip_mul, leaf_finite = _scalars_before(
         fp, g, inv, decision, memo, schedules
     )

@@ -56,7 +56,7 @@ def _length(programs: list[float], pos: int) -> int:
         for _ in range(n):
             end += _length(programs, end)
         return end - pos
-    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4, 7: 0}[kind]
+    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4, 7: 0, 8: 1, 9: 1, 10: 0}[kind]
 
 
 def _starts(programs: list[float], n: int) -> list[int]:
@@ -84,6 +84,8 @@ def _general_power(programs: list[float], pos: int) -> bool:
         return programs[pos + 4] not in _SPECIAL
     if kind == 3:
         return programs[pos + 3] != 1.0
+    if kind in (8, 9):
+        return True
     if kind == 6:
         n, at = int(programs[pos + 1]), pos + 1 + int(programs[pos + 1])
         found = False
@@ -188,6 +190,14 @@ if triton is not None:
         kind = tl.load(prog + pos).to(tl.int32)
         v, end = _segment(prog, pos, step.to(tl.float64), CUDA)
         counted = step.to(tl.float32) + 1.0  # kind 7: fl32(fl32(t) + 1), not a schedule
+        if (kind == 8) | (kind == 9):  # Adam's corrections at the count after this step
+            after = tl.where(step < 2147483647, step + 1, step).to(tl.float64)
+            base = tl.zeros_like(after) + tl.load(prog + pos + 1)
+            c = 1.0 - _general_pow(base, after, CUDA)
+            counted = tl.where(kind == 8, 1.0 / c, tl.sqrt(c)).to(tl.float32)
+        if kind == 10:  # the unscale factor of a float32 scale given as its bits
+            scale = step.to(tl.float32, bitcast=True).to(tl.float64)
+            counted = (1.0 / scale).to(tl.float32)
         if kind == 6:  # join(n, boundaries, n schedules)
             n = tl.load(prog + pos + 1).to(tl.int32)
             at = pos + 1 + n
@@ -196,7 +206,7 @@ if triton is not None:
                 b = tl.load(prog + pos + 1 + i).to(tl.int32)
                 w, at = _segment(prog, at, (step - b).to(tl.float64), CUDA)
                 v = tl.where(step >= b, w, v)
-        return tl.where(kind == 7, counted, v.to(tl.float32))
+        return tl.where(kind >= 7, counted, v.to(tl.float32))
 
     @triton.jit
     def _lr(prog, start, c_ptr, o_ptr, m, mask, CUDA: tl.constexpr):

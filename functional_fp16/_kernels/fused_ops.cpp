@@ -929,7 +929,7 @@ static inline double clamp_to(double x, double lo, double hi) { return std::min(
 
 // One declared schedule at step t (an int32 count as float64): the float64 operations of
 // transforms/schedules.py in their order, rounded once to float32. `p` walks the program.
-static float schedule_at(const double *&p, const double *end, double t) {
+static float schedule_at(const double *&p, const double *end, double t, int32_t raw) {
   TORCH_CHECK(p < end, "programs: a schedule ends early");
   const int kind = static_cast<int>(*p++);
   auto take = [&](int n) {
@@ -981,16 +981,28 @@ static float schedule_at(const double *&p, const double *end, double t) {
     case 7: {  // the count after this step as PyTorch's fused Adam keeps it: fl32(fl32(t) + 1)
       return static_cast<float>(t) + 1.0f;
     }
+    case 8:    // Adam's 1 / (1 - b1^t'), t' the count after this step (saturating)
+    case 9: {  // Adam's sqrt(1 - b2^t')
+      const double *a = take(1);
+      const double after = static_cast<double>(raw < INT32_MAX ? raw + 1 : raw);
+      const double c = 1.0 - std::pow(a[0], after);
+      return static_cast<float>(kind == 8 ? 1.0 / c : std::sqrt(c));
+    }
+    case 10: {  // the unscale factor fl32(1 / fl64(s)) of a float32 scale given as its bits
+      float s;
+      std::memcpy(&s, &raw, sizeof s);
+      return static_cast<float>(1.0 / static_cast<double>(s));
+    }
     case 6: {  // join(n, boundaries[n - 1], n schedules)
       const double *a = take(1);
       const int64_t n = static_cast<int64_t>(a[0]);
       TORCH_CHECK(n >= 1, "programs: a join of ", n, " schedules");
       const double *b = take(static_cast<int>(n - 1));
       const int32_t step = static_cast<int32_t>(t);
-      float v = schedule_at(p, end, t);
+      float v = schedule_at(p, end, t, step);
       for (int64_t i = 1; i < n; ++i) {
         const int32_t shifted = step - static_cast<int32_t>(b[i - 1]);
-        const float w = schedule_at(p, end, static_cast<double>(shifted));
+        const float w = schedule_at(p, end, static_cast<double>(shifted), shifted);
         v = static_cast<double>(step) >= b[i - 1] ? w : v;
       }
       return v;
@@ -1068,7 +1080,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_sca
     const double *start = p;
     for (int64_t m = 0; m < members; ++m) {
       p = start;
-      const float v = schedule_at(p, end, static_cast<double>(counts[k].data_ptr<int32_t>()[m]));
+      const int32_t raw = counts[k].data_ptr<int32_t>()[m];
+      const float v = schedule_at(p, end, static_cast<double>(raw), raw);
       lrs[k].data_ptr<float>()[m] = v * static_cast<float>(sign);
     }
   }

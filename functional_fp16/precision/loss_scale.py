@@ -507,12 +507,19 @@ def unscale_inverse(loss_scale: LossScale) -> torch.Tensor | None:
     the library's loss scales; ``None`` for :class:`NoOpLossScale` (no product at all)."""
     if isinstance(loss_scale, NoOpLossScale):
         return None
+    known = known_inverse(loss_scale)
+    return unscale_factor(loss_scale.loss_scale) if known is None else known
+
+
+def known_inverse(loss_scale: LossScale) -> torch.Tensor | None:
+    """The inverse :func:`remember_inverse` kept for ``loss_scale`` while it stands for its
+    scale (the same tensor, unwritten since), else ``None`` (it must be computed)."""
     scale = loss_scale.loss_scale
     if _eager(scale):
         known = getattr(loss_scale, "_inverse", None)
         if known is not None and known[0] is scale and known[1] == scale._version:
             return known[2]
-    return unscale_factor(scale)
+    return None
 
 
 def _eager(scale: torch.Tensor) -> bool:
