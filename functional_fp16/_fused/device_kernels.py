@@ -142,7 +142,9 @@ def stats(grads, inv, groups, members, sum_squares, kernel: str) -> tuple[Tensor
     member-major) and per group the sum of squares (float64)."""
     device = grads[0].device
     peak = torch.empty(len(grads) * members, dtype=torch.float32, device=device)
-    sq = torch.zeros(groups, dtype=torch.float64, device=device)
+    # zeros where nothing is summed; else every entry is written (no fill to launch)
+    make = torch.empty if sum_squares and kernel == "generic" else torch.zeros
+    sq = make(groups, dtype=torch.float64, device=device)
     if kernel == "c":
         c_kernel.call(
             "grad_stats",

@@ -21,6 +21,7 @@ own plain kernel (its update rule) lives with its op (``sgd.py``,
 from __future__ import annotations
 
 import struct
+import threading
 
 import torch
 from torch import Tensor
@@ -205,6 +206,7 @@ def descending(lr: Tensor) -> Tensor:
 
 _DERIVED: dict = {}  # (name, id of the tensor) -> (the tensor, its version, the value)
 _DERIVED_KEPT = 64
+_DERIVED_LOCK = threading.Lock()  # updates in several threads share it
 
 
 def _kept() -> bool:
@@ -220,9 +222,10 @@ def _kept() -> bool:
 def remember(name: str, x: Tensor, value: Tensor) -> None:
     """Records ``value`` as ``derived(name, x)`` (made by the op that made ``x``)."""
     if _kept():
-        if len(_DERIVED) >= _DERIVED_KEPT:
-            _DERIVED.clear()
-        _DERIVED[(name, id(x))] = (x, x._version, value)
+        with _DERIVED_LOCK:
+            while len(_DERIVED) >= _DERIVED_KEPT:  # the least recently used goes
+                _DERIVED.pop(next(iter(_DERIVED)))
+            _DERIVED[(name, id(x))] = (x, x._version, value)
 
 
 def derived(name: str, x: Tensor, make) -> Tensor:
@@ -231,9 +234,12 @@ def derived(name: str, x: Tensor, make) -> Tensor:
     from the same decision or learning rate without a launch each."""
     if not _kept():
         return make(x)
-    found = _DERIVED.get((name, id(x)))
-    if found is not None and found[0] is x and found[1] == x._version:
-        return found[2]
+    key = (name, id(x))
+    with _DERIVED_LOCK:
+        found = _DERIVED.get(key)
+        if found is not None and found[0] is x and found[1] == x._version:
+            _DERIVED[key] = _DERIVED.pop(key)  # the most recently used
+            return found[2]
     value = make(x)
     remember(name, x, value)
     return value
@@ -452,4 +458,4 @@ def stats_lists(grads, inv, sum_squares, peak, sq) -> None:
             del src
             torch._foreach_mul_(wide, wide)  # the squares, exact in float64
             sums += torch._foreach_norm(wide, 1)  # each piece's sum
-        sq[0] = torch.stack(sums).sum()
+        torch.sum(torch.stack(sums).reshape(1, -1), dim=1, out=sq)  # into the output
