@@ -249,3 +249,24 @@ def test_the_triton_cases_pass_in_the_interpreter():
     run_cases_in_interpreter(
         __file__, "test_the_triton_cases_pass_in_the_interpreter", 3, skips=True
     )
+
+
+def test_a_derived_value_is_made_once_per_unwritten_tensor():
+    """``plain_kernels.derived``: the groups of one update share the skip flag and the
+    descending rate; a tensor written since, or another tensor, gets its own."""
+    from functional_fp16._fused import plain_kernels as pk
+
+    made = []
+
+    def neg(x):
+        made.append(1)
+        return -x
+
+    lr = torch.tensor([0.5])
+    assert pk.derived("t", lr, neg).item() == -0.5
+    assert pk.derived("t", lr, neg).item() == -0.5 and len(made) == 1
+    lr.add_(1.0)  # written: its version moves
+    assert pk.derived("t", lr, neg).item() == -1.5 and len(made) == 2
+    assert pk.derived("t", lr.clone(), neg).item() == -1.5 and len(made) == 3
+    torch.func.vmap(lambda x: pk.derived("t", x, neg))(torch.ones(2, 1))  # not kept there
+    assert pk.derived("t", lr, neg).item() == -1.5 and len(made) == 4
