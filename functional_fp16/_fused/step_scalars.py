@@ -211,9 +211,7 @@ def _kernel(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     if cpp_ready(None, kernel_for(device)):
         return c_kernel.run_op("step_scalars", *args)
     if triton_step_scalars.available(device):
-        found = triton_step_scalars.run(*args)
-        if found is not None:  # (None: a program the interpreter cannot evaluate)
-            return found
+        return triton_step_scalars.run(*args, reference=reference)
     return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
 
 

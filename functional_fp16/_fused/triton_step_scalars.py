@@ -258,10 +258,11 @@ def _block(n: int) -> int:
     return max(2, 1 << max(0, (n - 1).bit_length()))
 
 
-def run(peak, inv, require, sum_sq, max_norm, counts, programs, members):
+def run(peak, inv, require, sum_sq, max_norm, counts, programs, members, reference=None):
     """The op's outputs from the Triton kernel: one launch (and one more per
-    :data:`SLOTS` schedules past the first ``SLOTS``); ``None`` in the interpreter for a
-    program with a power that is not one of ATen's special exponents."""
+    :data:`SLOTS` schedules past the first ``SLOTS``). In the interpreter a program with
+    a power that is not one of ATen's special exponents is evaluated by ``reference``
+    (the op's), alone; without one the answer is ``None``."""
     like = next(t for t in (peak, sum_sq, *counts) if t is not None)
     device = like.device
     interpreted = device.type != "cuda"
@@ -276,13 +277,21 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     lrs = [torch.empty(members, dtype=torch.float32, device=device) for _ in counts]
     programs = [float(x) for x in programs]
     starts = _starts(programs, len(counts))
-    if interpreted and any(_general_power(programs, i + 1) for i in starts):
-        return None  # the op's reference evaluates it
+    ends = [*starts[1:], len(programs)]
+    mine = []  # the programs this kernel evaluates; the interpreter has no pow for the rest
+    for k, (start, end) in enumerate(zip(starts, ends)):
+        if interpreted and _general_power(programs, start + 1):
+            if reference is None:
+                return None
+            one = reference(None, None, None, None, 0.0, [counts[k]], programs[start:end], members)
+            lrs[k] = one[5][0]
+        else:
+            mine.append(k)
     prog = _programs_tensor(programs, device)
     options = {} if interpreted else {"enable_fp_fusion": False}
-    for j, first in enumerate(range(0, max(1, len(counts)), SLOTS)):
-        part = list(zip(starts[first : first + SLOTS], counts[first : first + SLOTS],
-                        lrs[first : first + SLOTS]))  # fmt: skip
+    for j, first in enumerate(range(0, max(1, len(mine)), SLOTS)):
+        ks = mine[first : first + SLOTS]
+        part = [(starts[k], counts[k], lrs[k]) for k in ks]
         ns = len(part)
         part += [(0, like, like)] * (SLOTS - ns)  # unused slots: never read
         head = j == 0
