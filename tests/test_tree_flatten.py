@@ -454,3 +454,15 @@ def test_the_traced_walk_leaves_insertion_ordered_dicts_to_optree():
     with optree.dict_insertion_ordered(True, namespace=T.NAMESPACE):
         leaves, spec = T._traced_flatten(tree)
         assert spec.optree_spec is not None and leaves[0] is tree["b"]
+
+
+def test_the_traced_walk_compares_dicts_by_their_keys_and_rebuilds_their_order():
+    a = {"b": torch.zeros(1), "a": {"y": torch.ones(1), "x": None}}
+    b = {"a": {"x": None, "y": torch.ones(1)}, "b": torch.zeros(1)}
+    assert _optree(a)[1] == _optree(b)[1]
+    assert T._traced_flatten(a)[1] == T._traced_flatten(b)[1]
+    _traced_same(a)
+    _traced_same(b)
+    leaves, spec = T._traced_flatten(a)
+    rebuilt = T.tree_unflatten(spec, leaves)
+    assert list(rebuilt) == ["b", "a"] and list(rebuilt["a"]) == ["y", "x"]

@@ -15,6 +15,7 @@ Triton's interpreter (``TRITON_INTERPRET=1``), where a launch is the profiler ra
 
 from __future__ import annotations
 
+import struct
 from contextlib import nullcontext
 
 import torch
@@ -38,6 +39,8 @@ LAUNCH_LABEL = "triton::step_scalars"
 
 _PAD = 8  # zeros after the programs: a segment reads its numbers before it knows its kind
 _PROGRAMS: dict = {}
+_PROGRAMS_KEPT = 1024
+_TILE = 2**16  # elements of one program's block: past it the decision is the reference's
 
 
 def available(device: torch.device) -> bool:
@@ -97,13 +100,18 @@ def _general_power(programs: list[float], pos: int) -> bool:
 
 
 def _programs_tensor(programs: list[float], device) -> torch.Tensor:
-    key = (tuple(programs), str(device))
-    if key not in _PROGRAMS:
-        if len(_PROGRAMS) > 256:
-            _PROGRAMS.clear()
+    """The programs as a float64 tensor on ``device``, made once and kept for the process
+    (a CUDA graph that captured it reads it at every replay: nothing kept is freed); keyed
+    by the numbers' bits (-0.0 is not 0.0). Past :data:`_PROGRAMS_KEPT` distinct programs
+    (schedules made anew call after call) a new one is made afresh each call."""
+    key = (struct.pack(f"{len(programs)}d", *programs), str(device))
+    found = _PROGRAMS.get(key)
+    if found is None:
         padded = [*programs, *[0.0] * _PAD]
-        _PROGRAMS[key] = torch.tensor(padded, dtype=torch.float64, device=device)
-    return _PROGRAMS[key]
+        found = torch.tensor(padded, dtype=torch.float64, device=device)
+        if len(_PROGRAMS) < _PROGRAMS_KEPT:
+            _PROGRAMS[key] = found
+    return found
 
 
 if triton is not None:
@@ -262,7 +270,9 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members, referen
     """The op's outputs from the Triton kernel: one launch (and one more per
     :data:`SLOTS` schedules past the first ``SLOTS``). In the interpreter a program with
     a power that is not one of ATen's special exponents is evaluated by ``reference``
-    (the op's), alone; without one the answer is ``None``."""
+    (the op's), alone, and so is a decision over more than :data:`_TILE` leaves of all
+    members (a large ``vmap`` ensemble: one block would not hold them); without a
+    reference the answer is then ``None``."""
     like = next(t for t in (peak, sum_sq, *counts) if t is not None)
     device = like.device
     interpreted = device.type != "cuda"
@@ -277,6 +287,10 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members, referen
     lrs = [torch.empty(members, dtype=torch.float32, device=device) for _ in counts]
     programs = [float(x) for x in programs]
     starts = _starts(programs, len(counts))
+    if peak is not None and _block(members) * _block(n_leaves) > _TILE:
+        if reference is None:  # one program's block would not hold the members' leaves
+            return None
+        return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
     ends = [*starts[1:], len(programs)]
     mine = []  # the programs this kernel evaluates; the interpreter has no pow for the rest
     for k, (start, end) in enumerate(zip(starts, ends)):

@@ -18,7 +18,9 @@
 #include "fused_step.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cos.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
@@ -927,6 +929,13 @@ static double pow_scalar(double x, double e) {
 
 static inline double clamp_to(double x, double lo, double hi) { return std::min(std::max(x, lo), hi); }
 
+// torch.cos of a 0-d float64 CPU tensor: ATen's own kernel (its vectorised cosine, which
+// differs from the C library's in the last bit for some arguments), so that the schedule
+// is bitwise its definition.
+static double aten_cos(double x) {
+  return at::cos(at::scalar_tensor(x, at::TensorOptions().dtype(at::kDouble))).item<double>();
+}
+
 // One declared schedule at step t (an int32 count as float64): the float64 operations of
 // transforms/schedules.py in their order, rounded once to float32. `p` walks the program.
 static float schedule_at(const double *&p, const double *end, double t, int32_t raw) {
@@ -975,7 +984,7 @@ static float schedule_at(const double *&p, const double *end, double t, int32_t 
     case 5: {  // cosine(v0, T, alpha, exponent)
       const double *a = take(4);
       const double u = clamp_to(t, 0.0, a[1]);
-      const double c = 0.5 * (1.0 + std::cos(u * 3.141592653589793 / a[1]));
+      const double c = 0.5 * (1.0 + aten_cos(u * 3.141592653589793 / a[1]));
       return static_cast<float>(a[0] * ((1.0 - a[2]) * pow_scalar(c, a[3]) + a[2]));
     }
     case 7: {  // the count after this step as PyTorch's fused Adam keeps it: fl32(fl32(t) + 1)

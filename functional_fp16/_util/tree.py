@@ -257,17 +257,31 @@ def _paths_of(key: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]]) -> 
 class TracedSpec(NamedTuple):
     """A tree's structure as :func:`tree_flatten` gives it while ``torch.compile`` traces.
 
-    ``key`` describes every node: ``None``; a leaf (:data:`_LEAF`); ``(dict, keys in
-    insertion order, *children by sorted key)``; ``(list or tuple or a named tuple's
-    class, *children)``; ``(a library node's class, its static metadata, *children)``.
-    Two trees have equal specs exactly when ``optree`` gives them equal ones (both
-    describe the same nodes), and :func:`tree_unflatten` rebuilds from it; a tree with
-    another kind of node keeps ``optree``'s spec, in ``optree``.
+    ``key`` describes every node: ``None``; a leaf (:data:`_LEAF`); ``(dict, sorted keys,
+    *children by sorted key)``; ``(list or tuple or a named tuple's class, *children)``;
+    ``(a library node's class, its static metadata, *children)``; ``orders`` holds each
+    dict's keys in insertion order (the order :func:`tree_unflatten` rebuilds it in), in
+    the walk's order. Two specs are equal exactly when ``optree``'s are (the same nodes,
+    a dict's keys as a set); a tree with another kind of node keeps ``optree``'s spec.
     """
 
     key: Any
     num_leaves: int
     optree_spec: Any = None  # optree's spec, where the walk did not describe the tree
+    orders: tuple = ()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TracedSpec)
+            and self.key == other.key
+            and self.optree_spec == other.optree_spec
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.optree_spec))
 
 
 _LEAF = "*"
@@ -288,12 +302,13 @@ def _traced_flatten(tree: PyTree) -> tuple[list[Any], TracedSpec]:
     ``str``) leaves the tree to ``optree``.
     """
     leaves: list[Any] = []
+    orders: list[tuple] = []
     try:
-        key = _traced_describe(tree, leaves, {})
+        key = _traced_describe(tree, leaves, {}, orders)
     except _Unknown:
         found, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         return found, TracedSpec(None, len(found), spec)
-    return leaves, TracedSpec(key, len(leaves))
+    return leaves, TracedSpec(key, len(leaves), None, tuple(orders))
 
 
 def _traced_default(cls: type, default: Any, checked: dict) -> None:
@@ -305,7 +320,7 @@ def _traced_default(cls: type, default: Any, checked: dict) -> None:
         raise _Unknown
 
 
-def _traced_describe(tree: PyTree, leaves: list[Any], checked: dict) -> Any:
+def _traced_describe(tree: PyTree, leaves: list[Any], checked: dict, orders: list) -> Any:
     kind = type(tree)
     if kind in _PLAIN_LEAVES or isinstance(tree, torch.Tensor):
         leaves.append(tree)
@@ -318,39 +333,45 @@ def _traced_describe(tree: PyTree, leaves: list[Any], checked: dict) -> Any:
         for k in keys:
             if type(k) is not str:
                 raise _Unknown
-        children = [_traced_describe(tree[k], leaves, checked) for k in sorted(keys)]
-        return (dict, keys, *children)
+        orders.append(keys)
+        order = tuple(sorted(keys))
+        children = [_traced_describe(tree[k], leaves, checked, orders) for k in order]
+        return (dict, order, *children)
     if kind is list or kind is tuple:
-        return (kind, *[_traced_describe(child, leaves, checked) for child in tree])
+        return (kind, *[_traced_describe(child, leaves, checked, orders) for child in tree])
     if kind in _TRACED_NODES:
         children, metadata = _TRACED_NODES[kind][0](tree)
-        return (kind, metadata, *[_traced_describe(c, leaves, checked) for c in children])
+        return (kind, metadata, *[_traced_describe(c, leaves, checked, orders) for c in children])
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):
         _traced_default(kind, _NAMED_TUPLE_DEFAULT, checked)
-        return (kind, *[_traced_describe(c, leaves, checked) for c in tuple.__iter__(tree)])
+        return (kind, *[_traced_describe(c, leaves, checked, orders) for c in tuple.__iter__(tree)])
     _traced_default(kind, None, checked)  # a leaf, unless registered as a node
     leaves.append(tree)
     return _LEAF
 
 
-def _traced_build(key: Any, leaves: Any) -> PyTree:
-    """The tree :func:`_traced_describe` described as ``key``, with the next of ``leaves``."""
+def _traced_build(key: Any, leaves: Any, orders: Any) -> PyTree:
+    """The tree :func:`_traced_describe` described as ``key``, with the next of ``leaves``
+    (and of ``orders``, each dict's keys in insertion order)."""
     if key is None:
         return None
     if key is _LEAF or key == _LEAF:
         return next(leaves)
     kind = key[0]
     if kind is dict:
-        keys = key[1]
-        by_key = {k: _traced_build(c, leaves) for k, c in zip(sorted(keys), key[2:])}
-        return {k: by_key[k] for k in keys}
+        inserted = next(orders)
+        by_key = {k: _traced_build(c, leaves, orders) for k, c in zip(key[1], key[2:])}
+        return {k: by_key[k] for k in inserted}
+    children = [
+        _traced_build(c, leaves, orders) for c in key[(2 if kind in _TRACED_NODES else 1) :]
+    ]
     if kind is list:
-        return [_traced_build(c, leaves) for c in key[1:]]
+        return children
     if kind is tuple:
-        return tuple([_traced_build(c, leaves) for c in key[1:]])
+        return tuple(children)
     if kind in _TRACED_NODES:
-        return _TRACED_NODES[kind][1](key[1], [_traced_build(c, leaves) for c in key[2:]])
-    return kind(*[_traced_build(c, leaves) for c in key[1:]])
+        return _TRACED_NODES[kind][1](key[1], children)
+    return kind(*children)
 
 
 def tree_unflatten(spec: optree.PyTreeSpec | TracedSpec, leaves: Sequence[Any]) -> PyTree:
@@ -358,7 +379,7 @@ def tree_unflatten(spec: optree.PyTreeSpec | TracedSpec, leaves: Sequence[Any]) 
     if isinstance(spec, TracedSpec):
         if spec.optree_spec is not None:
             return optree.tree_unflatten(spec.optree_spec, leaves)
-        return _traced_build(spec.key, iter(leaves))
+        return _traced_build(spec.key, iter(leaves), iter(spec.orders))
     return optree.tree_unflatten(spec, leaves)
 
 
@@ -376,7 +397,7 @@ def tree_rebuild(spec: optree.PyTreeSpec, like: PyTree, leaves: Sequence[Any]) -
     if not torch.compiler.is_compiling():
         return optree.tree_unflatten(spec, leaves)
     if isinstance(spec, TracedSpec) and spec.optree_spec is None:
-        return _traced_build(spec.key, iter(leaves))
+        return _traced_build(spec.key, iter(leaves), iter(spec.orders))
     t_leaves, t_spec = torch_pytree.tree_flatten(like)
     index = torch_pytree.tree_unflatten(
         [None if x is None else i for i, x in enumerate(t_leaves)], t_spec

@@ -9,6 +9,7 @@ synchronises with the host and traces under ``torch.compile``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,8 +57,13 @@ def _declared(schedule: Schedule, *form: Any) -> Schedule:
     operations (see :func:`declared_form`). A form whose integers exceed float64's exact
     range is not declared (the schedule is then evaluated by its tensor operations)."""
     if all(abs(x) <= _EXACT for x in _numbers(form)):
-        schedule.declared = form  # type: ignore[attr-defined]
+        _DECLARED[schedule] = form
     return schedule
+
+
+# schedule function -> its form, by the function's identity: a wrapper (functools.wraps
+# copies attributes) or any other callable declares nothing
+_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _numbers(form: Any) -> list[float]:
@@ -77,7 +83,10 @@ def declared_form(schedule: Any) -> tuple | None:
     tb)``, ``("exponential", v0, T, r, tb, staircase, end)``, ``("piecewise", v0, bounds,
     values)``, ``("cosine", v0, T, alpha, p)``, ``("join", forms, boundaries)``.
     """
-    return getattr(schedule, "declared", None)
+    try:
+        return _DECLARED.get(schedule)
+    except TypeError:  # not weakly referable or not hashable: not one of this module's
+        return None
 
 
 def constant_schedule(value: float) -> Schedule:
