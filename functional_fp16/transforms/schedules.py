@@ -9,7 +9,6 @@ synchronises with the host and traces under ``torch.compile``.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,13 +56,10 @@ def _declared(schedule: Schedule, *form: Any) -> Schedule:
     operations (see :func:`declared_form`). A form whose integers exceed float64's exact
     range is not declared (the schedule is then evaluated by its tensor operations)."""
     if all(abs(x) <= _EXACT for x in _numbers(form)):
-        _DECLARED[schedule] = form
+        # with the function itself: a wrapper that copies its attributes (functools.wraps)
+        # declares nothing
+        schedule.declared = (schedule, form)  # type: ignore[attr-defined]
     return schedule
-
-
-# schedule function -> its form, by the function's identity: a wrapper (functools.wraps
-# copies attributes) or any other callable declares nothing
-_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _numbers(form: Any) -> list[float]:
@@ -83,10 +79,10 @@ def declared_form(schedule: Any) -> tuple | None:
     tb)``, ``("exponential", v0, T, r, tb, staircase, end)``, ``("piecewise", v0, bounds,
     values)``, ``("cosine", v0, T, alpha, p)``, ``("join", forms, boundaries)``.
     """
-    try:
-        return _DECLARED.get(schedule)
-    except TypeError:  # not weakly referable or not hashable: not one of this module's
-        return None
+    found = getattr(schedule, "declared", None)
+    if type(found) is tuple and len(found) == 2 and found[0] is schedule:
+        return found[1]
+    return None
 
 
 def constant_schedule(value: float) -> Schedule:
