@@ -42,6 +42,7 @@ from torch import Tensor
 from functional_fp16._fused import device_kernels, plain_kernels, triton_step_scalars
 from functional_fp16._fused.device_kernels import cpp_ready, kernel_for
 from functional_fp16._fused.op_library import _define, _transformed
+from functional_fp16._fused.programs import decode, program
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16.precision.loss_scale import unscale_factor
 from functional_fp16.transforms import schedules as sch
@@ -59,22 +60,10 @@ SCHEMA = (
 r"""``peak``: ``members * L`` float32 peaks, member-major (``None``: no decision);
 ``inv``, ``require``, ``sum_sq`` (``None``: no clipping): one per member; ``counts``:
 int32, one per member each; ``programs``: for each count its sign :math:`\sigma_j`,
-then its schedule's program (:func:`program`). The outputs: the leaves' flags, the
+then its schedule's program (:func:`.programs.program`). The outputs: the leaves' flags, the
 decisions, the skips (``1.0`` where a member skips: the ``found_inf`` of PyTorch's
 fused optimisers), the clip divisor and factor (empty without clipping), one signed
 factor per count."""
-
-_KINDS = {
-    "constant": 0, "linear": 1, "polynomial": 2, "exponential": 3, "piecewise": 4,
-    "cosine": 5, "join": 6, "count": 7, "inv_c1": 8, "sqrt_c2": 9, "inverse": 10,
-}  # fmt: skip
-r"""The kinds of program. Besides the schedules, functions of a count that a step reads:
-``("count",)`` the step count after this step as PyTorch's fused Adam reads it,
-:math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)` (:func:`count_after`);
-``("inv_c1", b1)`` and ``("sqrt_c2", b2)`` Adam's bias corrections at the count after
-this step (``transforms.adam.bias_corrections``); ``("inverse",)`` the unscale factor
-:math:`\operatorname{fl}_{32}(1/\operatorname{fl}_{64}(s))` of a float32 scale given as
-its bits (an int32 view; ``loss_scale.unscale_factor``)."""
 
 
 def _correction(count: Tensor, kind: str, b: float) -> Tensor:
@@ -87,26 +76,6 @@ def count_after(count: Tensor) -> Tensor:
     r""":math:`\operatorname{fl}_{32}(\operatorname{fl}_{32}(c) + 1)`: the step count after
     this step, in float32 as ``torch.optim`` keeps it (exact below 2^24 steps)."""
     return count.to(torch.float32).add_(1.0)
-
-
-def program(form: tuple) -> list[float]:
-    """A declared schedule form as the kernels' program: its kind, then its numbers."""
-    kind, *args = form
-    code = float(_KINDS[kind])
-    if kind == "exponential":
-        v0, steps, rate, begin, staircase, end = args
-        has_end = end is not None
-        return [code, v0, steps, rate, begin, float(staircase), float(has_end), end or 0.0]
-    if kind == "piecewise":
-        v0, bounds, values = args
-        return [code, v0, float(len(bounds)), *bounds, *values]
-    if kind == "join":
-        forms, boundaries = args
-        out = [code, float(len(forms)), *map(float, boundaries)]
-        for f in forms:
-            out += program(f)
-        return out
-    return [code, *map(float, args)]
 
 
 def _schedule(form: tuple):
@@ -136,45 +105,6 @@ def _schedule(form: tuple):
     return sch.join_schedules([_schedule(f) for f in forms], list(boundaries))
 
 
-def _forms(programs: list[float], n: int) -> list[tuple[float, tuple]]:
-    """``(sign, form)`` of each of the ``n`` programs (the inverse of :func:`program`)."""
-    it = iter(programs)
-    out = [(next(it), _read(it)) for _ in range(n)]
-    if next(it, None) is not None:
-        raise ValueError("programs: more numbers than the schedules take")
-    return out
-
-
-def _read(it) -> tuple:
-    kind = {v: k for k, v in _KINDS.items()}[int(next(it))]
-    take = lambda k: [next(it) for _ in range(k)]  # noqa: E731
-    if kind == "constant":
-        return (kind, *take(1))
-    if kind == "linear":
-        v0, v1, steps, begin = take(4)
-        return (kind, v0, v1, int(steps), int(begin))
-    if kind == "polynomial":
-        v0, v1, power, steps, begin = take(5)
-        return (kind, v0, v1, power, int(steps), int(begin))
-    if kind == "exponential":
-        v0, steps, rate, begin, stair, has_end, end = take(7)
-        return (kind, v0, int(steps), rate, int(begin), bool(stair), end if has_end else None)
-    if kind == "piecewise":
-        v0, n = take(2)
-        bounds = take(int(n))
-        return (kind, v0, tuple(bounds), tuple(take(int(n))))
-    if kind == "cosine":
-        v0, steps, alpha, exponent = take(4)
-        return (kind, v0, int(steps), alpha, exponent)
-    if kind in ("count", "inverse"):
-        return (kind,)
-    if kind in ("inv_c1", "sqrt_c2"):
-        return (kind, next(it))
-    n = int(next(it))
-    boundaries = tuple(int(b) for b in take(n - 1))
-    return (kind, tuple(_read(it) for _ in range(n)), boundaries)
-
-
 def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     """The op's outputs by the library's definitions: ``finite_from_peak``'s flags and
     ``Decision``'s AND, ``norm_of_sum_of_squares`` and ``clip_factors``, each schedule
@@ -194,7 +124,9 @@ def reference(peak, inv, require, sum_sq, max_norm, counts, programs, members):
     if sum_sq is not None:
         div, mul = clip_factors(norm_of_sum_of_squares(sum_sq), max_norm)
     lrs = []
-    for count, (sign, form) in zip(counts, _forms(list(programs), len(counts))):
+    for count, (sign, form) in zip(
+        counts, [(sign, form) for _, sign, form in decode(programs, len(counts))]
+    ):
         schedule = _schedule(form)
         if members == 1:  # the schedule on the 0-d count, as the transforms call it
             lrs.append((schedule(count.reshape(())) * sign).reshape(1))

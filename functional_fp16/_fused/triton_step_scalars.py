@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from functional_fp16._fused import triton_stored
+from functional_fp16._fused.programs import decode
 
 try:
     import triton
@@ -48,55 +49,23 @@ def available(device: torch.device) -> bool:
     return triton_stored.available(device)
 
 
-def _length(programs: list[float], pos: int) -> int:
-    """The numbers of the schedule program at ``pos``."""
-    kind = int(programs[pos])
-    if kind == 4:  # piecewise: v0, n, n bounds, n values
-        return 3 + 2 * int(programs[pos + 2])
-    if kind == 6:  # join: n, n - 1 boundaries, n programs
-        n = int(programs[pos + 1])
-        end = pos + 1 + n
-        for _ in range(n):
-            end += _length(programs, end)
-        return end - pos
-    return 1 + {0: 1, 1: 4, 2: 5, 3: 7, 5: 4, 7: 0, 8: 1, 9: 1, 10: 0}[kind]
-
-
-def _starts(programs: list[float], n: int) -> list[int]:
-    """Where each of the ``n`` (sign, program) pairs begins."""
-    out, pos = [], 0
-    for _ in range(n):
-        out.append(pos)
-        pos += 1 + _length(programs, pos + 1)
-    if pos != len(programs):
-        raise ValueError(f"programs: {len(programs)} numbers for {n} schedules")
-    return out
-
-
 _SPECIAL = (0.0, 0.5, 1.0, 2.0, 3.0)
 
 
-def _general_power(programs: list[float], pos: int) -> bool:
-    """Whether the schedule program at ``pos`` takes a power that is not one of ATen's
-    special exponents (Triton's interpreter has no ``pow``: such a program is evaluated
-    by the reference there)."""
-    kind = int(programs[pos])
-    if kind == 2:
-        return programs[pos + 3] not in _SPECIAL
-    if kind == 5:
-        return programs[pos + 4] not in _SPECIAL
-    if kind == 3:
-        return programs[pos + 3] != 1.0
-    if kind in (8, 9):
-        return True
-    if kind == 6:
-        n, at = int(programs[pos + 1]), pos + 1 + int(programs[pos + 1])
-        found = False
-        for _ in range(n):
-            found = found or _general_power(programs, at)
-            at += _length(programs, at)
-        return found
-    return False
+def _general_power(form: tuple) -> bool:
+    """Whether ``form`` takes a power that is not one of ATen's special exponents
+    (Triton's interpreter has no ``pow``: such a program is evaluated by the reference
+    there)."""
+    kind = form[0]
+    if kind == "polynomial":
+        return form[3] not in _SPECIAL
+    if kind == "cosine":
+        return form[4] not in _SPECIAL
+    if kind == "exponential":
+        return form[3] != 1.0
+    if kind == "join":
+        return any(map(_general_power, form[1]))
+    return kind in ("inv_c1", "sqrt_c2")
 
 
 def _programs_tensor(programs: list[float], device) -> torch.Tensor:
@@ -286,15 +255,16 @@ def run(peak, inv, require, sum_sq, max_norm, counts, programs, members, referen
     mul = torch.empty(clip, dtype=torch.float32, device=device)
     lrs = [torch.empty(members, dtype=torch.float32, device=device) for _ in counts]
     programs = [float(x) for x in programs]
-    starts = _starts(programs, len(counts))
+    decoded = decode(programs, len(counts))
+    starts = [start for start, _, _ in decoded]
     if peak is not None and _block(members) * _block(n_leaves) > _TILE:
         if reference is None:  # one program's block would not hold the members' leaves
             return None
         return reference(peak, inv, require, sum_sq, max_norm, counts, programs, members)
     ends = [*starts[1:], len(programs)]
     mine = []  # the programs this kernel evaluates; the interpreter has no pow for the rest
-    for k, (start, end) in enumerate(zip(starts, ends)):
-        if interpreted and _general_power(programs, start + 1):
+    for k, ((start, _, form), end) in enumerate(zip(decoded, ends)):
+        if interpreted and _general_power(form):
             if reference is None:
                 return None
             one = reference(None, None, None, None, 0.0, [counts[k]], programs[start:end], members)
