@@ -328,7 +328,7 @@ def _scalars_before(fp: FusedPlan, g, inv, decision, memo: dict, schedules: list
     require = decision.require
     require = None if require is None else _one(require.to(device))
     if fp.decides and decision.agree is None:
-        _schedules(schedules, memo, None, None, None, None, 0.0)
+        _call_step_scalars(schedules, memo, None, None, None, None, 0.0)
         return None, require, None, None, None
     clipping = fp.max_norm is not None
     # A hook that counts leaves differently (a DTensor state's) gets one sum per leaf.
@@ -339,11 +339,11 @@ def _scalars_before(fp: FusedPlan, g, inv, decision, memo: dict, schedules: list
     peak, sum_sq = call_grad_stats(g, inv_groups, groups, 1, clipping)
     if decision.agree is None and decision.global_sum is None:
         sum_sq = sum_sq if clipping else None
-        leaves, finite, div, mul = _schedules(
+        leaves, finite, div, mul = _call_step_scalars(
             schedules, memo, peak, _one(inv), require, sum_sq, fp.max_norm or 0.0
         )
         return finite, None, (div if clipping else None), (mul if clipping else None), leaves
-    _schedules(schedules, memo, None, None, None, None, 0.0)
+    _call_step_scalars(schedules, memo, None, None, None, None, 0.0)
     leaves, finite = decision.leaves(finite_from_peak(peak, _one(inv)))
     clip_div = clip_mul = None
     if clipping:
@@ -352,10 +352,10 @@ def _scalars_before(fp: FusedPlan, g, inv, decision, memo: dict, schedules: list
     return _one(finite), None, clip_div, clip_mul, leaves
 
 
-def _schedules(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm):
-    """One ``step_scalars`` call (where it has anything to compute): the declared
-    schedules' factors into ``memo`` (under the keys :func:`_planned_lr_factor` reads);
-    returns the decision's and the clip's outputs."""
+def _call_step_scalars(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm):
+    """One ``step_scalars`` call (where it has anything to compute): the programs'
+    outputs into ``memo`` (under the keys the steps read); returns the decision's and
+    the clip's outputs."""
     if peak is None and sum_sq is None and not schedules:
         return None
     programs = [(c, sign, form) for _, c, sign, forms in schedules for form in forms]
@@ -367,19 +367,20 @@ def _schedules(schedules: list, memo: dict, peak, inv, require, sum_sq, max_norm
     return leaves, finite, div, mul
 
 
-def _inverse(loss_scale, schedules: list, memo: dict):
-    """The unscale factor: the one the last update's bookkeeping kept, else made by a
-    ``step_scalars`` call before the gradients are read, with the step's programs (a
-    trace, or the first update of a state: one launch instead of its three)."""
+def _inverse(loss_scale, schedules: list, memo: dict) -> tuple[torch.Tensor | None, list]:
+    """``(the unscale factor, the programs still to run)``: the factor the last update's
+    bookkeeping kept, else made by a ``step_scalars`` call before the gradients are
+    read, which runs the step's programs with it (a trace, or the first update of a
+    state: one launch instead of its three)."""
     if isinstance(loss_scale, NoOpLossScale):
-        return None
+        return None, schedules
     known = known_inverse(loss_scale)
     scale = loss_scale.loss_scale
     if known is not None or type(scale) is not torch.Tensor or scale.dtype != torch.float32:
-        return unscale_inverse(loss_scale) if known is None else known
+        return (unscale_inverse(loss_scale) if known is None else known), schedules
     mine = ("inverse", scale.view(torch.int32), 1.0, (("inverse",),))  # the scale's bits
-    _schedules([mine, *schedules], memo, None, None, None, None, 0.0)
-    return memo["inverse"].reshape(())
+    _call_step_scalars([mine, *schedules], memo, None, None, None, None, 0.0)
+    return memo["inverse"].reshape(()), []
 
 
 def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
@@ -389,9 +390,9 @@ def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
     out, seen = [], set()
     injected = memo.get("injected", ((),))[0]
     for grp in fp.groups:
-        plan = grp.plan
+        plan, shared = grp.plan, dict(grp.shared)
         if grp.fusable.counts is not None:
-            for key, position, forms in grp.fusable.counts(plan, dict(grp.shared), masters):
+            for key, position, forms in grp.fusable.counts(plan, shared, masters):
                 if key not in seen:
                     seen.add(key)
                     out.append((key, memo["opt"][position], 1.0, forms))
@@ -400,7 +401,7 @@ def _declared_schedules(fp: FusedPlan, memo: dict, masters: list) -> list:
         form = declared_form(plan.learning_rate)
         if form is None:
             continue
-        position = dict(grp.shared)["lr_count"]
+        position = shared["lr_count"]
         key = ("lr", position, plan.learning_rate, plan.sign)
         if key not in seen:
             seen.add(key)
@@ -490,9 +491,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     if injected is not None:
         memo["injected"] = injected
     schedules = _declared_schedules(fp, memo, masters)
-    inv = _inverse(state.loss_scale, schedules, memo)
-    if inv is not None and "inverse" in memo:  # the programs came with it
-        schedules = []
+    inv, schedules = _inverse(state.loss_scale, schedules, memo)
     apply, require, clip_div, clip_mul, leaf_finite = _scalars_before(
         fp, g, inv, decision, memo, schedules
     )
