@@ -198,6 +198,13 @@ def skip_flag(apply: Tensor) -> Tensor:
     return derived("skip", apply, lambda a: torch.where(a.reshape(()), 0.0, 1.0))
 
 
+def _as_integer(apply: Tensor, kind: torch.dtype) -> Tensor:
+    """The decision as a 0-d integer ``0`` or ``1`` of ``kind`` (the selects' factor on bit
+    patterns), once per decision and width (:func:`derived`): every state list and group
+    of an update shares it."""
+    return derived(f"as {kind}", apply, lambda a: a.reshape(()).to(kind))
+
+
 def descending(lr: Tensor) -> Tensor:
     """``-lr`` as a 0-d tensor: the learning rate PyTorch's fused kernels descend by, from
     the op's signed factor; once per factor (:func:`derived`)."""
@@ -344,7 +351,7 @@ def restore_skipped_(
         o = [out[i].view(kind) for i in idx]
         old_bits = [old[i].view(kind) for i in idx]
         torch._foreach_sub_(o, old_bits)
-        torch._foreach_mul_(o, apply.reshape(()).to(kind))
+        torch._foreach_mul_(o, _as_integer(apply, kind))
         if into_old:
             torch._foreach_add_(old_bits, o)
         else:
@@ -364,7 +371,7 @@ def select_into(
     ``new`` tensors are the caller's temporaries and are overwritten (no further buffer).
     """
     for kind, idx in by_bit_width(new):
-        a = apply.reshape(()).to(kind)
+        a = _as_integer(apply, kind)
         keep = 1 - a
         n = [new[i].view(kind) for i in idx]
         o = [out[i].view(kind) for i in idx]

@@ -307,7 +307,7 @@ def _lists(
             found_inf=plain_kernels.skip_flag(given),  # the decision's own: once an update
         )  # fmt: skip
         del u
-        plain_kernels.refresh_params(apply, master_out, params, params_out)
+        plain_kernels.refresh_params(given, master_out, params, params_out)
         return
     if weight_decay != 0.0:
         torch._foreach_add_(u, master, alpha=weight_decay)
