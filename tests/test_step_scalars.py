@@ -299,3 +299,15 @@ def test_a_derived_value_is_made_once_per_unwritten_tensor():
     assert pk.derived("t", lr.clone(), neg).item() == -1.5 and len(made) == 3
     torch.func.vmap(lambda x: pk.derived("t", x, neg))(torch.ones(2, 1))  # not kept there
     assert pk.derived("t", lr, neg).item() == -1.5 and len(made) == 4
+
+
+def test_a_derived_value_of_a_tensor_subclass_is_not_kept():
+    """A DTensor holds its mesh (and process group): the cache keeps plain tensors only."""
+    from functional_fp16._fused import plain_kernels as pk
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.tensor([0.5]).as_subclass(Sub)
+    pk.derived("t", x, lambda t: -t)
+    assert not any(entry[0] is x for entry in pk._DERIVED.values())

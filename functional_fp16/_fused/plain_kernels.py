@@ -216,10 +216,12 @@ _DERIVED_KEPT = 64
 _DERIVED_LOCK = threading.Lock()  # updates in several threads share it
 
 
-def _kept() -> bool:
-    """Whether a derived value may be kept: plain eager mode, not a trace, a transform or
-    a CUDA graph's capture (which must record every launch that makes it)."""
-    return not (
+def _kept(x: Tensor) -> bool:
+    """Whether a value derived from ``x`` may be kept: a plain tensor (a DTensor holds its
+    mesh, whose process group the cache would keep alive into interpreter exit), in plain
+    eager mode, not a trace, a transform or a CUDA graph's capture (which must record
+    every launch that makes it)."""
+    return type(x) is Tensor and not (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -228,7 +230,7 @@ def _kept() -> bool:
 
 def remember(name: str, x: Tensor, value: Tensor) -> None:
     """Records ``value`` as ``derived(name, x)`` (made by the op that made ``x``)."""
-    if _kept():
+    if _kept(x):
         with _DERIVED_LOCK:
             while len(_DERIVED) >= _DERIVED_KEPT:  # the least recently used goes
                 _DERIVED.pop(next(iter(_DERIVED)))
@@ -239,7 +241,7 @@ def derived(name: str, x: Tensor, make) -> Tensor:
     """``make(x)``, made once for the tensor ``x`` while it is unwritten (the same object,
     the same version counter): several groups of one update derive the same 0-d value
     from the same decision or learning rate without a launch each."""
-    if not _kept():
+    if not _kept(x):
         return make(x)
     key = (name, id(x))
     with _DERIVED_LOCK:
