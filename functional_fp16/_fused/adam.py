@@ -275,7 +275,7 @@ def _fused(
     (2) once ``u`` is freed: 4 at most, pure or donated (a pure step's new state is
     copied from the old one and stepped in place).
     """
-    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    u = plain_kernels.read_unscaled(grads, master, inv, clip_div, clip_mul)  # only read
     plain_kernels.start_from(master_out + mu_out + nu_out, master + mu + nu)  # one copy
     fused = torch._fused_adam_ if l2 else torch._fused_adamw_  # l2 and decoupled: not both
     fused(
@@ -524,4 +524,10 @@ def _float_counts(plan: AdamPlan, shared: dict, masters: list) -> list:
     return out
 
 
-register(Fusable("adam", _read, _positions, _step, _index, _float_counts))
+def _reads_unscaled(plan: AdamPlan) -> bool:
+    """Whether the plain kernel steps ``plan`` with PyTorch's fused Adam/AdamW, which only
+    reads its float32 gradients (a float32 moment, not both decays)."""
+    return not plan.stored and not (plan.l2_decay and plan.decoupled_decay)
+
+
+register(Fusable("adam", _read, _positions, _step, _index, _float_counts, _reads_unscaled))

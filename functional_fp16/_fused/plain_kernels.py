@@ -32,6 +32,7 @@ __all__ = ["f32", "walk", "calls", "member", "unscaled", "write_member", "stats_
 __all__ += [
     "one_group",
     "unscaled_lists",
+    "read_unscaled",
     "unscaled_into",
     "skip_flag",
     "descending",
@@ -164,6 +165,20 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     number of leaves."""
     return unscaled_into([torch.empty_like(m, dtype=torch.float32) for m in like], grads, inv,
                          clip_div, clip_mul)  # fmt: skip
+
+
+def read_unscaled(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
+    """:func:`unscaled_lists` for a kernel that only reads them (PyTorch's fused optimiser
+    kernels without ``grad_scale``): ``grads`` themselves where they are float32, laid out
+    like ``like``, with nothing to unscale or clip (an update of several groups unscales
+    every leaf once before their ops: ``across_groups``); no copy, no launch."""
+    if (
+        inv is None
+        and clip_div is None
+        and all(g.dtype == torch.float32 and g.stride() == m.stride() for g, m in zip(grads, like))
+    ):
+        return list(grads)
+    return unscaled_lists(grads, like, inv, clip_div, clip_mul)
 
 
 def unscaled_into(u: list[Tensor], grads, inv, clip_div, clip_mul) -> list[Tensor]:

@@ -295,9 +295,9 @@ def _lists(
     PyTorch's (:math:`b' = u`, not :math:`(1 - d) u`), so it runs as multi-tensor
     ops.
     """
-    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
     given, apply = apply, apply.reshape(())
     if trace is None or take == 1.0:
+        u = plain_kernels.read_unscaled(grads, master, inv, clip_div, clip_mul)  # only read
         t_out, t_in = (trace_out, trace) if trace is not None else ([], [])
         plain_kernels.start_from(master_out + t_out, master + t_in)  # one copy
         torch._fused_sgd_(
@@ -309,6 +309,7 @@ def _lists(
         del u
         plain_kernels.refresh_params(given, master_out, params, params_out)
         return
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)  # written
     if weight_decay != 0.0:
         torch._foreach_add_(u, master, alpha=weight_decay)
     on = started.reshape(())
@@ -535,4 +536,10 @@ def _stored_step(plan: SGDPlan, grads, masters, roles, shared, own, common, dona
     return list(m_out), roles_out, list(p_new), tuple(decided), {}  # "started": as in _step
 
 
-register(Fusable("sgd", _read, _positions, _step))
+def _reads_unscaled(plan: SGDPlan) -> bool:
+    """Whether the plain kernel steps ``plan`` with PyTorch's fused SGD, which only reads
+    its float32 gradients (no momentum, or momentum without dampening)."""
+    return not plan.stored and (plan.momentum == 0.0 or f32(1.0 - plan.dampening) == 1.0)
+
+
+register(Fusable("sgd", _read, _positions, _step, reads_unscaled=_reads_unscaled))

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functional_fp16._fused import across_groups, plain_kernels
 from functional_fp16._fused.bookkeeping import bookkeep
 from functional_fp16._fused.chains import chain_parts
 from functional_fp16._fused.device_kernels import finite_from_peak
@@ -87,6 +88,10 @@ class Fusable(NamedTuple):
     # step reads of a count (``step_scalars``' programs, e.g. ("count",)), made before it
     # runs; the memo holds one output, or a tuple of them for several forms
     counts: Callable[[Any, dict, list], list[tuple[Any, int, tuple]]] | None = None
+    # plan -> whether its plain kernel only reads float32 gradients given with nothing to
+    # unscale or clip (PyTorch's fused kernels): then an update of several groups unscales
+    # and refreshes once for all of them (``across_groups``)
+    reads_unscaled: Callable[[Any], bool] | None = None
 
 
 _FUSABLE: list[Fusable] = []
@@ -498,22 +503,30 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     new_m, new_p, new_opt = list(masters), list(params), list(opt)
     pending: dict[int, None] = {}  # positions of the counts and flags to advance, in order
     finite = None
+    once = across_groups.applies(fp, masters, apply, require)
+    stepped, stepped_opt = masters, opt  # what the ops step
+    if once:  # the groups' unscale, state copy and refresh once (``across_groups``)
+        g = plain_kernels.unscaled_lists(g, masters, inv, clip_div, clip_mul)
+        inv = clip_div = clip_mul = None
+        if not donate:
+            stepped, stepped_opt = across_groups.state_copies(fp, masters, opt)
     for grp in fp.groups:
         if grp.whole:
-            gg, mm, pp = g, masters, params
+            gg, mm, pp = g, stepped, params
         else:
             gg = [g[i] for i in grp.leaves]
-            mm = [masters[i] for i in grp.leaves]
+            mm = [stepped[i] for i in grp.leaves]
             pp = [params[i] for i in grp.leaves]
-        own = [p for p, s in zip(pp, grp.separate) if s]
-        roles = {r: [opt[i] for i in pos if i >= 0] for r, pos in grp.roles}
+        separate = (False,) * len(mm) if once else grp.separate  # once: masters only
+        own = [p for p, s in zip(pp, separate) if s]
+        roles = {r: [stepped_opt[i] for i in pos if i >= 0] for r, pos in grp.roles}
         shared = dict(grp.shared)
         memo["indices"] = grp.indices
         lr = _lr_factor(grp.plan, shared, masters[0], memo)
         common = dict(inv=_one(inv), clip_div=clip_div, clip_mul=clip_mul, lr=lr, apply=apply)
-        common.update(require=require, separate=list(grp.separate), members=1)
+        common.update(require=require, separate=list(separate), members=1)
         m_out, roles_out, p_out, (flag, leaves), shared_out = grp.fusable.step(
-            grp.plan, gg, mm, roles, shared, own, common, donate, memo
+            grp.plan, gg, mm, roles, shared, own, common, donate or once, memo
         )
         finite = flag.reshape(())
         if apply is None:
@@ -523,7 +536,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
             new_m, new_p = list(m_out), list(p_out)
         else:
             it = iter(p_out)
-            for j, (i, s) in enumerate(zip(grp.leaves, grp.separate)):
+            for j, (i, s) in enumerate(zip(grp.leaves, separate)):
                 new_m[i] = m_out[j]
                 new_p[i] = next(it) if s else m_out[j]
         for r, pos in grp.roles:
@@ -534,6 +547,9 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
                 new_opt[pos] = shared_out[name]
             else:  # a count (advanced on an applied step) or a flag (set): bookkeeping's
                 pending[pos] = None
+    if once:
+        del g, gg  # the unscaled gradients, before the refresh's rounding
+        new_p = across_groups.refresh(fp, apply, new_m, params, donate)
     loss_scale, stats, step, advanced = bookkeep(state, finite, [opt[p] for p in pending])
     for pos, t in zip(pending, advanced):
         new_opt[pos] = t

@@ -1,0 +1,88 @@
+r"""What an update of several groups does once for all of them on the plain kernels.
+
+A masked or labelled optimiser is one op call per group (``fused_plan``'s groups:
+weight decay on some leaves, none on others). Each call would unscale and clip
+its leaves' gradients (four multi-tensor launches), copy its state into its
+fresh outputs (one) and refresh its working copies (four): on CUDA's default,
+per group, the same launches again. Where every group's plain kernel only
+*reads* its float32 gradients (PyTorch's fused optimiser kernels with
+``grad_scale=None`` do not write them), the update does that work once:
+
+1. the unscaled, clipped gradients of every leaf,
+   :math:`u = (\operatorname{fl}_{32}(g)\,\mathrm{inv} / c_d)\, c_m`, in one list
+   (:func:`~functional_fp16._fused.plain_kernels.unscaled_lists`), which each
+   group's op is given as float32 gradients with nothing left to apply;
+2. a pure update copies the old state into its new buffers in one multi-tensor
+   copy and steps the copies with the donated ops (a donated update steps its
+   own state): the groups' ops write in place and copy nothing;
+3. the ops step the masters only (every leaf passed as working on its master);
+   then every working copy is refreshed from its new master in one pass
+   (:func:`~functional_fp16._fused.plain_kernels.refresh_params`).
+
+The arithmetic is each op's own, element for element: the same ``u``, the same
+kernel, the same selects, so the result is bitwise the per-group calls'. The
+transient memory is the one ``u`` (4 B a parameter) and, after it is freed, a
+donated refresh's rounding (2 B). It applies in plain eager mode only: under
+``torch.compile``, ``vmap`` or a dispatch mode each group's op is called whole,
+as everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_fp16._fused import op_library, plain_kernels
+from functional_fp16.precision.master_split import holds_residuals
+
+__all__ = ["applies", "state_copies", "refresh"]
+
+
+def applies(fp: Any, masters: list[torch.Tensor], apply, require) -> bool:
+    """Whether the update of plan ``fp`` shares its groups' work (the module's steps):
+    several groups, each of which reads float32 gradients without a copy
+    (``Fusable.reads_unscaled``), the decision made before the ops (``apply`` given, no
+    ``require`` left), plain tensors on the plain kernels, a float32 master, plain
+    eager mode."""
+    if len(fp.groups) < 2 or apply is None or require is not None:
+        return False
+    if any(g.fusable.reads_unscaled is None or not g.fusable.reads_unscaled(g.plan)
+           for g in fp.groups):  # fmt: skip
+        return False
+    first = masters[0]
+    return (
+        type(first) is torch.Tensor
+        and op_library.kernel_for(first.device) == "generic"
+        and not op_library._transformed()
+        and not holds_residuals(masters)
+    )
+
+
+def state_copies(fp: Any, masters: list, opt: list) -> tuple[list, list]:
+    """``(masters, opt)`` with every master and every per-leaf state the groups step
+    copied into new tensors, in one multi-tensor copy (a pure update's new state, which
+    the donated ops then step in place); the 0-d state is the old one (read only)."""
+    positions = sorted({i for g in fp.groups for _, pos in g.roles for i in pos if i >= 0})
+    old = masters + [opt[i] for i in positions]
+    new = [torch.empty_like(x) for x in old]
+    torch._foreach_copy_(new, old)
+    new_opt = list(opt)
+    for i, t in zip(positions, new[len(masters) :]):
+        new_opt[i] = t
+    return new[: len(masters)], new_opt
+
+
+def refresh(fp: Any, apply, new_masters: list, params: list, donate: bool) -> list:
+    """The working copies after the step: each leaf's that is its own tensor rounded from
+    its new master where ``apply`` (the old bits where the step is skipped), in one pass
+    over every leaf; a leaf without one is its master. New tensors for a pure update,
+    ``params`` written in place for a donated one."""
+    own = sorted(i for g in fp.groups for i, s in zip(g.leaves, g.separate) if s)
+    new_params = list(new_masters)
+    old = [params[i] for i in own]
+    out = old if donate else [torch.empty_like(p) for p in old]
+    plain_kernels.refresh_params(apply, [new_masters[i] for i in own], old, out)
+    for i, p in zip(own, out):
+        new_params[i] = p
+    return new_params

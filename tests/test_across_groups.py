@@ -1,0 +1,153 @@
+"""An update of several groups on the plain kernels (CUDA's default) shares their work:
+one unscale, one state copy, one refresh (``_fused/across_groups.py``).
+
+* with the sharing and with each group's op called whole (the sharing switched off),
+  the same state, bit for bit, pure and donated, through skipped steps (an inf and a
+  NaN gradient) and a schedule;
+* a pure update leaves the old state and the gradients untouched;
+* the sharing happens where it is declared (several groups whose plain kernels only read
+  their gradients), and the groups' ops are then given float32 gradients and no working
+  copies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_fp16 as ff
+from functional_fp16._fused import across_groups
+from functional_fp16._fused import device_kernels as dk
+from functional_fp16._fused.steps import fused_plan
+from functional_fp16._kernels import cpu as cpu_kernel
+from functional_fp16._util.tree import tree_leaves, tree_map
+from tests.helpers import assert_states_bitwise_equal, optimiser_matrix
+
+GROUPED = ("recipe", "masked_sgd_decay", "labels_sgd_adam")
+STEPS = 6
+BAD = {2: float("inf"), 4: float("nan")}
+
+
+def _params():
+    g = torch.Generator().manual_seed(1)
+    shapes = {"wte": (16, 8), "attn.w": (24, 8), "attn.b": (24,), "ln.w": (8,), "mlp.w": (8, 8)}
+    return {k: (torch.randn(s, generator=g) * 0.1).half() for k, s in shapes.items()}
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    out = {k: (torch.randn(v.shape, generator=g) * 256).half() for k, v in params.items()}
+    if step in BAD:
+        out["attn.b"].view(-1)[3] = BAD[step]
+    return out
+
+
+def _clone(tree):
+    return tree_map(lambda x: x.clone(), tree)
+
+
+def _nudged(state):
+    """``state`` with every master a little off its working copy's value (as a user's
+    edit of the master leaves it), so that ``fl16(master)`` differs from the copy."""
+    return state.replace(master=tree_map(lambda m: m * (1 + 2.0**-7), state.master))
+
+
+@pytest.fixture
+def cuda_default(monkeypatch):
+    monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "cuda-default")
+
+
+def _spy(monkeypatch) -> list[bool]:
+    seen: list[bool] = []
+    real = across_groups.applies
+
+    def applies(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(across_groups, "applies", applies)
+    return seen
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", GROUPED)
+def test_shared_work_is_bitwise_each_groups_op_called_whole(
+    cuda_default, monkeypatch, name, donate
+):
+    params = _params()
+    tx = optimiser_matrix()[name]
+    shared = ff.fp16_init(params, tx, ff.DynamicLossScale(2.0**12, growth_interval=2))
+    whole = _clone(shared)
+    seen = _spy(monkeypatch)
+    skipped = 0
+    for step in range(STEPS):
+        grads = _grads(params, step)
+        if step in BAD:  # a skipped step keeps working copies that are not the master's
+            shared, whole = _nudged(shared), _nudged(whole)  # rounding bit for bit
+        shared = ff.fp16_update(shared, grads, donate=donate)
+        with monkeypatch.context() as m:
+            m.setattr(across_groups, "applies", lambda *a: False)
+            whole = ff.fp16_update(whole, grads, donate=donate)
+        assert_states_bitwise_equal(shared, whole)
+        skipped += not bool(shared.grads_finite)
+    assert seen == [True] * STEPS  # the sharing ran, every step
+    assert skipped == len(BAD)  # both kinds of skip were seen
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_a_pure_shared_update_leaves_its_inputs_untouched(cuda_default, monkeypatch, name):
+    params = _params()
+    state = ff.fp16_init(params, optimiser_matrix()[name], ff.DynamicLossScale(2.0**12))
+    seen = _spy(monkeypatch)
+    for step in (0, 2):  # an applied step, then a skipped one
+        grads = _grads(params, step)
+        before, grads_before = _clone(state), _clone(grads)
+        new = ff.fp16_update(state, grads)
+        assert_states_bitwise_equal(state, before)
+        assert_states_bitwise_equal(grads, grads_before)
+        new_leaves = tree_leaves((new.params, new.master, new.opt_state))
+        old_ptrs = {
+            x.data_ptr() for x in tree_leaves((state.params, state.master, state.opt_state))
+        }
+        assert not any(x.data_ptr() in old_ptrs for x in new_leaves if x.numel())
+        state = new
+    assert seen == [True, True]
+
+
+def test_the_groups_ops_step_masters_from_float32_gradients(cuda_default, monkeypatch):
+    """What the groups' ops are given when the work is shared: the unscaled float32
+    gradients (nothing left to unscale or clip) and no working copies."""
+    from functional_fp16._fused import adam
+
+    given = []
+    real = adam.ADAM_OPS.call
+
+    def call(donated, a):
+        given.append((donated, a))
+        return real(donated, a)
+
+    monkeypatch.setattr(adam, "ADAM_OPS", adam.ADAM_OPS._replace(call=call))
+    params = _params()
+    state = ff.fp16_init(params, optimiser_matrix()["recipe"])
+    assert len(fused_plan(state).groups) == 2
+    ff.fp16_update(state, _grads(params, 0))
+    assert len(given) == 2
+    for donated, a in given:
+        assert donated  # on the pure update's own copies
+        assert {g.dtype for g in a["grads"]} == {torch.float32}
+        assert a["inv"] is None and a["clip_div"] is None and a["clip_mul"] is None
+        assert a["params"] == [] and not any(a["separate"])
+
+
+def test_one_group_or_the_c_kernel_calls_each_op_whole(monkeypatch):
+    """The sharing is the plain kernels' and several groups': one group on CUDA's default,
+    and the recipe's groups on the C kernel, call each op whole."""
+    seen = _spy(monkeypatch)
+    params = _params()
+    monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "cuda-default")
+    ff.fp16_update(ff.fp16_init(params, ff.adamw(1e-3)), _grads(params, 0))
+    assert seen == [False]
+    if cpu_kernel.available():
+        monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "c")
+        ff.fp16_update(ff.fp16_init(params, optimiser_matrix()["recipe"]), _grads(params, 0))
+        assert seen == [False, False]
