@@ -36,7 +36,7 @@ def _params():
 
 def _grads(params, step):
     g = torch.Generator().manual_seed(100 + step)
-    out = {k: (torch.randn(v.shape, generator=g) * 256).half() for k, v in params.items()}
+    out = {k: (torch.randn(v.shape, generator=g) * 256).to(v.dtype) for k, v in params.items()}
     if step in BAD:
         out["attn.b"].view(-1)[3] = BAD[step]
     return out
@@ -70,13 +70,19 @@ def _spy(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
-@pytest.mark.parametrize("name", GROUPED)
+@pytest.mark.parametrize(
+    "name, dtype",
+    [(n, torch.float16) for n in GROUPED] + [("recipe", torch.float32)],  # FP32: no copies
+)
 def test_shared_work_is_bitwise_each_groups_op_called_whole(
-    cuda_default, monkeypatch, name, donate
+    cuda_default, monkeypatch, name, dtype, donate
 ):
     params = _params()
     tx = optimiser_matrix()[name]
-    shared = ff.fp16_init(params, tx, ff.DynamicLossScale(2.0**12, growth_interval=2))
+    scale = ff.DynamicLossScale(2.0**12, growth_interval=2)
+    shared = ff.fp16_init(params, tx, scale, param_dtype=dtype)
+    if dtype == torch.float32:
+        params = {k: v.float() for k, v in params.items()}
     whole = _clone(shared)
     seen = _spy(monkeypatch)
     skipped = 0
