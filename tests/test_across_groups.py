@@ -1,13 +1,15 @@
-"""An update of several groups on the plain kernels (CUDA's default) shares their work:
+"""The update on the plain kernels (CUDA's default) does its groups' common work itself:
 one unscale, one state copy, one refresh (``_fused/across_groups.py``).
 
 * with the sharing and with each group's op called whole (the sharing switched off),
   the same state, bit for bit, pure and donated, through skipped steps (an inf and a
-  NaN gradient) and a schedule;
+  NaN gradient, working copies that are not their master's rounding) and a schedule;
+  one group or several, ``MultiSteps`` (whose donated inner update rounds into the
+  mean it was handed);
 * a pure update leaves the old state and the gradients untouched;
-* the sharing happens where it is declared (several groups whose plain kernels only read
-  their gradients), and the groups' ops are then given float32 gradients and no working
-  copies.
+* the sharing happens where it is declared (plain kernels that only read their
+  gradients), and the groups' ops are then given float32 gradients and no working
+  copies; a donated update refuses gradients that share memory with the copies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from functional_fp16._util.tree import tree_leaves, tree_map
 from tests.helpers import assert_states_bitwise_equal, optimiser_matrix
 
 GROUPED = ("recipe", "masked_sgd_decay", "labels_sgd_adam")
+SHARED = (*GROUPED, "momentum", "nesterov", "clip", "adam", "clip_l2_adam", "schedule")
+WHOLE = ("dampening", "lion", "lion_masked")  # plain kernels that write their gradients
 STEPS = 6
 BAD = {2: float("inf"), 4: float("nan")}
 
@@ -44,6 +48,10 @@ def _grads(params, step):
 
 def _clone(tree):
     return tree_map(lambda x: x.clone(), tree)
+
+
+def _optimisers():
+    return {**optimiser_matrix(), "multisteps": ff.MultiSteps(ff.sgd(0.05, momentum=0.9), 2)}
 
 
 def _nudged(state):
@@ -72,13 +80,14 @@ def _spy(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize(
     "name, dtype",
-    [(n, torch.float16) for n in GROUPED] + [("recipe", torch.float32)],  # FP32: no copies
+    [(n, torch.float16) for n in (*SHARED, "multisteps")]
+    + [("recipe", torch.float32)],  # FP32: no copies
 )
 def test_shared_work_is_bitwise_each_groups_op_called_whole(
     cuda_default, monkeypatch, name, dtype, donate
 ):
     params = _params()
-    tx = optimiser_matrix()[name]
+    tx = _optimisers()[name]
     scale = ff.DynamicLossScale(2.0**12, growth_interval=2)
     shared = ff.fp16_init(params, tx, scale, param_dtype=dtype)
     if dtype == torch.float32:
@@ -96,8 +105,8 @@ def test_shared_work_is_bitwise_each_groups_op_called_whole(
             whole = ff.fp16_update(whole, grads, donate=donate)
         assert_states_bitwise_equal(shared, whole)
         skipped += not bool(shared.grads_finite)
-    assert seen == [True] * STEPS  # the sharing ran, every step
-    assert skipped == len(BAD)  # both kinds of skip were seen
+    assert seen and all(seen)  # the sharing ran, every step (MultiSteps: each micro-batch)
+    assert skipped >= len(BAD)  # both kinds of skip were seen (and MultiSteps' windows)
 
 
 @pytest.mark.parametrize("name", GROUPED)
@@ -145,15 +154,35 @@ def test_the_groups_ops_step_masters_from_float32_gradients(cuda_default, monkey
         assert a["params"] == [] and not any(a["separate"])
 
 
-def test_one_group_or_the_c_kernel_calls_each_op_whole(monkeypatch):
-    """The sharing is the plain kernels' and several groups': one group on CUDA's default,
-    and the recipe's groups on the C kernel, call each op whole."""
+@pytest.mark.parametrize("name", WHOLE)
+def test_plain_kernels_that_write_their_gradients_call_each_op_whole(
+    cuda_default, monkeypatch, name
+):
     seen = _spy(monkeypatch)
     params = _params()
-    monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "cuda-default")
-    ff.fp16_update(ff.fp16_init(params, ff.adamw(1e-3)), _grads(params, 0))
+    ff.fp16_update(ff.fp16_init(params, optimiser_matrix()[name]), _grads(params, 0))
     assert seen == [False]
-    if cpu_kernel.available():
-        monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "c")
-        ff.fp16_update(ff.fp16_init(params, optimiser_matrix()["recipe"]), _grads(params, 0))
-        assert seen == [False, False]
+
+
+def test_the_c_kernel_calls_each_op_whole(monkeypatch):
+    if not cpu_kernel.available():
+        pytest.skip("no C compiler here: the CPU runs the plain kernels")
+    seen = _spy(monkeypatch)
+    monkeypatch.setenv(dk.CPU_KERNEL_VARIABLE, "c")
+    params = _params()
+    ff.fp16_update(ff.fp16_init(params, optimiser_matrix()["recipe"]), _grads(params, 0))
+    assert seen == [False]
+
+
+def test_donated_gradients_that_share_memory_with_a_copy_are_refused():
+    """``MultiSteps`` hands its donated inner update float32 gradients, whose memory the
+    refresh then writes: one that overlaps a working copy is refused, naming both."""
+    params = [torch.zeros(8, dtype=torch.float16), torch.zeros(6, dtype=torch.float16)]
+    grads = [torch.zeros(8), torch.zeros(6)]
+    assert across_groups.donated_room(grads, params) is grads
+    storage = torch.zeros(8)  # float32: a copy of 6 FP16 elements fits in its memory
+    overlapping = [grads[0], storage[2:8]]
+    copies = [params[0], storage.view(torch.float16)[4:10]]
+    both = r"(grads\[1\] and params\[1\]|params\[1\] and grads\[1\]) share memory"
+    with pytest.raises(ValueError, match=both):
+        across_groups.donated_room(overlapping, copies)

@@ -1,4 +1,4 @@
-r"""What an update of several groups does once for all of them on the plain kernels.
+r"""What the groups of an update share on the plain kernels, done once for all of them.
 
 A masked or labelled optimiser is one op call per group (``fused_plan``'s groups:
 weight decay on some leaves, none on others). Each call would unscale and clip
@@ -6,7 +6,7 @@ its leaves' gradients (four multi-tensor launches), copy its state into its
 fresh outputs (one) and refresh its working copies (four): on CUDA's default,
 per group, the same launches again. Where every group's plain kernel only
 *reads* its float32 gradients (PyTorch's fused optimiser kernels with
-``grad_scale=None`` do not write them), the update does that work once:
+``grad_scale=None`` do not write them), the update does that work itself, once:
 
 1. the unscaled, clipped gradients of every leaf,
    :math:`u = (\operatorname{fl}_{32}(g)\,\mathrm{inv} / c_d)\, c_m`, in one list
@@ -20,9 +20,13 @@ per group, the same launches again. Where every group's plain kernel only
    (:func:`~functional_fp16._fused.plain_kernels.refresh_params`).
 
 The arithmetic is each op's own, element for element: the same ``u``, the same
-kernel, the same selects, so the result is bitwise the per-group calls'. The
-transient memory is the one ``u`` (4 B a parameter) and, after it is freed, a
-donated refresh's rounding (2 B). It applies in plain eager mode only: under
+kernel, the same decision, the same selects, so the result is bitwise each op
+called whole. With one group the launches are the op's own; what changes is a
+donated update's memory: it rounds the working copies into the memory of the
+spent gradients ``u`` (its own, or donated float32 gradients it was handed with
+nothing to unscale, as ``MultiSteps`` hands its mean) instead of a 2-byte
+temporary, so its transient memory is ``u`` alone (4 B a parameter, none where
+``u`` is the donated gradients). It applies in plain eager mode only: under
 ``torch.compile``, ``vmap`` or a dispatch mode each group's op is called whole,
 as everywhere else.
 """
@@ -34,18 +38,18 @@ from typing import Any
 import torch
 
 from functional_fp16._fused import op_library, plain_kernels
+from functional_fp16._fused.op_checks import first_overlap
 from functional_fp16.precision.master_split import holds_residuals
 
-__all__ = ["applies", "state_copies", "refresh"]
+__all__ = ["applies", "state_copies", "donated_room", "refresh"]
 
 
-def applies(fp: Any, masters: list[torch.Tensor], apply, require) -> bool:
-    """Whether the update of plan ``fp`` shares its groups' work (the module's steps):
-    several groups, each of which reads float32 gradients without a copy
-    (``Fusable.reads_unscaled``), the decision made before the ops (``apply`` given, no
-    ``require`` left), plain tensors on the plain kernels, a float32 master, plain
-    eager mode."""
-    if len(fp.groups) < 2 or apply is None or require is not None:
+def applies(fp: Any, masters: list[torch.Tensor]) -> bool:
+    """Whether the update of plan ``fp`` does its groups' common work itself (the
+    module's steps): every group's plain kernel reads float32 gradients without a copy
+    (``Fusable.reads_unscaled``), plain tensors on the plain kernels, a float32 master,
+    plain eager mode."""
+    if op_library._transformed():  # (first: a trace asks no kernel, it may load one)
         return False
     if any(g.fusable.reads_unscaled is None or not g.fusable.reads_unscaled(g.plan)
            for g in fp.groups):  # fmt: skip
@@ -54,7 +58,6 @@ def applies(fp: Any, masters: list[torch.Tensor], apply, require) -> bool:
     return (
         type(first) is torch.Tensor
         and op_library.kernel_for(first.device) == "generic"
-        and not op_library._transformed()
         and not holds_residuals(masters)
     )
 
@@ -73,16 +76,33 @@ def state_copies(fp: Any, masters: list, opt: list) -> tuple[list, list]:
     return new[: len(masters)], new_opt
 
 
-def refresh(fp: Any, apply, new_masters: list, params: list, donate: bool) -> list:
+def donated_room(grads: list, params: list) -> list:
+    """The donated float32 ``grads`` as room for the refresh's rounding, after refusing
+    them where one shares memory with a working copy (both are written)."""
+    found = first_overlap(grads + params)
+    if found is not None:
+        n = len(grads)
+        where = [f"grads[{i}]" for i in range(n)] + [f"params[{i}]" for i in range(len(params))]
+        raise ValueError(
+            f"fp16_update: {where[found[0]]} and {where[found[1]]} share memory; the donated "
+            "update writes both in place"
+        )
+    return grads
+
+
+def refresh(fp: Any, apply, new_masters: list, params: list, donate: bool, spent=None) -> list:
     """The working copies after the step: each leaf's that is its own tensor rounded from
     its new master where ``apply`` (the old bits where the step is skipped), in one pass
     over every leaf; a leaf without one is its master. New tensors for a pure update,
-    ``params`` written in place for a donated one."""
+    ``params`` written in place for a donated one, which rounds into the memory of
+    ``spent`` (the float32 gradients the ops read, where they are the update's own or
+    donated) instead of a temporary."""
     own = sorted(i for g in fp.groups for i, s in zip(g.leaves, g.separate) if s)
     new_params = list(new_masters)
     old = [params[i] for i in own]
     out = old if donate else [torch.empty_like(p) for p in old]
-    plain_kernels.refresh_params(apply, [new_masters[i] for i in own], old, out)
+    scratch = None if spent is None else [spent[i] for i in own]
+    plain_kernels.refresh_params(apply, [new_masters[i] for i in own], old, out, scratch)
     for i, p in zip(own, out):
         new_params[i] = p
     return new_params

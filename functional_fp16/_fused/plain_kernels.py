@@ -433,7 +433,7 @@ def adam_direction_(u, new_mu, denom, master, inv_c1, sqrt_c2, eps, decoupled) -
     return step
 
 
-def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
+def refresh_params(apply: Tensor, master_out, params, params_out, scratch=None) -> None:
     r"""The working copies that are their own tensors: ``fl16`` of the new master where
     ``apply``, else the old ones bit for bit, without reading ``apply`` on the host.
 
@@ -441,7 +441,8 @@ def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
     with :math:`a \in \{0, 1\}` (exact: integer arithmetic wraps), a fixed number of
     multi-tensor ops. A pure step rounds into its fresh outputs and restores the skipped
     bits there (no temporary); a donated one rounds into a temporary (2 B a parameter
-    for FP16 copies) and adds the difference into the copies in place.
+    for FP16 copies), or into the memory of ``scratch`` (float32 tensors of the same
+    leaves that are spent), and adds the difference into the copies in place.
     """
     own = [
         i for i, (m, p) in enumerate(zip(master_out, params_out)) if p.data_ptr() != m.data_ptr()
@@ -455,9 +456,24 @@ def refresh_params(apply: Tensor, master_out, params, params_out) -> None:
         torch._foreach_copy_(out, rounded_from)
         restore_skipped_(apply, out, old)
         return
-    rounded = [torch.empty_like(p) for p in out]
+    spent = [None] * len(out) if scratch is None else [scratch[i] for i in own]
+    rounded = [_room(p, s) for p, s in zip(out, spent)]
     torch._foreach_copy_(rounded, rounded_from)
     restore_skipped_(apply, rounded, out, into_old=True)
+
+
+def _room(p: Tensor, spent: Tensor | None) -> Tensor:
+    """A tensor like ``p`` to round into: in the memory of the spent float32 tensor
+    ``spent`` (of ``p``'s elements, at least as wide) where both are dense, else new."""
+    if (
+        spent is not None
+        and spent.numel() == p.numel()
+        and spent.element_size() >= p.element_size()
+        and spent.is_contiguous()
+        and p.is_contiguous()
+    ):
+        return spent.reshape(-1).view(p.dtype)[: p.numel()].view(p.shape)
+    return torch.empty_like(p)
 
 
 def largest_magnitudes(grads: list[Tensor]) -> Tensor:

@@ -20,7 +20,10 @@ does no more than the arithmetic needs:
    22 bytes per parameter for SGD with momentum and FP16 gradients and
    parameters, 30 for Adam. A pure CPU SGD step of one group without step 1
    finds the gradients' peak while it updates, and undoes a skipped step
-   afterwards (20 bytes per parameter).
+   afterwards (20 bytes per parameter). On the plain kernels (CUDA's default)
+   several groups share their unscale, state copy and refresh
+   (:mod:`functional_fp16._fused.across_groups`): each group's op then steps
+   its masters only.
 
 The scalars a step needs (the unscale factor, the learning rate of each
 schedule, each Adam part's bias corrections, the new counters) are computed
@@ -503,10 +506,15 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
     new_m, new_p, new_opt = list(masters), list(params), list(opt)
     pending: dict[int, None] = {}  # positions of the counts and flags to advance, in order
     finite = None
-    once = across_groups.applies(fp, masters, apply, require)
+    once = across_groups.applies(fp, masters)
     stepped, stepped_opt = masters, opt  # what the ops step
     if once:  # the groups' unscale, state copy and refresh once (``across_groups``)
-        g = plain_kernels.unscaled_lists(g, masters, inv, clip_div, clip_mul)
+        u = plain_kernels.read_unscaled(g, masters, inv, clip_div, clip_mul)
+        # spent after the ops: the update's own, or the caller's if donated
+        spent = u if any(x is not y for x, y in zip(u, g)) else None
+        if spent is None and donate:
+            spent = across_groups.donated_room(u, [p for p in params if p.dtype != torch.float32])
+        g = u
         inv = clip_div = clip_mul = None
         if not donate:
             stepped, stepped_opt = across_groups.state_copies(fp, masters, opt)
@@ -547,9 +555,10 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
                 new_opt[pos] = shared_out[name]
             else:  # a count (advanced on an applied step) or a flag (set): bookkeeping's
                 pending[pos] = None
-    if once:
-        del g, gg  # the unscaled gradients, before the refresh's rounding
-        new_p = across_groups.refresh(fp, apply, new_m, params, donate)
+    if once:  # every group's decision: ``apply`` (several groups), or the one group's
+        del g, gg, u
+        new_p = across_groups.refresh(fp, apply, new_m, params, donate, spent)
+        del spent
     loss_scale, stats, step, advanced = bookkeep(state, finite, [opt[p] for p in pending])
     for pos, t in zip(pending, advanced):
         new_opt[pos] = t
