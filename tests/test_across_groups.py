@@ -81,6 +81,7 @@ def _spy(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize(
     "name, dtype",
     [(n, torch.float16) for n in (*SHARED, "multisteps")]
+    + [("recipe", torch.bfloat16), ("multisteps", torch.bfloat16)]
     + [("recipe", torch.float32)],  # FP32: no copies
 )
 def test_shared_work_is_bitwise_each_groups_op_called_whole(
@@ -90,8 +91,7 @@ def test_shared_work_is_bitwise_each_groups_op_called_whole(
     tx = _optimisers()[name]
     scale = ff.DynamicLossScale(2.0**12, growth_interval=2)
     shared = ff.fp16_init(params, tx, scale, param_dtype=dtype)
-    if dtype == torch.float32:
-        params = {k: v.float() for k, v in params.items()}
+    params = {k: v.to(dtype) for k, v in params.items()}
     whole = _clone(shared)
     seen = _spy(monkeypatch)
     skipped = 0
@@ -176,13 +176,37 @@ def test_the_c_kernel_calls_each_op_whole(monkeypatch):
 
 def test_donated_gradients_that_share_memory_with_a_copy_are_refused():
     """``MultiSteps`` hands its donated inner update float32 gradients, whose memory the
-    refresh then writes: one that overlaps a working copy is refused, naming both."""
-    params = [torch.zeros(8, dtype=torch.float16), torch.zeros(6, dtype=torch.float16)]
-    grads = [torch.zeros(8), torch.zeros(6)]
-    assert across_groups.donated_room(grads, params) is grads
-    storage = torch.zeros(8)  # float32: a copy of 6 FP16 elements fits in its memory
-    overlapping = [grads[0], storage[2:8]]
-    copies = [params[0], storage.view(torch.float16)[4:10]]
-    both = r"(grads\[1\] and params\[1\]|params\[1\] and grads\[1\]) share memory"
-    with pytest.raises(ValueError, match=both):
-        across_groups.donated_room(overlapping, copies)
+    refresh then writes: one that overlaps a working copy or another such gradient is
+    refused, naming both leaves; without working copies nothing is written there."""
+    state = ff.fp16_init(_params(), ff.sgd(0.05, momentum=0.9))
+    fp, copies = fused_plan(state), tree_leaves(state.params)
+    grads = [torch.zeros(p.shape) for p in copies]
+    assert across_groups.donated_room(fp, grads, copies) is grads
+    on_copy = list(grads)
+    on_copy[1] = copies[1].view(torch.float32)  # the copy's own memory
+    with pytest.raises(ValueError, match=r"grads\[1\] and params\[1\] share memory"):
+        across_groups.donated_room(fp, on_copy, copies)
+    shared = list(grads)
+    shared[3] = grads[2]
+    with pytest.raises(ValueError, match=r"grads\[2\] and grads\[3\] share memory"):
+        across_groups.donated_room(fp, shared, copies)
+    fp32 = ff.fp16_init(_params(), ff.sgd(0.05, momentum=0.9), param_dtype=torch.float32)
+    assert across_groups.donated_room(fused_plan(fp32), shared, copies) is None
+
+
+def test_a_pure_update_takes_float32_gradients_that_share_memory(cuda_default, monkeypatch):
+    """The ops only read their gradients: float32 leaves given the same gradient tensor
+    (nothing to unscale, so the ops read them as given) are accepted, left untouched, and
+    step as each op called whole does."""
+    params = {"a": torch.zeros(8), "b": torch.ones(8)}
+    grads = (lambda z: {"a": z, "b": z})(torch.full((8,), 0.5))
+    for tx in (ff.sgd(0.1, momentum=0.9), ff.adam(1e-3)):
+        state = ff.fp16_init(params, tx, ff.NoOpLossScale(), param_dtype=torch.float32)
+        seen = _spy(monkeypatch)
+        shared = ff.fp16_update(state, grads)
+        with monkeypatch.context() as m:
+            m.setattr(across_groups, "applies", lambda *a: False)
+            whole = ff.fp16_update(state, grads)
+        assert seen == [True]
+        assert_states_bitwise_equal(shared, whole)
+        assert torch.equal(grads["a"], torch.full((8,), 0.5))

@@ -504,6 +504,36 @@ def test_a_million_groups_do_not_overflow_the_stack():
     assert peak.shape == (k,) and bool((peak == 1).all()) and bool((sq == 2).all())
 
 
+@pytest.mark.parametrize("kernel", ["c", "generic"])
+def test_the_donated_op_takes_gradients_that_share_memory_with_each_other(kernel, monkeypatch):
+    """Gradients are only read: a donated step given one gradient tensor for two leaves
+    (shapes alike) steps them as it steps two copies of it, on every kernel."""
+    if kernel == "c" and not cpu_kernel.available():
+        pytest.skip("no C compiler here")
+    if kernel == "generic":
+        monkeypatch.setattr(op_library, "kernel_for", lambda device: "generic")
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(6, generator=g) * 100).half()
+    s, started = _scalars()
+
+    def step(grads):
+        master = [torch.linspace(-1, 1, 6), torch.linspace(2, 3, 6)]
+        params = [m.half() for m in master]
+        sgd_step_(grads, master, [torch.zeros(6), torch.zeros(6)], params, [True, True], **s,
+                  started=started, **SGD_FLAGS[0], members=1)  # fmt: skip
+        return master, params
+
+    shared, copied = step([z, z]), step([z.clone(), z.clone()])
+    for a, b in zip(shared[0] + shared[1], copied[0] + copied[1]):
+        assert torch.equal(bits(a), bits(b))
+    master = [torch.zeros(6), torch.zeros(6)]
+    on_master = master[1].view(torch.float16)[:6]  # a gradient in a written tensor's memory
+    with pytest.raises(ValueError, match="share memory"):
+        sgd_step_([z, on_master], master, [torch.zeros(6), torch.zeros(6)],
+                  [m.half() for m in master], [True, True], **s, started=started,
+                  **SGD_FLAGS[0], members=1)  # fmt: skip
+
+
 def test_the_donated_op_refuses_arguments_that_share_memory():
     grads, master, params = _leaves(torch.float16)
     s, started = _scalars()

@@ -76,18 +76,27 @@ def state_copies(fp: Any, masters: list, opt: list) -> tuple[list, list]:
     return new[: len(masters)], new_opt
 
 
-def donated_room(grads: list, params: list) -> list:
-    """The donated float32 ``grads`` as room for the refresh's rounding, after refusing
-    them where one shares memory with a working copy (both are written)."""
-    found = first_overlap(grads + params)
+def donated_room(fp: Any, grads: list, params: list) -> list | None:
+    """The donated float32 ``grads`` as room for the refresh's rounding of the working
+    copies (``None`` where no leaf has one), after refusing them where the memory of a
+    leaf's gradient, written there, overlaps another such gradient's or a working copy's
+    (both are written); errors name the leaves by their position."""
+    own = _own(fp)
+    if not own:
+        return None
+    found = first_overlap([grads[i] for i in own] + [params[i] for i in own])
     if found is not None:
-        n = len(grads)
-        where = [f"grads[{i}]" for i in range(n)] + [f"params[{i}]" for i in range(len(params))]
+        where = [f"grads[{i}]" for i in own] + [f"params[{i}]" for i in own]
         raise ValueError(
             f"fp16_update: {where[found[0]]} and {where[found[1]]} share memory; the donated "
             "update writes both in place"
         )
     return grads
+
+
+def _own(fp: Any) -> list[int]:
+    """The leaves whose working copy is its own tensor (not the master), in order."""
+    return sorted(i for g in fp.groups for i, s in zip(g.leaves, g.separate) if s)
 
 
 def refresh(fp: Any, apply, new_masters: list, params: list, donate: bool, spent=None) -> list:
@@ -97,7 +106,7 @@ def refresh(fp: Any, apply, new_masters: list, params: list, donate: bool, spent
     ``params`` written in place for a donated one, which rounds into the memory of
     ``spent`` (the float32 gradients the ops read, where they are the update's own or
     donated) instead of a temporary."""
-    own = sorted(i for g in fp.groups for i, s in zip(g.leaves, g.separate) if s)
+    own = _own(fp)
     new_params = list(new_masters)
     old = [params[i] for i in own]
     out = old if donate else [torch.empty_like(p) for p in old]

@@ -254,7 +254,8 @@ def _fused(
     r"""One group of one member through PyTorch's fused Adam/AdamW kernel
     (``torch._fused_adam_`` / ``torch._fused_adamw_``), as ``torch.optim.Adam``/``AdamW``
     with ``fused=True`` steps: on the unscaled (clipped) gradients ``u`` of
-    :func:`~functional_fp16._fused.plain_kernels.unscaled_lists`, the step count
+    :func:`~functional_fp16._fused.plain_kernels.read_unscaled` (the float32 gradients
+    themselves where the update unscaled them before: ``across_groups``), the step count
     ``t`` (this step's, float32, one tensor for every leaf), the learning rate
     :math:`\eta = -\mathrm{lr}` (the op's ``lr`` is the signed factor, PyTorch's kernels
     descend) and ``found_inf`` the skip, on which the kernel writes nothing. It
@@ -271,9 +272,10 @@ def _fused(
     moments are ``lerp`` and ``addcmul``, its corrections float32 factors). A chain with
     both decays runs :func:`_lists`.
 
-    Temporaries, in bytes a parameter: ``u`` (4), then the FP16 working copies' rounding
-    (2) once ``u`` is freed: 4 at most, pure or donated (a pure step's new state is
-    copied from the old one and stepped in place).
+    Temporaries, in bytes a parameter: ``u`` (4; none where it is the gradients
+    themselves), then the FP16 working copies' rounding (2) once ``u`` is freed: 4 at
+    most, pure or donated (a pure step's new state is copied from the old one and stepped
+    in place).
     """
     u = plain_kernels.read_unscaled(grads, master, inv, clip_div, clip_mul)  # only read
     plain_kernels.start_from(master_out + mu_out + nu_out, master + mu + nu)  # one copy

@@ -164,26 +164,35 @@ def _check_step(op: str, spec: StepSpec, a: dict[str, Any]) -> list[str]:
     return used
 
 
-def first_overlap(tensors: list[Tensor]) -> tuple[int, int] | None:
-    """Indices of two dense tensors whose memory overlaps, or ``None``.
+def first_overlap(tensors: list[Tensor], read: int = 0) -> tuple[int, int] | None:
+    """Indices of two dense tensors whose memory overlaps, or ``None``; the first ``read``
+    tensors are only read and may overlap each other (not the others).
 
     A dense tensor covers ``[data_ptr, data_ptr + nbytes)``; empty ones cover nothing.
+    Sorted by start, a tensor overlaps an earlier one exactly when it starts before the
+    furthest end so far (of any tensor, or of the written ones for a read one).
     """
     starts = list(map(Tensor.data_ptr, tensors))
     sizes = list(map(_NBYTES, tensors))
     spans = sorted(
         (start, start + size, k) for k, (start, size) in enumerate(zip(starts, sizes)) if size
     )
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-        if start < end:
-            return first, second
+    far = far_written = (0, -1)  # (the furthest end so far, its tensor)
+    for start, end, k in spans:
+        before = far if k >= read else far_written
+        if start < before[0]:
+            return before[1], k
+        far = max(far, (end, k))
+        if k >= read:
+            far_written = max(far_written, (end, k))
     return None
 
 
 def _check_disjoint(op: str, a: dict, names: list[str]) -> None:
-    """Refuses written tensors whose memory overlaps another argument's (donation)."""
+    """Refuses written tensors whose memory overlaps another argument's (donation); the
+    gradients, only read, may share memory with each other."""
     tensors = [t for name in ["grads", *names] for t in a[name]]
-    found = first_overlap(tensors)
+    found = first_overlap(tensors, read=len(a["grads"]))
     if found is not None:
         where = [f"{name}[{i}]" for name in ["grads", *names] for i in range(len(a[name]))]
         fail(

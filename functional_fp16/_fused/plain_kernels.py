@@ -170,8 +170,8 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
 def read_unscaled(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     """:func:`unscaled_lists` for a kernel that only reads them (PyTorch's fused optimiser
     kernels without ``grad_scale``): ``grads`` themselves where they are float32, laid out
-    like ``like``, with nothing to unscale or clip (an update of several groups unscales
-    every leaf once before their ops: ``across_groups``); no copy, no launch."""
+    like ``like``, with nothing to unscale or clip (the plain kernels' update unscales
+    every leaf once before its groups' ops: ``across_groups``); no copy, no launch."""
     if (
         inv is None
         and clip_div is None

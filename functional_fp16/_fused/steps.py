@@ -15,15 +15,16 @@ does no more than the arithmetic needs:
    the sum of squares for the global norm; otherwise the op decides and
    returns the leaves' flags, found in its own pass over the gradients;
 2. one ``functional_fp16::sgd_step`` / ``adam_step`` call per group
-   (``sgd_step_`` / ``adam_step_`` when donating), which reads gradient,
+   (``sgd_step_`` / ``adam_step_`` when donating, and on the plain kernels'
+   shared path below), which reads gradient,
    master and optimiser state once and writes them and the working copy once:
    22 bytes per parameter for SGD with momentum and FP16 gradients and
    parameters, 30 for Adam. A pure CPU SGD step of one group without step 1
    finds the gradients' peak while it updates, and undoes a skipped step
    afterwards (20 bytes per parameter). On the plain kernels (CUDA's default)
-   several groups share their unscale, state copy and refresh
-   (:mod:`functional_fp16._fused.across_groups`): each group's op then steps
-   its masters only.
+   the update does its groups' unscale, state copy and refresh itself, once
+   (:mod:`functional_fp16._fused.across_groups`), where their kernels only read
+   the gradients: each group's op then steps its masters only.
 
 The scalars a step needs (the unscale factor, the learning rate of each
 schedule, each Adam part's bias corrections, the new counters) are computed
@@ -92,8 +93,8 @@ class Fusable(NamedTuple):
     # runs; the memo holds one output, or a tuple of them for several forms
     counts: Callable[[Any, dict, list], list[tuple[Any, int, tuple]]] | None = None
     # plan -> whether its plain kernel only reads float32 gradients given with nothing to
-    # unscale or clip (PyTorch's fused kernels): then an update of several groups unscales
-    # and refreshes once for all of them (``across_groups``)
+    # unscale or clip (PyTorch's fused kernels): then the update unscales, copies and
+    # refreshes once for all its groups (``across_groups``)
     reads_unscaled: Callable[[Any], bool] | None = None
 
 
@@ -513,7 +514,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
         # spent after the ops: the update's own, or the caller's if donated
         spent = u if any(x is not y for x, y in zip(u, g)) else None
         if spent is None and donate:
-            spent = across_groups.donated_room(u, [p for p in params if p.dtype != torch.float32])
+            spent = across_groups.donated_room(fp, u, params)
         g = u
         inv = clip_div = clip_mul = None
         if not donate:
@@ -555,7 +556,7 @@ def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injecte
                 new_opt[pos] = shared_out[name]
             else:  # a count (advanced on an applied step) or a flag (set): bookkeeping's
                 pending[pos] = None
-    if once:  # every group's decision: ``apply`` (several groups), or the one group's
+    if once:  # every group's decision: ``apply`` given, or the one group's own
         del g, gg, u
         new_p = across_groups.refresh(fp, apply, new_m, params, donate, spent)
         del spent

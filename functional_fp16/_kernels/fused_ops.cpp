@@ -144,18 +144,24 @@ const T *ptr_or_null(const OptTensor &x) {
   return x.has_value() ? x->data_ptr<T>() : nullptr;
 }
 
-// Refuses two written tensors that share memory (the donated step writes in place).
-void check_disjoint(const std::vector<const Tensor *> &ts) {
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+// Refuses a written tensor that shares memory with another argument (the donated step
+// writes in place): `ts` holds `n_read` tensors that are only read (the gradients, which
+// may share memory with each other), then the written ones.
+void check_disjoint(const std::vector<const Tensor *> &ts, size_t n_read) {
+  std::vector<std::tuple<uintptr_t, uintptr_t, bool>> spans;  // start, end, written
   spans.reserve(ts.size());
-  for (const Tensor *t : ts) {
-    const uintptr_t start = reinterpret_cast<uintptr_t>(t->data_ptr());
-    const uintptr_t size = static_cast<uintptr_t>(t->numel() * t->element_size());
-    if (size) spans.emplace_back(start, start + size);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(ts[i]->data_ptr());
+    const uintptr_t size = static_cast<uintptr_t>(ts[i]->numel() * ts[i]->element_size());
+    if (size) spans.emplace_back(start, start + size, i >= n_read);
   }
   std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    TORCH_CHECK(spans[i].first >= spans[i - 1].second, "written tensors share memory");
+  uintptr_t end_any = 0, end_written = 0;  // the furthest end so far, of any and of written
+  for (const auto &[start, end, written] : spans) {
+    TORCH_CHECK(start >= (written ? end_any : end_written), "written tensors share memory");
+    end_any = std::max(end_any, end);
+    if (written) end_written = std::max(end_written, end);
+  }
 }
 
 std::vector<const Tensor *> refs(const TensorList &xs) {
@@ -382,7 +388,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> sgd(
     for (const Tensor &t : master) written.push_back(&t);
     for (const Tensor &t : trace) written.push_back(&t);
     for (const Tensor &t : params) written.push_back(&t);
-    check_disjoint(written);
+    check_disjoint(written, g.size());
     m_out = master, t_out = trace, p_new = params;
   } else {
     std::vector<const Tensor *> like = refs(master);
@@ -456,7 +462,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
     std::vector<const Tensor *> written = g;
     for (const TensorList *l : {&master, &mu, &nu, &params})
       for (const Tensor &t : *l) written.push_back(&t);
-    check_disjoint(written);
+    check_disjoint(written, g.size());
     m_out = master, a_out = mu, v_out = nu, p_new = params;
   } else {
     std::vector<const Tensor *> like = refs(master);
@@ -530,7 +536,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
     std::vector<const Tensor *> written = g;
     for (const TensorList *l : {&master, &states, &params})
       for (const Tensor &t : *l) written.push_back(&t);
-    check_disjoint(written);
+    check_disjoint(written, g.size());
     m_out = master, s_out = states, p_new = params;
   } else {
     std::vector<const Tensor *> like = refs(master);
@@ -673,7 +679,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> store
     std::vector<const Tensor *> written = g;
     for (const TensorList *l : {&master, &states, &scales, &params})
       for (const Tensor &t : *l) written.push_back(&t);
-    check_disjoint(written);
+    check_disjoint(written, g.size());
     m_out = master, s_out = states, sc_out = scales, p_new = params;
   } else {
     std::vector<const Tensor *> like = refs(master);
