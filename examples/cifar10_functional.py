@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     summary["state"] = result["state"]
     summary["buffers"] = result["buffers"]
     if info is not None:
-        ffd.shutdown()
+        ffd.shutdown(wait_for_peers=True)
     return summary
 
 

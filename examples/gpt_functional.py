@@ -366,9 +366,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         summary = gpt_fsdp.run_fsdp(
             args, data, info, device, out_dir, lambda: fsdp_parts(args, cfg, loss_scale)
         )
-        # The group goes before the interpreter does: gloo's threads left to exit with
-        # it can abort the process at shutdown (see functional_fp16.distributed.shutdown).
-        ffd.shutdown()
+        # The group goes before the interpreter does, every rank together: gloo's threads
+        # left to exit with it, or a peer's connections torn down while rank 0 still
+        # writes, can abort a process at shutdown (functional_fp16.distributed.shutdown).
+        ffd.shutdown(wait_for_peers=True)
         return summary
     model = build_model(cfg, args.seed)
     state = build_state(model, policy, loss_scale, args, device)
@@ -465,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     summary["state"] = state
     if info is not None:
-        ffd.shutdown()
+        ffd.shutdown(wait_for_peers=True)
     return summary
 
 

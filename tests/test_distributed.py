@@ -479,3 +479,21 @@ def test_shard_master_needs_distributed(tmp_path):
         timeout=EXAMPLE_TIMEOUT_S,
     )
     assert proc.returncode == 2 and "--shard-master needs --distributed" in proc.stderr
+
+
+def test_shutdown_waits_for_its_peers_before_the_group_goes_where_asked(monkeypatch):
+    """``wait_for_peers``: a barrier, then the group destroyed; without it, no barrier
+    (a rank leaving after an error must not wait for peers that never come)."""
+    from functional_fp16.distributed import process_group
+
+    calls: list[str] = []
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(process_group.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(
+        process_group.dist, "destroy_process_group", lambda: calls.append("destroy")
+    )
+    ffd.shutdown(wait_for_peers=True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    ffd.shutdown()
+    assert calls == ["destroy"]

@@ -127,15 +127,24 @@ def init_from_env(
     )
 
 
-def shutdown() -> None:
+def shutdown(*, wait_for_peers: bool = False) -> None:
     """Destroys the default process group if there is one (call at the end of every rank).
 
     The group's backend is freed here, not at interpreter exit: gloo's worker
     threads are joined before this returns, provided nothing else still holds
     the group (importing this module first keeps ``torch.distributed.nn`` from
     doing so).
+
+    Args:
+      wait_for_peers: first wait until every rank has reached this call (a barrier), so
+        that no rank tears its connections down while another still has work queued
+        on them (rank 0 writing its last files after a collective). For the normal
+        end of a run, where every rank gets here; not for a rank that is leaving
+        after an error.
     """
     if dist.is_available() and dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
 
 
