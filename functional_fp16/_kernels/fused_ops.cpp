@@ -148,19 +148,24 @@ const T *ptr_or_null(const OptTensor &x) {
 // writes in place): `ts` holds `n_read` tensors that are only read (the gradients, which
 // may share memory with each other), then the written ones.
 void check_disjoint(const std::vector<const Tensor *> &ts, size_t n_read) {
-  std::vector<std::tuple<uintptr_t, uintptr_t, bool>> spans;  // start, end, written
+  struct Span {
+    uintptr_t start, end;
+    bool written;
+  };
+  std::vector<Span> spans;
   spans.reserve(ts.size());
   for (size_t i = 0; i < ts.size(); ++i) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(ts[i]->data_ptr());
     const uintptr_t size = static_cast<uintptr_t>(ts[i]->numel() * ts[i]->element_size());
-    if (size) spans.emplace_back(start, start + size, i >= n_read);
+    if (size) spans.push_back({start, start + size, i >= n_read});
   }
-  std::sort(spans.begin(), spans.end());
+  // By start alone: two spans that start alike overlap, in either order.
+  std::sort(spans.begin(), spans.end(), [](const Span &a, const Span &b) { return a.start < b.start; });
   uintptr_t end_any = 0, end_written = 0;  // the furthest end so far, of any and of written
-  for (const auto &[start, end, written] : spans) {
-    TORCH_CHECK(start >= (written ? end_any : end_written), "written tensors share memory");
-    end_any = std::max(end_any, end);
-    if (written) end_written = std::max(end_written, end);
+  for (const Span &s : spans) {
+    TORCH_CHECK(s.start >= (s.written ? end_any : end_written), "written tensors share memory");
+    end_any = std::max(end_any, s.end);
+    if (s.written) end_written = std::max(end_written, s.end);
   }
 }
 
