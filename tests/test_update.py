@@ -934,7 +934,9 @@ def test_update_path_names_the_implementation_that_runs(monkeypatch):
         foreach.foreach_update,
         dispatch.reference_update,
     )
-    monkeypatch.setattr(dispatch, "fused_update", lambda *a: ran.append("fused") or real_fused(*a))
+    monkeypatch.setattr(
+        dispatch, "fused_update", lambda *a, **k: ran.append("fused") or real_fused(*a, **k)
+    )
 
     def foreach_spy(state, *a):
         ran.append("foreach-sgd" if foreach.sgd_sequence(state) is not None else "foreach")

@@ -468,34 +468,43 @@ def incremented(memo: dict, position: int) -> torch.Tensor:
     return memo[key]
 
 
-def _injected_update(state, g_leaves, fp: FusedPlan, decision, donate: bool):
+def _injected_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, laid_out: bool):
     """The fused step of an injected transform: the inner state stepped with the state's
     learning rate tensor, the injection's count advanced on an applied step."""
     outer = state.opt_state
     lr = outer.hyperparams["learning_rate"].to(device=tree_leaves(state.master)[0].device)
     inner = state.replace(tx=fp.probe, opt_state=outer.inner_state)
     new = fused_update(
-        inner, g_leaves, fp._replace(injected=None), decision, donate, (fp.injected, lr)
+        inner,
+        g_leaves,
+        fp._replace(injected=None),
+        decision,
+        donate,
+        (fp.injected, lr),
+        laid_out=laid_out,
     )
     count = torch.where(new.grads_finite, saturating_increment(outer.count), outer.count)
     opt_state = InjectHyperparamsState(count, outer.hyperparams, new.opt_state)
     return new.replace(tx=state.tx, opt_state=opt_state)
 
 
-def fused_update(state, g_leaves, fp: FusedPlan, decision, donate: bool, injected=None):
+def fused_update(
+    state, g_leaves, fp: FusedPlan, decision, donate: bool, injected=None, *, laid_out=False
+):
     """One fused step of ``state`` (see the module docstring); returns the new state.
 
-    ``g_leaves`` are the gradients' leaves, in the params' flattening order;
+    ``g_leaves`` are the gradients' leaves, in the params' flattening order
+    (``laid_out``: already proven laid out like the master, dtypes the params');
     ``decision`` is the step's
     :class:`~functional_fp16.update.decision.Decision` (what must also hold,
     and the cross-replica agreement).
     """
     if fp.injected is not None:
-        return _injected_update(state, g_leaves, fp, decision, donate)
+        return _injected_update(state, g_leaves, fp, decision, donate, laid_out)
     masters, m_spec = tree_flatten(state.master)
     params, p_spec = tree_flatten(state.params)
     opt = tree_leaves(state.opt_state)
-    g = _grads_like(g_leaves, masters, fp.strides)
+    g = g_leaves if laid_out else _grads_like(g_leaves, masters, fp.strides)
     memo: dict = {"opt": opt}
     if injected is not None:
         memo["injected"] = injected

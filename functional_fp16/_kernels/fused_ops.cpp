@@ -1109,9 +1109,57 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_sca
   return {leaves, finite, skip, div, mul, lrs};
 }
 
+// The metadata gradients must have to be read as they are, leaf by leaf, as int64 numbers
+// (CPU): [dim, sizes..., strides..., dtype, device type, device index, dispatch keys] of
+// `shaped[i]`'s sizes, dtype, device and keys with `strided[i]`'s strides (the params and
+// the master). Made once per state structure; `leaves_match` compares gradients with it.
+Tensor leaves_layout(const TensorList &shaped, const TensorList &strided) {
+  TORCH_CHECK(shaped.size() == strided.size(), "leaves_layout: lists of different lengths");
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < shaped.size(); ++i) {
+    const Tensor &x = shaped[i], &y = strided[i];
+    TORCH_CHECK(x.dim() == y.dim(), "leaves_layout: leaves of different dimensions");
+    out.push_back(x.dim());
+    for (int64_t d = 0; d < x.dim(); ++d) out.push_back(x.size(d));
+    for (int64_t d = 0; d < y.dim(); ++d) out.push_back(y.stride(d));
+    out.push_back(static_cast<int64_t>(x.scalar_type()));
+    out.push_back(static_cast<int64_t>(x.device().type()));
+    out.push_back(static_cast<int64_t>(x.device().index()));
+    out.push_back(static_cast<int64_t>(x.key_set().raw_repr()));
+  }
+  Tensor t = at::empty({static_cast<int64_t>(out.size())}, at::TensorOptions().dtype(at::kLong));
+  if (!out.empty()) std::memcpy(t.data_ptr<int64_t>(), out.data(), out.size() * sizeof(int64_t));
+  return t;
+}
+
+// Whether every tensor of `xs` has the metadata `layout` holds for its leaf (see
+// `leaves_layout`) and needs no gradient: the same sizes, strides, dtype, device and
+// dispatch keys (so no batched, functional or subclass tensor), dense and strided.
+bool leaves_match(const TensorList &xs, const Tensor &layout) {
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.is_contiguous() && layout.is_cpu(),
+              "leaves_match: layout must be a dense int64 CPU tensor");
+  const int64_t *p = layout.data_ptr<int64_t>(), *end = p + layout.numel();
+  for (const Tensor &x : xs) {
+    if (p == end || x.requires_grad() || x.layout() != at::kStrided || *p++ != x.dim()) return false;
+    if (end - p < 2 * x.dim() + 4) return false;
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (*p++ != x.size(d)) return false;
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (*p++ != x.stride(d)) return false;
+    if (*p++ != static_cast<int64_t>(x.scalar_type())) return false;
+    if (*p++ != static_cast<int64_t>(x.device().type())) return false;
+    if (*p++ != static_cast<int64_t>(x.device().index())) return false;
+    if (*p++ != static_cast<int64_t>(x.key_set().raw_repr())) return false;
+  }
+  return p == end;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(functional_fp16_cpu, m) {
+  // Metadata only, any device: one kernel for every dispatch key (CompositeImplicitAutograd).
+  m.def("leaves_layout(Tensor[] shaped, Tensor[] strided) -> Tensor", TORCH_FN(leaves_layout));
+  m.def("leaves_match(Tensor[] xs, Tensor layout) -> bool", TORCH_FN(leaves_match));
   m.def(
       "sgd(Tensor[] grads, Tensor[] master, Tensor[] trace, Tensor[] params, bool[] separate, "
       "Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "

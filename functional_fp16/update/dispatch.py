@@ -60,14 +60,15 @@ class Route(NamedTuple):
     # (and None while torch.compile traces: the op chooses when it runs)
     run: Callable  # run(state, grads, decision, donate) -> FP16State
     batches: bool  # runs under vmap as it is (else once per member)
-    # run_leaves(state, the gradients' leaves, decision, donate): the same, given the leaves
-    # fp16_update has already flattened and checked (None: the route takes the tree)
+    # run_leaves(state, the gradients' leaves, decision, donate, laid_out=): the same, given
+    # the leaves fp16_update has already flattened and checked, ``laid_out`` where they were
+    # proven laid out like the master (None: the route takes the tree)
     run_leaves: Callable | None = None
 
 
 def _fused_runner(fp):
-    def run_leaves(state, g_leaves, decision, donate):
-        return fused_update(state, g_leaves, fp, decision, donate)
+    def run_leaves(state, g_leaves, decision, donate, laid_out=False):
+        return fused_update(state, g_leaves, fp, decision, donate, laid_out=laid_out)
 
     def run(state, grads, decision, donate):
         return run_leaves(state, tree_leaves(grads), decision, donate)

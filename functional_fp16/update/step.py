@@ -16,6 +16,7 @@ import operator
 import torch
 from torch.distributed.tensor import DTensor
 
+from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._util.cache import remember
 from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_map
 from functional_fp16.update.batching import is_batched, per_member
@@ -113,10 +114,12 @@ def fp16_update(
                                       donate),
         )  # fmt: skip
         return mark_checked(new, signature)
-    g_leaves = _check_call(state, grads, signature, impl, loss, agree, global_sum, donate)
+    g_leaves, laid_out = _checked_call(
+        state, grads, signature, impl, loss, agree, global_sum, donate
+    )
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
     # with ``create_graph``) are taken as values: no graph reaches the new state.
-    if _any_requires_grad(g_leaves):
+    if not laid_out and _any_requires_grad(g_leaves):
         grads = tree_map(torch.Tensor.detach, grads)
         g_leaves = [g.detach() for g in g_leaves]
     chosen = route(state, impl, signature)
@@ -134,7 +137,8 @@ def fp16_update(
     if donate and chosen.name != "fused" and not torch.compiler.is_compiling():
         check_disjoint(state, g_leaves)
     if chosen.run_leaves is not None:  # the leaves flattened once, above
-        return mark_checked(chosen.run_leaves(state, g_leaves, decision, donate), signature)
+        new = chosen.run_leaves(state, g_leaves, decision, donate, laid_out=laid_out)
+        return mark_checked(new, signature)
     return mark_checked(chosen.run(state, grads, decision, donate), signature)
 
 
@@ -145,9 +149,16 @@ def _check_call(state, grads, signature, impl, loss, agree, global_sum, donate) 
     """Refuses a call's arguments (naming the argument or the gradient's path); returns the
     gradients' leaves. Reads metadata only: on a mesh, every rank reaches the same answer
     for the same call, and the ranks agree on the calls before they communicate."""
+    return _checked_call(state, grads, signature, impl, loss, agree, global_sum, donate)[0]
+
+
+def _checked_call(state, grads, signature, impl, loss, agree, global_sum, donate):
+    """:func:`_check_call`, returning ``(the gradients' leaves, laid_out)``: ``laid_out``
+    where one look at their metadata proved them plain tensors without gradient, laid out
+    like the master leaf by leaf (see :func:`_grad_leaves`)."""
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-    g_leaves = _grad_leaves(state, grads, signature)
+    g_leaves, laid_out = _grad_leaves(state, grads, signature)
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
     if agree is not None and not callable(agree):
@@ -156,7 +167,7 @@ def _check_call(state, grads, signature, impl, loss, agree, global_sum, donate) 
         raise TypeError(f"global_sum must be a callable or None, got {type(global_sum).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
-    return g_leaves
+    return g_leaves, laid_out
 
 
 def _holds_dtensors(state: FP16State, signature) -> bool:
@@ -181,6 +192,8 @@ def _dtensor_kind(state: FP16State) -> str:
 
 
 _LAYOUTS: dict = {}  # signature -> the params' (tree spec, types, sizes, dtypes, devices)
+_FAST_LAYOUTS: dict = {}  # signature -> what leaves_match compares gradients with, or None
+_UNKNOWN = object()
 _LAYOUTS_KEPT = 256
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -188,15 +201,19 @@ _LAYOUT = operator.attrgetter("layout")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def _grad_leaves(state: FP16State, grads, signature) -> list[torch.Tensor]:
-    """The gradients' leaves, after checking them against ``state.params`` (structure,
-    shapes, dtypes, devices; the error names the leaf path).
+def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor], bool]:
+    """``(the gradients' leaves, laid_out)``, after checking them against ``state.params``
+    (structure, shapes, dtypes, devices; the error names the leaf path).
 
     For a state with a signature the params' layout is read once and kept, so
-    a call compares the gradients' metadata, read in bulk, with it.
+    a call compares the gradients' metadata, read in bulk, with it. Where the C++ op
+    library is loaded, one call of ``functional_fp16_cpu::leaves_match`` compares every
+    leaf's sizes, dtype, device, dispatch keys and gradient flag with the params' and its
+    strides with the master's (``laid_out``: the update then neither detaches nor lays
+    them out again); gradients it does not prove so go through the checks in Python.
     """
     if signature is None or torch.compiler.is_compiling():
-        return check_like(state.params, grads, name="grads", reference_name="params")
+        return check_like(state.params, grads, name="grads", reference_name="params"), False
     layout = _LAYOUTS.get(signature)
     if layout is None:
         p_leaves, p_spec = tree_flatten(state.params)
@@ -205,14 +222,30 @@ def _grad_leaves(state: FP16State, grads, signature) -> list[torch.Tensor]:
         layout += _metadata(p_leaves)
         remember(_LAYOUTS, signature, layout, _LAYOUTS_KEPT)
     leaves, spec = tree_flatten(grads)
-    if (
-        spec == layout[0]
-        and list(map(type, leaves)) == layout[1]
-        and set(map(_LAYOUT, leaves)) == {torch.strided}
-        and _metadata(leaves) == layout[2:]
-    ):
-        return leaves
-    return check_like(state.params, grads, name="grads", reference_name="params")
+    if spec == layout[0] and list(map(type, leaves)) == layout[1]:
+        if not torch._C._are_functorch_transforms_active():  # (no op of ours under vmap)
+            fast = _FAST_LAYOUTS.get(signature, _UNKNOWN)
+            if fast is _UNKNOWN:
+                fast = _fast_layout(state, layout[1])
+                remember(_FAST_LAYOUTS, signature, fast, _LAYOUTS_KEPT)
+            if fast is not None and c_kernel.run_op("leaves_match", leaves, fast):
+                return leaves, True
+        if set(map(_LAYOUT, leaves)) == {torch.strided} and _metadata(leaves) == layout[2:]:
+            return leaves, False
+    return check_like(state.params, grads, name="grads", reference_name="params"), False
+
+
+def _fast_layout(state: FP16State, types: list):
+    """What ``functional_fp16_cpu::leaves_match`` compares gradients with (the params'
+    sizes, dtypes, devices and keys, the master's strides), for plain tensors where the
+    C++ op library loads; else ``None``."""
+    params, masters = tree_flatten(state.params)[0], tree_flatten(state.master)[0]
+    plain = all(t is torch.Tensor for t in types) and all(type(m) is torch.Tensor for m in masters)
+    if not (plain and params and len(masters) == len(params) and c_kernel.ops_available()):
+        return None
+    if any(p.dim() != m.dim() for p, m in zip(params, masters)):
+        return None
+    return c_kernel.run_op("leaves_layout", params, masters)
 
 
 def _metadata(leaves: list[torch.Tensor]) -> tuple[list, list, list]:
