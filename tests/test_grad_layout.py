@@ -1,4 +1,4 @@
-"""The gradients' metadata read in one C++ call (``functional_fp16_cpu::leaves_match``).
+"""The gradients' metadata read in one C++ call (``functional_fp16_layout::leaves_match``).
 
 ``fp16_update`` proves, in one op call, that the gradients are plain tensors without
 gradient, shaped, typed and placed like the params and strided like the master; the
@@ -89,7 +89,7 @@ def test_proven_gradients_update_bitwise_as_checked_ones(name, donate, monkeypat
     params = _params()
     tx = optimiser_matrix()[name]
     states = [ff.fp16_init(params, tx, ff.DynamicLossScale(2.0**10)) for _ in range(2)]
-    real = c_kernel.run_op
+    real = c_kernel.layout_op
     for i in range(4):
         grads = {k: v * (i + 1) for k, v in _grads().items()}
         if i == 2:
@@ -100,7 +100,7 @@ def test_proven_gradients_update_bitwise_as_checked_ones(name, donate, monkeypat
         with monkeypatch.context() as m:  # the Python checks alone
             m.setattr(
                 c_kernel,
-                "run_op",
+                "layout_op",
                 lambda op, *a: False if op == "leaves_match" else real(op, *a),
             )
             states[1] = ff.fp16_update(states[1], grads, donate=donate)
@@ -110,9 +110,9 @@ def test_proven_gradients_update_bitwise_as_checked_ones(name, donate, monkeypat
 def test_the_layout_is_exact_about_its_leaves():
     """``leaves_match`` against its layout: a leaf too many or too few is not a match."""
     p, m = list(_params().values()), [x.float() for x in _params().values()]
-    layout = torch.ops.functional_fp16_cpu.leaves_layout(p, m)
+    layout = torch.ops.functional_fp16_layout.leaves_layout(p, m)
     g = list(_grads().values())
-    assert torch.ops.functional_fp16_cpu.leaves_match(g, layout)
-    assert not torch.ops.functional_fp16_cpu.leaves_match(g[:1], layout)
-    assert not torch.ops.functional_fp16_cpu.leaves_match([*g, g[1]], layout)
-    assert not torch.ops.functional_fp16_cpu.leaves_match(g[::-1], layout)
+    assert torch.ops.functional_fp16_layout.leaves_match(g, layout)
+    assert not torch.ops.functional_fp16_layout.leaves_match(g[:1], layout)
+    assert not torch.ops.functional_fp16_layout.leaves_match([*g, g[1]], layout)
+    assert not torch.ops.functional_fp16_layout.leaves_match(g[::-1], layout)

@@ -49,6 +49,7 @@ from typing import Any
 from functional_fp16._kernels.signatures import SIGNATURES, pack
 
 __all__ = ["available", "unavailable_reason", "call", "ops_available", "ops_reason", "run_op"]
+__all__ += ["layout_op"]
 
 _SOURCE = Path(__file__).with_name("fused_step.c")
 _HEADER = Path(__file__).with_name("fused_step.h")  # included by both sources
@@ -240,6 +241,14 @@ def ops_reason() -> str | None:
     """Why :func:`ops_available` is false, or ``None``."""
     ops_available()
     return _ops_reason
+
+
+def layout_op(name: str, *args: Any) -> Any:
+    """Calls ``functional_fp16_layout::<name>`` (``leaves_layout``, ``leaves_match``): the
+    library's checks of tensors' metadata, for tensors of any device (no CPU kernel)."""
+    import torch
+
+    return getattr(torch.ops.functional_fp16_layout, name)(*args)
 
 
 def run_op(name: str, *args: Any) -> Any:

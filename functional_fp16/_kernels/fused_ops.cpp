@@ -1156,10 +1156,14 @@ bool leaves_match(const TensorList &xs, const Tensor &layout) {
 
 }  // namespace
 
-TORCH_LIBRARY(functional_fp16_cpu, m) {
-  // Metadata only, any device: one kernel for every dispatch key (CompositeImplicitAutograd).
+// Checks of metadata alone, for tensors of any device (one kernel for every dispatch key,
+// CompositeImplicitAutograd): no kernel of the CPU's, so their namespace is their own.
+TORCH_LIBRARY(functional_fp16_layout, m) {
   m.def("leaves_layout(Tensor[] shaped, Tensor[] strided) -> Tensor", TORCH_FN(leaves_layout));
   m.def("leaves_match(Tensor[] xs, Tensor layout) -> bool", TORCH_FN(leaves_match));
+}
+
+TORCH_LIBRARY(functional_fp16_cpu, m) {
   m.def(
       "sgd(Tensor[] grads, Tensor[] master, Tensor[] trace, Tensor[] params, bool[] separate, "
       "Tensor? inv, Tensor? clip_div, Tensor? clip_mul, Tensor lr, "

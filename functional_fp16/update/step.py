@@ -207,7 +207,7 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
 
     For a state with a signature the params' layout is read once and kept, so
     a call compares the gradients' metadata, read in bulk, with it. Where the C++ op
-    library is loaded, one call of ``functional_fp16_cpu::leaves_match`` compares every
+    library is loaded, one call of ``functional_fp16_layout::leaves_match`` compares every
     leaf's sizes, dtype, device, dispatch keys and gradient flag with the params' and its
     strides with the master's (``laid_out``: the update then neither detaches nor lays
     them out again); gradients it does not prove so go through the checks in Python.
@@ -228,7 +228,7 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
             if fast is _UNKNOWN:
                 fast = _fast_layout(state, layout[1])
                 remember(_FAST_LAYOUTS, signature, fast, _LAYOUTS_KEPT)
-            if fast is not None and c_kernel.run_op("leaves_match", leaves, fast):
+            if fast is not None and c_kernel.layout_op("leaves_match", leaves, fast):
                 return leaves, True
         if set(map(_LAYOUT, leaves)) == {torch.strided} and _metadata(leaves) == layout[2:]:
             return leaves, False
@@ -236,7 +236,7 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
 
 
 def _fast_layout(state: FP16State, types: list):
-    """What ``functional_fp16_cpu::leaves_match`` compares gradients with (the params'
+    """What ``functional_fp16_layout::leaves_match`` compares gradients with (the params'
     sizes, dtypes, devices and keys, the master's strides), for plain tensors where the
     C++ op library loads; else ``None``."""
     params, masters = tree_flatten(state.params)[0], tree_flatten(state.master)[0]
@@ -245,7 +245,7 @@ def _fast_layout(state: FP16State, types: list):
         return None
     if any(p.dim() != m.dim() for p, m in zip(params, masters)):
         return None
-    return c_kernel.run_op("leaves_layout", params, masters)
+    return c_kernel.layout_op("leaves_layout", params, masters)
 
 
 def _metadata(leaves: list[torch.Tensor]) -> tuple[list, list, list]:
