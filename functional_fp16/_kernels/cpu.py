@@ -49,7 +49,7 @@ from typing import Any
 from functional_fp16._kernels.signatures import SIGNATURES, pack
 
 __all__ = ["available", "unavailable_reason", "call", "ops_available", "ops_reason", "run_op"]
-__all__ += ["layout_op"]
+__all__ += ["layout_op", "ops_loaded"]
 
 _SOURCE = Path(__file__).with_name("fused_step.c")
 _HEADER = Path(__file__).with_name("fused_step.h")  # included by both sources
@@ -241,6 +241,11 @@ def ops_reason() -> str | None:
     """Why :func:`ops_available` is false, or ``None``."""
     ops_available()
     return _ops_reason
+
+
+def ops_loaded() -> bool:
+    """Whether the C++ op library is loaded already (never builds or loads it)."""
+    return _ops_loaded and _ops_reason is None
 
 
 def layout_op(name: str, *args: Any) -> Any:

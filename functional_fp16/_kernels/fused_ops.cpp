@@ -1109,6 +1109,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>> step_sca
   return {leaves, finite, skip, div, mul, lrs};
 }
 
+// A tensor's dispatch keys but those of autograd (and ADInplaceOrView): the same for a
+// tensor made in inference mode and one made outside it; a batched, functional, negative
+// or subclass tensor has other keys.
+static int64_t keys_of(const Tensor &x) {
+  return static_cast<int64_t>((x.key_set() - c10::autograd_dispatch_keyset_with_ADInplaceOrView).raw_repr());
+}
+
 // The metadata gradients must have to be read as they are, leaf by leaf, as int64 numbers
 // (CPU): [dim, sizes..., strides..., dtype, device type, device index, dispatch keys] of
 // `shaped[i]`'s sizes, dtype, device and keys with `strided[i]`'s strides (the params and
@@ -1125,7 +1132,7 @@ Tensor leaves_layout(const TensorList &shaped, const TensorList &strided) {
     out.push_back(static_cast<int64_t>(x.scalar_type()));
     out.push_back(static_cast<int64_t>(x.device().type()));
     out.push_back(static_cast<int64_t>(x.device().index()));
-    out.push_back(static_cast<int64_t>(x.key_set().raw_repr()));
+    out.push_back(keys_of(x));
   }
   Tensor t = at::empty({static_cast<int64_t>(out.size())}, at::TensorOptions().dtype(at::kLong));
   if (!out.empty()) std::memcpy(t.data_ptr<int64_t>(), out.data(), out.size() * sizeof(int64_t));
@@ -1149,7 +1156,7 @@ bool leaves_match(const TensorList &xs, const Tensor &layout) {
     if (*p++ != static_cast<int64_t>(x.scalar_type())) return false;
     if (*p++ != static_cast<int64_t>(x.device().type())) return false;
     if (*p++ != static_cast<int64_t>(x.device().index())) return false;
-    if (*p++ != static_cast<int64_t>(x.key_set().raw_repr())) return false;
+    if (*p++ != keys_of(x)) return false;
   }
   return p == end;
 }

@@ -207,7 +207,8 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
 
     For a state with a signature the params' layout is read once and kept, so
     a call compares the gradients' metadata, read in bulk, with it. Where the C++ op
-    library is loaded, one call of ``functional_fp16_layout::leaves_match`` compares every
+    library is loaded (the CPU's steps load it), one call of
+    ``functional_fp16_layout::leaves_match`` compares every
     leaf's sizes, dtype, device, dispatch keys and gradient flag with the params' and its
     strides with the master's (``laid_out``: the update then neither detaches nor lays
     them out again); gradients it does not prove so go through the checks in Python.
@@ -225,11 +226,12 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
     if spec == layout[0] and list(map(type, leaves)) == layout[1]:
         if not torch._C._are_functorch_transforms_active():  # (no op of ours under vmap)
             fast = _FAST_LAYOUTS.get(signature, _UNKNOWN)
-            if fast is _UNKNOWN:
+            if fast is _UNKNOWN and c_kernel.ops_loaded():  # (loaded by a step, never here)
                 fast = _fast_layout(state, layout[1])
                 remember(_FAST_LAYOUTS, signature, fast, _LAYOUTS_KEPT)
-            if fast is not None and c_kernel.layout_op("leaves_match", leaves, fast):
-                return leaves, True
+            if fast is not _UNKNOWN and fast is not None:
+                if c_kernel.layout_op("leaves_match", leaves, fast):
+                    return leaves, True
         if set(map(_LAYOUT, leaves)) == {torch.strided} and _metadata(leaves) == layout[2:]:
             return leaves, False
     return check_like(state.params, grads, name="grads", reference_name="params"), False
@@ -237,11 +239,12 @@ def _grad_leaves(state: FP16State, grads, signature) -> tuple[list[torch.Tensor]
 
 def _fast_layout(state: FP16State, types: list):
     """What ``functional_fp16_layout::leaves_match`` compares gradients with (the params'
-    sizes, dtypes, devices and keys, the master's strides), for plain tensors where the
-    C++ op library loads; else ``None``."""
+    sizes, dtypes, devices and keys, the master's strides), for plain tensors; else
+    ``None``. (The C++ op library is loaded by the CPU's steps; a state whose update never
+    loads it, CUDA's, is checked in Python and builds nothing.)"""
     params, masters = tree_flatten(state.params)[0], tree_flatten(state.master)[0]
     plain = all(t is torch.Tensor for t in types) and all(type(m) is torch.Tensor for m in masters)
-    if not (plain and params and len(masters) == len(params) and c_kernel.ops_available()):
+    if not (plain and params and len(masters) == len(params)):
         return None
     if any(p.dim() != m.dim() for p, m in zip(params, masters)):
         return None
