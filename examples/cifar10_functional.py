@@ -63,6 +63,7 @@ from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - ensemble_vmap.py and the benchmarks use it
     cpu_has_fast_bf16,
+    end_process,
     load_data_once,
     loss_scale_from_flags,
     make_out_dir,
@@ -392,3 +393,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    end_process()  # a torchrun process ends without Python's finalisation (see there)

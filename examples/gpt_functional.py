@@ -79,6 +79,7 @@ from run_setup import (  # noqa: E402
     auto_policy,
     configure_process,  # noqa: F401 - the benchmarks call it through this module
     cpu_has_fast_bf16,
+    end_process,
     load_data_once,
     loss_scale_from_flags,
     make_out_dir,
@@ -472,3 +473,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    end_process()  # a torchrun process ends without Python's finalisation (see there)

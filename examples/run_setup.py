@@ -77,6 +77,22 @@ def start_distributed(args: argparse.Namespace, device: torch.device) -> tuple[A
     return info, info.device
 
 
+def end_process() -> None:
+    """Ends a process ``torchrun`` started, once its run is done (files written and
+    closed, its process group destroyed), without Python's finalisation.
+
+    PyTorch's C++ threads that outlive a run (gloo's, a finished collective's
+    leftovers) can take the GIL while the interpreter is being torn down; a thread
+    that does so is ended mid-call and the process aborts ("terminate called
+    without an active exception") after a run that succeeded. A process started
+    otherwise ends normally; an error raised before this propagates as usual.
+    """
+    if "LOCAL_RANK" in os.environ:  # set by torchrun
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def use_deterministic_kernels() -> None:
     """What ``--deterministic`` does: deterministic torch kernels, no cuDNN autotuning.
 
