@@ -20,6 +20,7 @@ own plain kernel (its update rule) lives with its op (``sgd.py``,
 
 from __future__ import annotations
 
+import operator
 import struct
 import threading
 
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 from functional_fp16._util.multi_tensor import by_bit_width
+
+_DTYPE = operator.attrgetter("dtype")
 
 __all__ = ["f32", "walk", "calls", "member", "unscaled", "write_member", "stats_generic"]
 __all__ += [
@@ -169,14 +172,11 @@ def unscaled_lists(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
 
 def read_unscaled(grads, like, inv, clip_div, clip_mul) -> list[Tensor]:
     """:func:`unscaled_lists` for a kernel that only reads them (PyTorch's fused optimiser
-    kernels without ``grad_scale``): ``grads`` themselves where they are float32, laid out
-    like ``like``, with nothing to unscale or clip (the plain kernels' update unscales
-    every leaf once before its groups' ops: ``across_groups``); no copy, no launch."""
-    if (
-        inv is None
-        and clip_div is None
-        and all(g.dtype == torch.float32 and g.stride() == m.stride() for g, m in zip(grads, like))
-    ):
+    kernels without ``grad_scale``): ``grads`` themselves where they are float32 with
+    nothing to unscale or clip (the plain kernels' update unscales every leaf once before
+    its groups' ops: ``across_groups``); no copy, no launch. ``grads`` are laid out like
+    ``like`` (the op's checks and the update's layout leave them so)."""
+    if inv is None and clip_div is None and set(map(_DTYPE, grads)) == {torch.float32}:
         return list(grads)
     return unscaled_lists(grads, like, inv, clip_div, clip_mul)
 

@@ -114,9 +114,7 @@ def fp16_update(
                                       donate),
         )  # fmt: skip
         return mark_checked(new, signature)
-    g_leaves, laid_out = _checked_call(
-        state, grads, signature, impl, loss, agree, global_sum, donate
-    )
+    g_leaves, laid_out = _check_call(state, grads, signature, impl, loss, agree, global_sum, donate)
     # Gradients from an autograd graph (``loss.backward()``, ``torch.autograd.grad``
     # with ``create_graph``) are taken as values: no graph reaches the new state.
     if not laid_out and _any_requires_grad(g_leaves):
@@ -145,17 +143,12 @@ def fp16_update(
 _DTENSOR_STATES: dict = {}  # signature -> whether its params are DTensors
 
 
-def _check_call(state, grads, signature, impl, loss, agree, global_sum, donate) -> list:
-    """Refuses a call's arguments (naming the argument or the gradient's path); returns the
-    gradients' leaves. Reads metadata only: on a mesh, every rank reaches the same answer
-    for the same call, and the ranks agree on the calls before they communicate."""
-    return _checked_call(state, grads, signature, impl, loss, agree, global_sum, donate)[0]
-
-
-def _checked_call(state, grads, signature, impl, loss, agree, global_sum, donate):
-    """:func:`_check_call`, returning ``(the gradients' leaves, laid_out)``: ``laid_out``
-    where one look at their metadata proved them plain tensors without gradient, laid out
-    like the master leaf by leaf (see :func:`_grad_leaves`)."""
+def _check_call(state, grads, signature, impl, loss, agree, global_sum, donate):
+    """Refuses a call's arguments (naming the argument or the gradient's path); returns
+    ``(the gradients' leaves, laid_out)``, ``laid_out`` where one look at their metadata
+    proved them plain tensors without gradient, laid out like the master leaf by leaf (see
+    :func:`_grad_leaves`). Reads metadata only: on a mesh, every rank reaches the same
+    answer for the same call, and the ranks agree on the calls before they communicate."""
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     g_leaves, laid_out = _grad_leaves(state, grads, signature)
