@@ -12,4 +12,4 @@ import :mod:`functional_fp16._kernels`, the transforms, precision and
 ``_util``; never the update that calls it.
 """
 
-from functional_fp16._fused import adam, lion, sgd  # noqa: F401  (each registers its step)
+from functional_fp16._fused import adam, lion, rmsprop, sgd  # noqa: F401  (each registers its step)

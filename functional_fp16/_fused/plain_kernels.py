@@ -44,6 +44,7 @@ __all__ += [
     "start_from",
     "fma_step_",
     "correct_sqrt",
+    "pieces",
 ]
 __all__ += [
     "restore_skipped_",
@@ -334,26 +335,39 @@ the sum of squares of the clipping norm."""
 def _batches(x: list[Tensor], out: list[Tensor], size: int):
     """``(pieces of x, the same pieces of out)`` of at most ``size`` elements in all; a
     tensor larger than that is cut into flat slices (the tensors are contiguous)."""
-    src: list[Tensor] = []
-    dst: list[Tensor] = []
-    held = 0
-    for a, b in zip(x, out):
-        if a.numel() <= size:  # whole (no view: nothing per tensor but the list entry)
-            pieces = [(a, b)]
-        else:
-            flat_a, flat_b = a.reshape(-1), b.view(-1)
-            pieces = [
-                (flat_a[i : i + size], flat_b[i : i + size]) for i in range(0, a.numel(), size)
-            ]
-        for piece_a, piece_b in pieces:
-            if held and held + piece_a.numel() > size:
-                yield src, dst
-                src, dst, held = [], [], 0
-            src.append(piece_a)
-            dst.append(piece_b)
-            held += piece_a.numel()
-    if src:
+    for src, dst in pieces([x, out], size):
         yield src, dst
+
+
+def pieces(lists: list[list[Tensor]], size: int):
+    """Aligned pieces of several lists of tensors of the same shapes: per piece, one list
+    per input list, of at most ``size`` elements in all (a list's tensor ``i`` and its
+    slices match every other list's).
+
+    A tensor larger than ``size`` is cut into flat slices where the tensors of every list
+    are contiguous at its position (views: writing a piece writes the tensor), else it is
+    a piece of its own, whole. A kernel that works piece by piece keeps its temporaries
+    to a piece's size, whatever the number of parameters, in a number of multi-tensor ops
+    that grows with the elements, never with the leaves.
+    """
+    held, out = 0, [[] for _ in lists]
+    for i, first in enumerate(lists[0]):
+        n = first.numel()
+        row = [xs[i] for xs in lists]
+        if n <= size or not all(t.is_contiguous() for t in row):
+            cut = [row]
+        else:
+            flat = [t.view(-1) for t in row]
+            cut = [[f[j : j + size] for f in flat] for j in range(0, n, size)]
+        for part in cut:
+            if held and held + part[0].numel() > size:
+                yield out
+                held, out = 0, [[] for _ in lists]
+            for xs, t in zip(out, part):
+                xs.append(t)
+            held += part[0].numel()
+    if held or out[0]:
+        yield out
 
 
 def restore_skipped_(

@@ -36,6 +36,7 @@ from functional_fp16.transforms.schedules import Schedule
 from functional_fp16.transforms.sgd import scale_by_learning_rate, trace
 
 __all__ = [
+    "RmsSpec",
     "ScaleByRmsState",
     "ScaleByRStdDevState",
     "scale_by_rms",
@@ -57,6 +58,17 @@ class ScaleByRStdDevState(NamedTuple):
     count: torch.Tensor  # 0-d int32: the number of updates produced (applied steps)
     mu: PyTree  # moving average of the updates, float32, shaped like the parameters
     nu: PyTree  # moving average of the squared updates, float32, shaped like the parameters
+
+
+class RmsSpec(NamedTuple):
+    """Declared form of :func:`scale_by_rms`: its hyperparameters, from which
+    :func:`~functional_fp16.fp16_update` builds its fused step."""
+
+    decay: float
+    eps: float
+    initial_scale: float
+    eps_in_sqrt: bool
+    bias_correction: bool
 
 
 def _check(decay, eps, initial_scale, eps_in_sqrt, bias_correction) -> tuple[float, float, float]:
@@ -175,7 +187,8 @@ def scale_by_rms(
         out = [u.to(g.dtype) for u, g in zip(out, g_leaves)]
         return tree_unflatten(spec, out), ScaleByRmsState(count, tree_unflatten(spec, new_nu))
 
-    return GradientTransformation(init, update)
+    declared = RmsSpec(decay, eps, initial_scale, eps_in_sqrt, bias_correction)
+    return GradientTransformation(init, update, declared)
 
 
 def scale_by_stddev(
