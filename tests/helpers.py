@@ -306,6 +306,7 @@ def optimiser_matrix() -> dict:
             ff.clip_by_global_norm(1.0), ff.lion(sched, b1=0.5, weight_decay=0.0)
         ),
         "lion_masked": ff.lion(1e-3, b2=0.9, weight_decay=1e-2, mask=matrices),
+        "rmsprop_momentum_schedule": ff.rmsprop(sched, momentum=0.9),
         "masked_sgd_decay": ff.chain(
             ff.add_decayed_weights(1e-2, mask=matrices), ff.sgd(0.05, momentum=0.9)
         ),

@@ -53,13 +53,14 @@ def test_the_library_containers_are_torch_pytrees_with_the_same_leaves():
 
 
 @pytest.mark.parametrize("kernel", ["c", "cuda-default"])
-@pytest.mark.parametrize("opt", ["sgd", "adamw", "lion", "multisteps"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "lion", "rmsprop", "multisteps"])
 def test_vmapped_update_is_bitwise_k_unbatched_updates(opt, kernel, impl, monkeypatch):
     monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", kernel)  # and CUDA's default kernel
     tx = {
         "sgd": ff.sgd(0.05, momentum=0.9, weight_decay=1e-3),
         "adamw": ff.adamw(1e-3, weight_decay=1e-2),
         "lion": ff.lion(1e-3, weight_decay=1e-2),
+        "rmsprop": ff.rmsprop(1e-3, momentum=0.9),
         "multisteps": ff.MultiSteps(ff.adam(1e-3), every_k_schedule=2),
     }[opt]
     states = [member_state(k, tx) for k in range(K)]

@@ -66,6 +66,7 @@ RUNS = [
 # decision (Adam, Lion), one grad_stats call before the op (clipping, several groups),
 # and optimisers the fused op does not take.
 TXS = ["momentum", "adam", "lion", "recipe", "labels_sgd_adam", "apply_if_finite", "sgd"]
+TXS += ["rmsprop_momentum_schedule"]
 
 
 def _params():

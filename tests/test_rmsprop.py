@@ -556,3 +556,144 @@ def test_flags_are_keyword_only():
     kw = inspect.Parameter.KEYWORD_ONLY
     assert all(kinds[n] == kw for n in ("eps_in_sqrt", "centered", "momentum", "nesterov"))
     assert list(kinds)[:4] == ["learning_rate", "decay", "eps", "initial_scale"]
+
+
+# -- the fused step -----------------------------------------------------------------------------
+#
+# ``rmsprop`` without centring or bias correction runs as one fused op (``_fused/rmsprop.py``):
+# a plain kernel that computes each operation as the chain does, so its states are compared
+# with the chain's bit for bit, on the C kernel's CPU and on CUDA's default kernel forced on
+# the CPU, pure and donated, whole and cut into pieces.
+
+FUSED_CASES = {
+    "plain": lambda: ff.rmsprop(LR),
+    "eps_outside": lambda: ff.rmsprop(LR, decay=0.99, eps_in_sqrt=False),
+    "momentum": lambda: ff.rmsprop(LR, momentum=0.9),
+    "nesterov_schedule": lambda: ff.rmsprop(
+        ff.warmup_cosine_decay_schedule(0.0, LR, 3, 20), momentum=0.9, nesterov=True
+    ),
+    "clip": lambda: ff.chain(
+        ff.clip_by_global_norm(0.5), ff.rmsprop(LR, momentum=0.5, eps_in_sqrt=False)
+    ),
+    "initial_scale": lambda: ff.rmsprop(LR, decay=0.5, initial_scale=1.0),
+}
+
+UNFUSED_CASES = {
+    "centered": lambda: ff.rmsprop(LR, centered=True),
+    "bias_correction": lambda: ff.rmsprop(LR, bias_correction=True),
+    "dampened_trace": lambda: ff.chain(
+        ff.scale_by_rms(), ff.scale_by_learning_rate(LR), ff.trace(0.9, dampening=0.1)
+    ),
+    "trace_before_lr": lambda: ff.chain(
+        ff.scale_by_rms(), ff.trace(0.9), ff.scale_by_learning_rate(LR)
+    ),
+    "bf16_trace": lambda: ff.chain(
+        ff.scale_by_rms(),
+        ff.scale_by_learning_rate(LR),
+        ff.trace(0.9, accumulator_dtype=torch.bfloat16),
+    ),  # fmt: skip
+}
+
+
+def _fused_tree(seed: int):
+    """``random_tree``'s awkward sizes, plus a leaf that is not contiguous (a transposed
+    matrix: its master keeps the strides, so the kernel steps it whole)."""
+    tree = random_tree(seed)
+    tree["transposed"] = torch.randn(40, 9, generator=torch.Generator().manual_seed(seed)).t()
+    return tree
+
+
+@pytest.mark.parametrize("kernel", ["c", "cuda-default"])
+@pytest.mark.parametrize("piece", [None, 16], ids=["whole", "pieces_of_16"])
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_the_fused_step_is_the_chain_bitwise(case, donate, piece, kernel, monkeypatch):
+    """Every state tensor, the decisions and the loss scale bitwise the chain's
+    (``impl="reference"``) through an overflow, which leaves every state tensor as it was."""
+    from functional_fp16._fused import rmsprop as fused
+
+    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", kernel)
+    if piece is not None:  # leaves of 64, 65 and 360 elements cut, small ones joined
+        monkeypatch.setattr(fused, "PIECE", piece)
+    params = _fused_tree(3)
+    grads = fp16_grads(params, seed=11, steps=7)
+    max(tree_leaves(grads[4]), key=torch.numel).view(-1)[3] = math.inf
+    ls = ff.DynamicLossScale(init_scale=SCALE, growth_interval=3)
+    ours = ff.fp16_init(params, FUSED_CASES[case](), ls)
+    ref = ff.fp16_init(params, FUSED_CASES[case](), ls)
+    assert ff.update_path(ours) == "fused"
+    for i, g in enumerate(grads):
+        before = bit_snapshot((ours.params, ours.master, ours.opt_state))
+        ours = ff.fp16_update(ours, g, donate=donate)
+        ref = ff.fp16_update(ref, g, impl="reference")
+        assert_states_bitwise_equal(ours, ref)
+        if i == 4:
+            assert not bool(ours.grads_finite)
+            assert_bitwise_unchanged((ours.params, ours.master, ours.opt_state), before)
+    rms = next(
+        s for s in tree_leaves_of_states(ours.opt_state) if isinstance(s, ff.ScaleByRmsState)
+    )
+    assert int(rms.count) == 6  # the applied steps
+
+
+def tree_leaves_of_states(opt_state):
+    """The NamedTuple states inside a chain's nested tuple state."""
+    out = []
+    for s in opt_state:
+        if isinstance(s, tuple) and not hasattr(s, "_fields"):
+            out.extend(tree_leaves_of_states(s))
+        else:
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(UNFUSED_CASES))
+def test_what_the_fused_step_does_not_compute_runs_as_written(case):
+    state = ff.fp16_init(random_tree(1), UNFUSED_CASES[case]())
+    assert ff.update_path(state) == "foreach"
+
+
+def test_the_fused_steps_launches_do_not_grow_with_the_leaves(monkeypatch):
+    """CUDA's default forced on the CPU: the same aten ops for 4 leaves as for 40."""
+    from tests.helpers import computing_ops
+
+    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", "cuda-default")
+
+    def ops(n_leaves: int) -> list[str]:
+        params = {f"w{i}": torch.randn(3 + i % 4, 5).half() for i in range(n_leaves)}
+        state = ff.fp16_init(params, ff.rmsprop(LR, momentum=0.9))
+        grads = fp16_grads(params, seed=2, steps=1)[0]
+        state = ff.fp16_update(state, grads)  # warm: derived scalars made once
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ff.fp16_update(state, grads)
+        return sorted(computing_ops(prof))
+
+    few, many = ops(4), ops(40)
+    assert few == many
+    assert "aten::_foreach_addcmul_" in few  # the fused op ran (the chain's is addcmul)
+
+
+def test_the_op_asks_for_started_with_momentum():
+    from functional_fp16._fused.rmsprop import rmsprop_step
+
+    g, m = [torch.ones(3, dtype=torch.float16)], [torch.ones(3)]
+    lr = torch.full((1,), -LR)
+    with pytest.raises(TypeError, match="rmsprop_step: started is required with momentum"):
+        rmsprop_step(
+            g, m, [torch.zeros(3)], [torch.zeros(3)], [], [False], None, None, None, lr, None,
+            None, None, 0.9, 1e-8, True, 0.9, False, 1,
+        )  # fmt: skip
+
+
+def test_pieces_are_aligned_slices_of_every_list():
+    from functional_fp16._fused.plain_kernels import pieces
+
+    a = [torch.arange(5.0), torch.arange(40.0), torch.arange(12.0).reshape(3, 4).t()]
+    b = [torch.zeros_like(x) for x in a]
+    got = list(pieces([a, b], 16))
+    # 5 | 16 | 16 | 8 (+ the transposed 12, whole: not contiguous)
+    assert [[t.numel() for t in xs] for xs, _ in got] == [[5], [16], [16], [8], [12]]
+    for xs, ys in got:
+        for x, y in zip(xs, ys):
+            y.copy_(x)  # writing a piece writes the tensor
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

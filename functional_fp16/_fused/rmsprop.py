@@ -74,9 +74,7 @@ _ORDER = (ClipSpec, RmsSpec, LearningRateSpec, TraceSpec)
 def _plain_trace(spec: TraceSpec) -> bool:
     """A trace the step runs: a float momentum, no dampening, a float32 buffer."""
     return (
-        type(spec.decay) is float
-        and spec.dampening == 0.0
-        and spec.accumulator_format is FLOAT32
+        type(spec.decay) is float and spec.dampening == 0.0 and spec.accumulator_format is FLOAT32
     )
 
 
