@@ -195,14 +195,14 @@ def unscaled_into(u: list[Tensor], grads, inv, clip_div, clip_mul) -> list[Tenso
 
 def _unscaled_pieces(grads, inv):
     """:func:`unscaled_lists` of ``grads`` in pieces of at most ``SQRT_BATCH`` elements
-    (flat slices of the contiguous ones, as :func:`_batches` cuts them), made one piece at
+    (flat slices of the contiguous ones, as :func:`pieces` cuts them), made one piece at
     a time; a tree with a non-contiguous gradient is unscaled whole first, then cut."""
     if all(g.is_contiguous() for g in grads):
-        for piece, _ in _batches(grads, grads, SQRT_BATCH):
+        for (piece,) in pieces([grads], SQRT_BATCH):
             yield unscaled_lists(piece, piece, inv, None, None)
         return
     u = unscaled_lists(grads, grads, inv, None, None)
-    for piece, _ in _batches(u, u, SQRT_BATCH):
+    for (piece,) in pieces([u], SQRT_BATCH):
         yield piece
 
 
@@ -319,7 +319,7 @@ def correct_sqrt(x: list[Tensor], out: list[Tensor] | None = None) -> list[Tenso
         start_from(out, x)
         torch._foreach_sqrt_(out)
         return out
-    for src, dst in _batches(x, out, SQRT_BATCH):
+    for src, dst in pieces([x, out], SQRT_BATCH):
         wide = [torch.empty_like(t, dtype=torch.float64) for t in src]
         torch._foreach_copy_(wide, src)
         torch._foreach_sqrt_(wide)
@@ -330,13 +330,6 @@ def correct_sqrt(x: list[Tensor], out: list[Tensor] | None = None) -> list[Tenso
 SQRT_BATCH = 1 << 20
 """The most elements a float64 conversion takes at once (8 MiB): the CPU's square root and
 the sum of squares of the clipping norm."""
-
-
-def _batches(x: list[Tensor], out: list[Tensor], size: int):
-    """``(pieces of x, the same pieces of out)`` of at most ``size`` elements in all; a
-    tensor larger than that is cut into flat slices (the tensors are contiguous)."""
-    for src, dst in pieces([x, out], size):
-        yield src, dst
 
 
 def pieces(lists: list[list[Tensor]], size: int):
