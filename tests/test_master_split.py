@@ -366,7 +366,9 @@ def _tiny_params():
 
 
 @pytest.mark.parametrize("kernel", ["c", "cuda-default"])
-@pytest.mark.parametrize("name", ["momentum", "sgd", "recipe", "lion", "adamw_e4m3"])
+@pytest.mark.parametrize(
+    "name", ["momentum", "sgd", "recipe", "lion", "rmsprop_momentum_schedule", "adamw_e4m3"]
+)
 def test_the_kernels_split_like_the_codec(name, kernel, monkeypatch):
     """The fused step on a split master equals the fused step on its float32 master,
     split by the codec (``convert_master``), bitwise, for masters at every scale: the
@@ -400,6 +402,7 @@ PAST_FP16 = {
     "adam": lambda: ff.adam(1.0),
     "l2_adam": lambda: ff.chain(ff.add_decayed_weights(1e-2), ff.adam(1.0)),  # NaN
     "lion": lambda: ff.lion(1.0, weight_decay=0.0),
+    "rmsprop": lambda: ff.rmsprop(1.0, momentum=0.9),
 }
 
 

@@ -19,6 +19,7 @@ from functional_fp16._fused import op_library
 from functional_fp16._fused.adam import adam_step, adam_step_
 from functional_fp16._fused.lion import lion_step, lion_step_
 from functional_fp16._fused.op_library import grad_stats
+from functional_fp16._fused.rmsprop import rmsprop_step, rmsprop_step_
 from functional_fp16._fused.sgd import sgd_step, sgd_step_
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._util.tree import tree_leaves, tree_map
@@ -141,6 +142,31 @@ def test_opcheck_lion(param_dtype, decay, skip):
     torch.library.opcheck(lion_step, (grads, master, mu, own, separate), kwargs)
     copies = [[x.clone() for x in xs] for xs in (master, mu, own)]
     torch.library.opcheck(lion_step_, (grads, *copies, separate), kwargs)
+
+
+RMS_FLAGS = [
+    dict(eps_in_sqrt=True, momentum=0.0, nesterov=False),
+    dict(eps_in_sqrt=False, momentum=0.9, nesterov=False),
+    dict(eps_in_sqrt=True, momentum=0.9, nesterov=True),
+]
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("flags", range(len(RMS_FLAGS)))
+@pytest.mark.parametrize("skip", [False, True])
+def test_opcheck_rmsprop(param_dtype, flags, skip):
+    grads, master, params = _leaves(param_dtype)
+    separate = [param_dtype != torch.float32] * len(master)
+    own = [p for p, s in zip(params, separate) if s]
+    nu = [torch.rand_like(m) for m in master]
+    on = RMS_FLAGS[flags]["momentum"] != 0.0
+    trace = [torch.randn_like(m) for m in master] if on else []
+    s, started = _scalars(skip, clip=not skip)
+    kwargs = dict(**s, started=started if on else None, decay=0.9, eps=1e-8, **RMS_FLAGS[flags])
+    kwargs["members"] = 1
+    torch.library.opcheck(rmsprop_step, (grads, master, nu, trace, own, separate), kwargs)
+    copies = [[x.clone() for x in xs] for xs in (master, nu, trace, own)]
+    torch.library.opcheck(rmsprop_step_, (grads, *copies, separate), kwargs)
 
 
 @pytest.mark.parametrize("sum_squares", [False, True])
@@ -648,7 +674,9 @@ def test_cuda_runs_pytorchs_kernels_and_the_retired_triton_choice_says_so(monkey
         dk.kernel_for(cuda)
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "recipe", "lion"])
+@pytest.mark.parametrize(
+    "name", ["sgd_momentum", "adam", "recipe", "lion", "rmsprop_momentum_schedule"]
+)
 def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, monkeypatch):
     """The plain kernel of one group (CUDA's default) is multi-tensor: the number of
     dispatched ops does not grow with the number of leaves."""

@@ -653,26 +653,6 @@ def test_what_the_fused_step_does_not_compute_runs_as_written(case):
     assert ff.update_path(state) == "foreach"
 
 
-def test_the_fused_steps_launches_do_not_grow_with_the_leaves(monkeypatch):
-    """CUDA's default forced on the CPU: the same aten ops for 4 leaves as for 40."""
-    from tests.helpers import computing_ops
-
-    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", "cuda-default")
-
-    def ops(n_leaves: int) -> list[str]:
-        params = {f"w{i}": torch.randn(3 + i % 4, 5).half() for i in range(n_leaves)}
-        state = ff.fp16_init(params, ff.rmsprop(LR, momentum=0.9))
-        grads = fp16_grads(params, seed=2, steps=1)[0]
-        state = ff.fp16_update(state, grads)  # warm: derived scalars made once
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            ff.fp16_update(state, grads)
-        return sorted(computing_ops(prof))
-
-    few, many = ops(4), ops(40)
-    assert few == many
-    assert "aten::_foreach_addcmul_" in few  # the fused op ran (the chain's is addcmul)
-
-
 def test_the_op_asks_for_started_with_momentum():
     from functional_fp16._fused.rmsprop import rmsprop_step
 

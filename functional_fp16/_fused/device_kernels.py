@@ -292,6 +292,7 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
 def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     """The step through the generic ``functional_fp16_cpu::step``: its states go in
     state-major as one list and come back split, so the outputs read as ``cpp_step``'s."""
+    spec.check(spec.name + ("_" if donated else ""), a)  # what the generic C++ op cannot know
     states = [x for name in spec.states for x in a[name]]
     master, flat, params, finite, leaves = c_kernel.run_op(
         "step",
@@ -302,7 +303,7 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
         a["params"],
         list(a["separate"]),
         *[a[n] for n in ("inv", "clip_div", "clip_mul", "lr", "apply", "require")],
-        [a[n] for n in spec.scalars],
+        _block_scalars([a[n] for n in spec.scalars]),
         [float(x) for x in spec.cpp_hyper(a)],
         a["members"],
         _threads(),
@@ -313,6 +314,12 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     n = len(a["grads"])
     split = [flat[j * n : (j + 1) * n] for j in range(len(spec.states))]
     return (master, *split, params, finite, leaves)
+
+
+def _block_scalars(scalars: list) -> list[Tensor]:
+    """The per-group scalars as the block convention takes them: float32 (a bool flag as
+    1.0 or 0.0); one not given (``None``: a state not in use) is left out."""
+    return [s if s.dtype == torch.float32 else s.float() for s in scalars if s is not None]
 
 
 def _cpp_stored_step(spec: StepSpec, a: dict, donated: bool):

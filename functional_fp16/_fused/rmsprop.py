@@ -15,7 +15,7 @@ average of squares, :math:`b` the trace, :math:`f` the signed learning rate and
 :math:`\kappa = \mu` once momentum has started (else 0), the ops compute
 
 .. math::
-    \nu' &= \operatorname{fl}(\nu\rho) + \operatorname{fl}(\operatorname{fl}(u\,w)\,u),
+    \nu' &= \operatorname{fma}(\operatorname{fl}(u\,w),\, u,\, \operatorname{fl}(\nu\rho)),
         \quad w = \operatorname{fl}_{32}(1 - \rho) \\
     s &= u \,/\, \sqrt{\nu' + \epsilon}
         \quad\text{or}\quad u \,/\, (\sqrt{\nu'} + \epsilon), \qquad v = \operatorname{fl}(s f) \\
@@ -23,11 +23,12 @@ average of squares, :math:`b` the trace, :math:`f` the signed learning rate and
     o = b' \text{, or } v + \mu b' \text{ (Nesterov), or } v \text{ (no momentum)}, \qquad
     m' = \operatorname{fl}(m + o)
 
-each operation rounded once as the reference chain rounds it (``addcmul``, the
-correctly rounded root, the multiply-add of Nesterov's ``torch.add(alpha=)``),
-so that on the CPU the step is the chain's bit for bit. There is no C kernel:
-every device runs the plain kernel, a fixed number of multi-tensor ops a piece of
-at most :data:`PIECE` elements (whatever the number of leaves), whose temporaries
+each operation rounded once as the reference chain rounds it (the multiply-adds
+that ``addcmul`` and Nesterov's ``torch.add(alpha=)`` contract on the CPU, the
+correctly rounded root), so that on the CPU the step is the chain's bit for bit,
+in both kernels: the C kernel (``ff_rmsprop_step``, through the generic C++ op)
+and the plain kernel CUDA runs, a fixed number of multi-tensor ops a piece of at
+most :data:`PIECE` elements (whatever the number of leaves), whose temporaries
 are a piece's, not the parameters'.
 """
 
@@ -207,7 +208,7 @@ def _lists(
         m, nu_old = old[0], old[1]
         u = plain_kernels.unscaled_lists(g, m, inv, clip_div, clip_mul)
         new_nu = torch._foreach_mul(nu_old, decay)
-        torch._foreach_addcmul_(new_nu, u, u, value=w)  # fl(nu rho) + fl(fl(u w) u)
+        torch._foreach_addcmul_(new_nu, u, u, value=w)  # fma(fl(u w), u, fl(nu rho))
         if eps_in_sqrt:
             root = torch._foreach_add(new_nu, eps)
             plain_kernels.correct_sqrt(root, out=root)
@@ -247,10 +248,13 @@ SPEC = StepSpec(
         ("momentum", "float"),
         ("nesterov", "bool"),
     ),
-    entry="",  # no C kernel: every device runs the plain kernel
+    entry="",  # the C kernel runs through its C++ op only
     check=_check,
     kernel_args=_kernel_args,
     generic=_generic,
+    cpp_op="rmsprop",
+    cpp_hyper=lambda a: (a["decay"], a["eps"], a["eps_in_sqrt"], a["momentum"], a["nesterov"]),
+    c_block=True,
 )
 
 RMSPROP_OPS = define_step(

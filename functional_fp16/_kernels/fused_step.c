@@ -16,7 +16,7 @@
  *                   itself and undoes where the group skips.
  *   ff_adam_update  the same single pass for Adam/AdamW.
  *   ff_step_entry   the steps with fused_step.h's calling convention, by name
- *                   (ff_lion_step: Lion).
+ *                   (ff_lion_step: Lion; ff_rmsprop_step: RMSProp).
  *
  * Scalars that live in tensors (the skip flags, 1/scale, the learning rates,
  * the clip factors, whether momentum has started) are read through pointers
@@ -1245,6 +1245,158 @@ static void ff_lion_step(const ff_step_args *x) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* The RMSProp update (fused_step.h's convention).                           */
+/* ------------------------------------------------------------------------ */
+
+/* Per element, as the reference chain scale_by_rms -> learning rate -> [trace] computes
+ * it (_fused/rmsprop.py), with u the unscaled gradient, v the average of squares and b
+ * the trace, each operation rounded once but the multiply-adds that torch.addcmul and
+ * torch.add(alpha=) contract on the CPU:
+ *
+ *   v' = fma(u * w, u, v * rho)                     (torch.addcmul's)
+ *   s  = u / sqrt(v' + eps)   or   u / (sqrt(v') + eps)
+ *   o  = s * f                                      (f: the signed learning rate)
+ *   b' = b * keep + o                               (keep: mu once started, else 0)
+ *   o  = b', or fma(b', mu, o) with Nesterov
+ *   m' = m + o
+ *
+ * hyper: rho, eps, eps_in_sqrt, mu, nesterov; scalars[0] (with a trace): per group
+ * whether momentum has started (1.0 or 0.0). s[0] is v, s[1] the trace.
+ */
+typedef struct {
+    float inv, clip_div, clip_mul, rho, w, eps, factor, keep, mu;
+    int clip, in_sqrt, trace, nesterov;
+} RmsHyper;
+
+static inline __attribute__((always_inline)) void rms_block(
+    const RmsHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict v, const float *restrict b, float *restrict m_out,
+    float *restrict v_out, float *restrict b_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
+    const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, rho = h->rho, w = h->w,
+                eps = h->eps, factor = h->factor, keep = h->keep, mu = h->mu;
+    for (int64_t i = 0; i < n; ++i) {
+        float u = g[i] * inv;
+        if (CLIP) u = (u / cd) * cm;
+        const float nv = fmaf(u * w, u, v[i] * rho);
+        const float den = IN_SQRT ? sqrtf(nv + eps) : sqrtf(nv) + eps;
+        float o = (u / den) * factor;
+        if (TRACE) {
+            const float nb = b[i] * keep + o;
+            b_out[i] = nb;
+            o = NESTEROV ? fmaf(nb, mu, o) : nb;
+        }
+        const float nm = m[i] + o;
+        v_out[i] = nv;
+        m_out[i] = nm;
+        p_out[i] = nm;
+    }
+}
+
+#define RMS_FLAGS(X)                                                                    \
+    X(0, 0, 0, 0) X(0, 1, 0, 0) X(1, 0, 0, 0) X(1, 1, 0, 0) X(0, 0, 1, 0) X(0, 1, 1, 0) \
+    X(1, 0, 1, 0) X(1, 1, 1, 0) X(0, 0, 1, 1) X(0, 1, 1, 1) X(1, 0, 1, 1) X(1, 1, 1, 1)
+
+static void rms_dispatch(const RmsHyper *h, const float *g, const float *m, const float *v,
+                         const float *b, float *mo, float *vo, float *bo, float *po,
+                         int64_t n) {
+#define RMS_CASE(C, S, T, N)                                                       \
+    if (h->clip == C && h->in_sqrt == S && h->trace == T && h->nesterov == N) {   \
+        rms_block(h, g, m, v, b, mo, vo, bo, po, n, C, S, T, N);                   \
+        return;                                                                    \
+    }
+    RMS_FLAGS(RMS_CASE)
+#undef RMS_CASE
+}
+
+static void ff_rmsprop_step(const ff_step_args *x) {
+    const int64_t per_group = x->n_leaves / x->n_groups;
+    const int trace = x->n_states > 1;
+    float *const *v = x->s[0], *const *vo = x->so[0];
+    float *const *b = trace ? x->s[1] : NULL, *const *bo = trace ? x->so[1] : NULL;
+    RmsHyper *hs = (RmsHyper *)malloc((size_t)x->n_groups * sizeof(RmsHyper));
+    for (int64_t k = 0; k < x->n_groups; ++k) {
+        RmsHyper *h = &hs[k];
+        h->inv = x->inv ? x->inv[k] : 1.0f;
+        h->clip = x->clip_div != NULL;
+        h->clip_div = h->clip ? x->clip_div[k] : 1.0f;
+        h->clip_mul = h->clip ? x->clip_mul[k] : 1.0f;
+        h->rho = (float)x->hyper[0];
+        h->w = (float)(1.0 - x->hyper[0]);
+        h->eps = (float)x->hyper[1];
+        h->in_sqrt = x->hyper[2] != 0.0;
+        h->mu = (float)x->hyper[3];
+        h->trace = trace;
+        h->nesterov = trace && x->hyper[4] != 0.0;
+        h->keep = trace && x->n_scalars > 0 && x->scalars[0][k] != 0.0f ? h->mu : 0.0f;
+        h->factor = x->lr[k];
+    }
+    int64_t n_chunks;
+    Chunk *chunks = make_chunks(x->n_leaves, x->numel, &n_chunks);
+#pragma omp parallel for schedule(static) num_threads(x->threads)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+        const Chunk *c = &chunks[k];
+        const int l = c->leaf;
+        const int64_t grp = l / per_group;
+        const RmsHyper *h = &hs[grp];
+        const int gd = x->gdt[l], pd = x->pdt[l], gs = dt_size(gd), ps = dt_size(pd);
+        float *const m = x->m[l], *const mo = x->mo[l];
+        const int p_is_master = x->po[l] == (void *)mo;
+        const int donated = mo == m, ms = x->split ? 2 : 4;
+        for (int64_t s = c->start; s < c->start + c->len; s += BLOCK) {
+            const int64_t end = c->start + c->len, n = end - s < BLOCK ? end - s : BLOCK;
+            char *po_s = (char *)x->po[l] + s * ps;
+            if (!x->apply[grp]) {
+                /* A skipped step: the new state is the old one, bit for bit. */
+                if (!donated) {
+                    memcpy((char *)mo + s * ms, (const char *)m + s * ms, (size_t)n * ms);
+                    memcpy(vo[l] + s, v[l] + s, (size_t)n * 4);
+                    if (trace) memcpy(bo[l] + s, b[l] + s, (size_t)n * 4);
+                    if (!p_is_master)
+                        memcpy(po_s, (const char *)x->p[l] + s * ps, (size_t)(n * ps));
+                }
+                continue;
+            }
+            float gbuf[BLOCK], jbuf[BLOCK], mbuf[BLOCK], vbuf[BLOCK], bbuf[BLOCK], pbuf[BLOCK];
+            uint16_t hbuf[2 * BLOCK];
+            to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
+            const float *m_in = m + s;
+            if (x->split) { /* the master joined from its halves, stepped, split again */
+                join_master((const uint16_t *)x->p[l] + s, (const int16_t *)(const void *)m + s,
+                            jbuf, n);
+                m_in = jbuf;
+            }
+            const float *b_in = trace ? b[l] + s : NULL;
+            if (donated && !x->split) {
+                rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mo + s, vo[l] + s,
+                             trace ? bo[l] + s : NULL, p_is_master ? mo + s : pbuf, n);
+            } else {
+                rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
+                if (donated) {
+                    memcpy(vo[l] + s, vbuf, (size_t)n * 4);
+                    if (trace) memcpy(bo[l] + s, bbuf, (size_t)n * 4);
+                } else {
+                    stream_bytes(vo[l] + s, vbuf, n * 4);
+                    if (trace) stream_bytes(bo[l] + s, bbuf, n * 4);
+                }
+                if (x->split) {
+                    store_split(mbuf, po_s, (int16_t *)(void *)mo + s, hbuf, !donated, n);
+                    continue;
+                }
+                stream_bytes(mo + s, mbuf, n * 4);
+            }
+            if (!p_is_master) {
+                from_f32(pbuf, hbuf, n, pd);
+                stream_bytes(po_s, hbuf, n * ps);
+            }
+        }
+        stream_fence();
+    }
+    free(chunks);
+    free(hs);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Stored moments: BF16, FP16 and 8-bit E4M3 block codes, inside the step.   */
 /* ------------------------------------------------------------------------ */
 
@@ -1848,6 +2000,7 @@ static const struct {
     ff_step_fn fn;
 } STEPS[] = {
     {"lion", ff_lion_step},
+    {"rmsprop", ff_rmsprop_step},
     {"adam_stored", ff_adam_stored_step},
     {"lion_stored", ff_lion_stored_step},
     {"sgd_stored", ff_sgd_stored_step},
