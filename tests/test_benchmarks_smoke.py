@@ -125,6 +125,12 @@ def test_lion_benchmark_runs_both_optimisers_on_the_fused_path():
     assert "| lion pure |" in out and "| adamw donated |" in out
 
 
+def test_rmsprop_benchmark_runs_the_fused_and_the_multi_tensor_rows_against_torch():
+    out = _run("bench_rmsprop.py", "--smoke")
+    assert "| fused pure |" in out and "| multi-tensor donated |" in out
+    assert "| GradScaler+RMSprop(foreach) |" in out
+
+
 def test_moment_fidelity_benchmark_prints_every_format_and_case():
     out = _run("bench_moment_fidelity.py", "--smoke")
     for fmt in ("bfloat16", "float16", "e4m3"):
