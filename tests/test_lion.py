@@ -170,3 +170,32 @@ def test_composed_lion_agrees_across_implementations(name):
 def test_bad_hyperparameters_raise_at_construction_naming_the_argument(make, needle):
     with pytest.raises((TypeError, ValueError), match=needle):
         make()
+
+
+def test_a_donated_plain_step_in_pieces_is_the_whole_one_bitwise(monkeypatch):
+    """The plain kernel steps a donated state a piece at a time (its temporaries a piece's):
+    cut into pieces of 16 elements (leaves of 64 and 65 cut, small ones joined), every
+    state is bitwise the pure step's, through an overflow, with and without a clip."""
+    from functional_fp16._fused import lion as fused
+
+    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", "cuda-default")  # the plain kernel
+    for tx in (ff.lion(1e-3, weight_decay=0.1),
+               ff.chain(ff.clip_by_global_norm(0.5), ff.lion(1e-3, weight_decay=0.0))):  # fmt: skip
+        monkeypatch.setattr(fused, "PIECE", 1 << 20)
+        whole = _run(tx, "auto")
+        monkeypatch.setattr(fused, "PIECE", 16)
+        state = ff.fp16_init(random_tree(7, scale=0.5), tx)
+        g = torch.Generator().manual_seed(5)
+        for step, expected in enumerate(whole):
+            grads = optree.tree_map(
+                lambda p: (torch.randn(p.shape, generator=g) * 256).to(p.dtype),
+                state.params,
+                namespace=NS,
+            )
+            if step == 3:
+                optree.tree_leaves(grads, namespace=NS)[0].view(-1)[0] = math.inf
+            state = ff.fp16_update(state, grads, donate=True)
+            assert_states_bitwise_equal(
+                (state.params, state.master, state.opt_state, state.loss_scale),
+                (expected.params, expected.master, expected.opt_state, expected.loss_scale),
+            )

@@ -207,37 +207,59 @@ def _lists(
     Temporaries, in bytes a parameter: a pure step computes in its fresh outputs
     (:math:`u` in the new master's buffers, the products in the new momentum's) and
     keeps only :math:`d`: 4. A donated one may not write its state before the
-    decision is applied, so it keeps :math:`u` beside :math:`d` (8), steps the
-    master, then forms :math:`u` again for :math:`a'`: 8 at most.
+    decision is applied, so it keeps :math:`u` beside :math:`d`, steps the master,
+    then forms :math:`u` again for :math:`a'`: it does so a piece of at most
+    :data:`PIECE` elements at a time (:func:`~.plain_kernels.pieces`), so that those
+    temporaries are a piece's (about 16 MiB), not 8 B a parameter; then the working
+    copies' refresh, 2 B a parameter for FP16 copies.
     """
     pure = any(o is not x for o, x in zip(mu_out, mu))
-    if pure:  # fresh outputs as scratch
-        u = plain_kernels.unscaled_into(master_out, grads, inv, clip_div, clip_mul)
-        d = plain_kernels.start_from([torch.empty_like(m) for m in master], mu)
-        torch._foreach_mul_(d, b1)
-        torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w1)
-        torch._foreach_add_(d, mu_out)  # fl(a b1) + fl(u w1)
-        torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w2)
-        torch._foreach_mul_(plain_kernels.start_from(master_out, mu), b2)  # u is spent
-        torch._foreach_add_(mu_out, master_out)  # a' = fl(u w2) + fl(a b2)
-        plain_kernels.restore_skipped_(apply, mu_out, mu)
-    else:
-        u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
-        d = torch._foreach_mul(mu, b1)
-        torch._foreach_mul_(u, w1)
-        torch._foreach_add_(d, u)  # u is spent
+    if not pure:
+        for g, m, a in plain_kernels.pieces([grads, master, mu], PIECE):
+            _donated_piece(g, m, a, inv, clip_div, clip_mul, lr, apply, w1, b1, w2, b2, decoupled)
+        plain_kernels.refresh_params(apply, master_out, params, params_out)
+        return
+    u = plain_kernels.unscaled_into(master_out, grads, inv, clip_div, clip_mul)
+    d = plain_kernels.start_from([torch.empty_like(m) for m in master], mu)
+    torch._foreach_mul_(d, b1)
+    torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w1)
+    torch._foreach_add_(d, mu_out)  # fl(a b1) + fl(u w1)
+    torch._foreach_mul_(plain_kernels.start_from(mu_out, u), w2)
+    torch._foreach_mul_(plain_kernels.start_from(master_out, mu), b2)  # u is spent
+    torch._foreach_add_(mu_out, master_out)  # a' = fl(u w2) + fl(a b2)
+    plain_kernels.restore_skipped_(apply, mu_out, mu)
+    _direction_step(d, master, master_out, lr, apply, decoupled)
+    plain_kernels.refresh_params(apply, master_out, params, params_out)
+
+
+PIECE = plain_kernels.SQRT_BATCH
+"""The most elements a donated plain step computes at once (its temporaries: :math:`u`,
+:math:`d` and a product, float32 lists of this many elements)."""
+
+
+def _direction_step(d, master, master_out, lr, apply, decoupled) -> None:
+    """``d`` (the sum whose sign is the direction) made the direction, plus the decoupled
+    decay, and the master stepped by it where the step applies (``d`` is spent)."""
     torch._foreach_sign_(d)
     if decoupled != 0.0:
         torch._foreach_add_(d, master, alpha=decoupled)
     plain_kernels.fma_step_(master_out, master, d, lr, plain_kernels.skip_flag(apply))
+
+
+def _donated_piece(grads, master, mu, inv, clip_div, clip_mul, lr, apply, w1, b1, w2, b2,
+                   decoupled) -> None:  # fmt: skip
+    """A donated step of a piece, in place: the master where the step applies, then the
+    momentum :math:`a'` (:math:`u` formed again) selected into the old one."""
+    u = plain_kernels.unscaled_lists(grads, master, inv, clip_div, clip_mul)
+    d = torch._foreach_mul(mu, b1)
+    torch._foreach_mul_(u, w1)
+    torch._foreach_add_(d, u)  # u is spent
+    _direction_step(d, master, master, lr, apply, decoupled)
     del d
-    if not pure:  # donated: u formed again for a', selected into the old momentum
-        u = plain_kernels.unscaled_into(u, grads, inv, clip_div, clip_mul)
-        torch._foreach_mul_(u, w2)
-        torch._foreach_add_(u, torch._foreach_mul(mu, b2))
-        plain_kernels.select_into(apply, u, mu, mu_out, consume=True)
-        del u
-    plain_kernels.refresh_params(apply, master_out, params, params_out)
+    u = plain_kernels.unscaled_into(u, grads, inv, clip_div, clip_mul)
+    torch._foreach_mul_(u, w2)
+    torch._foreach_add_(u, torch._foreach_mul(mu, b2))
+    plain_kernels.select_into(apply, u, mu, mu, consume=True)
 
 
 def _split_generic(*, members, apply, used, mu, **kw) -> bool:
