@@ -15,8 +15,9 @@ checkout's to the commit's.
 Rows: ``fp16_update`` pure and donated, eager; optionally (``--compiled``)
 the pure update under ``torch.compile(fullgraph=True)``. Every row starts
 from the same parameters and gradients (loss scale 2^10) and the same
-optimiser (``--tx``: SGD momentum 0.9 at lr 0.05, AdamW, or the transformer
-recipe: clip + AdamW with a warmup-cosine schedule and a decay mask). Trees
+optimiser (``--tx``: SGD momentum 0.9 at lr 0.05, AdamW, the transformer
+recipe: clip + AdamW with a warmup-cosine schedule and a decay mask, Lion, or
+RMSProp with momentum 0.9). Trees
 (``--tree``): one flat tensor of ``--params``, the ResNet-18 shapes, the
 example CNN's, or GPT-2 small's 148 leaves at width 32.
 
@@ -74,6 +75,8 @@ OPTIMISERS = {
     "sgd": lambda ff: ff.sgd(0.05, momentum=0.9),
     "adamw": lambda ff: ff.adamw(1e-3, weight_decay=0.1),
     "recipe": _recipe,
+    "lion": lambda ff: ff.lion(1e-3, weight_decay=0.1),
+    "rmsprop": lambda ff: ff.rmsprop(1e-3, momentum=0.9),
 }
 
 
