@@ -5,8 +5,9 @@ Rows, one optimiser step each from the same FP16 gradients, taking turns call by
 ==============================  =============================================================
 row                             what one call does
 ==============================  =============================================================
-fused pure / donated            ``fp16_update`` with ``rmsprop(1e-3, momentum=0.9)``: the
-                                fused step (the C kernel on the CPU)
+fused pure / donated            ``fp16_update`` with ``rmsprop(1e-3, decay=0.99,
+                                eps_in_sqrt=False, momentum=0.9)`` (torch's rule and
+                                defaults): the fused step (the C kernel on the CPU)
 multi-tensor pure / donated     the same with ``impl="foreach"``: the chain as written
                                 (``scale_by_rms``, the learning rate, the trace)
 GradScaler+RMSprop(foreach)     FP32 params, ``scaler.step(RMSprop(momentum=0.9,
@@ -61,7 +62,8 @@ def rows(params: dict[str, torch.Tensor]) -> dict[str, object]:
     for label, impl, path in (("fused", "auto", "fused"), ("multi-tensor", "foreach", "foreach")):
         for donate in (False, True):
             # init_scale 1: the gradients stay finite and every step applies
-            state = ff.fp16_init(params, ff.rmsprop(1e-3, momentum=0.9), ff.DynamicLossScale(1.0))
+            tx = ff.rmsprop(1e-3, decay=0.99, eps_in_sqrt=False, momentum=0.9)
+            state = ff.fp16_init(params, tx, ff.DynamicLossScale(1.0))
             if ff.update_path(state, impl) != path:
                 raise RuntimeError(f"{label} runs {ff.update_path(state, impl)!r}, not {path!r}")
             box = [state]

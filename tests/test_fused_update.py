@@ -338,3 +338,34 @@ def test_leaves_without_a_state_layout_are_refused_by_the_plan_not_the_kernel():
     bad = state.replace(master=tree_map(lambda m: m.double(), state.master))
     assert steps.fused_plan(bad) is None
     assert steps.fused_plan(state) is not None
+
+
+TENSOR_HYPERPARAMETERS = {
+    "sgd_momentum_0": lambda: ff.sgd(0.05, momentum=torch.tensor(0.0)),
+    "sgd_decay_0": lambda: ff.sgd(0.05, momentum=0.9, weight_decay=torch.tensor(0.0)),
+    "adamw_decay_0": lambda: ff.adamw(1e-3, weight_decay=torch.tensor(0.0)),
+    "lion_decay_0": lambda: ff.lion(1e-3, weight_decay=torch.tensor(0.0)),
+    "rmsprop_trace_0": lambda: ff.chain(
+        ff.scale_by_rms(), ff.scale_by_learning_rate(1e-2), ff.trace(torch.tensor(0.0))
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_HYPERPARAMETERS))
+def test_hyperparameters_given_as_tensors_run_as_written(name):
+    """A tensor hyperparameter's value is never read on the host, so a transform keeps its
+    general form for it (a trace of momentum ``tensor(0.)`` still starts and turns -0.0
+    into +0.0): the update runs the chain as written, bitwise the reference, never a fused
+    plan that would drop the part as it drops a float 0."""
+    from functional_fp16._fused.steps import why_not_fused
+
+    make = TENSOR_HYPERPARAMETERS[name]
+    ours, ref = (ff.fp16_init(random_tree(1), make()) for _ in range(2))
+    assert why_not_fused(ours) == "a hyperparameter given as a tensor"
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = tree_map(lambda p: (torch.randn(p.shape, generator=g) * 100).half(), ours.params)
+        tree_leaves(grads)[2].zero_()  # zero gradients: where -0.0 and +0.0 part
+        ours = ff.fp16_update(ours, grads)
+        ref = ff.fp16_update(ref, grads, impl="reference")
+        assert_bitwise(ours, ref)

@@ -696,3 +696,28 @@ def test_the_plain_kernel_runs_a_fixed_number_of_ops_whatever_the_leaves(name, m
         ran = top_level_ops(prof)
         counts.append((len(computing_ops(prof)), sum(n.startswith("aten::_foreach") for n in ran)))
     assert counts[0] == counts[1] and counts[0][1] > 0, counts
+
+
+@pytest.mark.parametrize(
+    ("name", "n_states", "n_hyper", "message"),
+    [
+        ("lion", 0, 5, "states: 0 lists, expected 1 to 1"),
+        ("rmsprop", 0, 5, "states: 0 lists, expected 1 to 2"),
+        ("rmsprop", 3, 5, "states: 3 lists, expected 1 to 2"),
+        ("rmsprop", 1, 4, "hyper: 4 values, expected 5"),
+        ("adam_stored", 1, 5, "takes this op's arguments"),
+    ],
+)
+def test_the_generic_cpp_op_refuses_a_step_its_arguments_do_not_fit(
+    name, n_states, n_hyper, message
+):
+    """The C++ op every argument-block step runs through checks the number of state lists
+    and hyperparameters each C step takes (``ff_step_arity``) before calling it."""
+    if not cpu_kernel.ops_available():
+        pytest.skip("no C++ op library here")
+    g, m = [torch.ones(3, dtype=torch.float16)], [torch.ones(3)]
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernel.run_op(
+            "step", name, g, m, [torch.zeros(3) for _ in range(n_states)], [], [False], None,
+            None, None, torch.full((1,), -0.1), None, None, [], [0.5] * n_hyper, 1, 1, False,
+        )  # fmt: skip

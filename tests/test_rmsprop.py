@@ -576,6 +576,9 @@ FUSED_CASES = {
         ff.clip_by_global_norm(0.5), ff.rmsprop(LR, momentum=0.5, eps_in_sqrt=False)
     ),
     "initial_scale": lambda: ff.rmsprop(LR, decay=0.5, initial_scale=1.0),
+    "ascent": lambda: ff.chain(
+        ff.scale_by_rms(), ff.scale_by_learning_rate(LR, flip_sign=False), ff.trace(0.9)
+    ),
 }
 
 UNFUSED_CASES = {
@@ -603,13 +606,17 @@ def _fused_tree(seed: int):
     return tree
 
 
-@pytest.mark.parametrize("kernel", ["c", "cuda-default"])
-@pytest.mark.parametrize("piece", [None, 16], ids=["whole", "pieces_of_16"])
+@pytest.mark.parametrize(
+    ("kernel", "piece"),
+    [("c", None), ("cuda-default", None), ("cuda-default", 16)],
+    ids=["c", "cuda-default", "cuda-default-pieces-of-16"],
+)
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_the_fused_step_is_the_chain_bitwise(case, donate, piece, kernel, monkeypatch):
     """Every state tensor, the decisions and the loss scale bitwise the chain's
-    (``impl="reference"``) through an overflow, which leaves every state tensor as it was."""
+    (``impl="reference"``) through an overflow, which leaves every state tensor as it was,
+    and through zero gradients (where -0.0 and +0.0 part)."""
     from functional_fp16._fused import rmsprop as fused
 
     monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", kernel)
@@ -618,6 +625,9 @@ def test_the_fused_step_is_the_chain_bitwise(case, donate, piece, kernel, monkey
     params = _fused_tree(3)
     grads = fp16_grads(params, seed=11, steps=7)
     max(tree_leaves(grads[4]), key=torch.numel).view(-1)[3] = math.inf
+    for i in (1, 2):
+        tree_leaves(grads[i])[i + 2].zero_()
+        tree_leaves(grads[i])[i + 3].fill_(-0.0)
     ls = ff.DynamicLossScale(init_scale=SCALE, growth_interval=3)
     ours = ff.fp16_init(params, FUSED_CASES[case](), ls)
     ref = ff.fp16_init(params, FUSED_CASES[case](), ls)
@@ -653,16 +663,43 @@ def test_what_the_fused_step_does_not_compute_runs_as_written(case):
     assert ff.update_path(state) == "foreach"
 
 
-def test_the_op_asks_for_started_with_momentum():
+def _op_call(kernel, monkeypatch, *, nu, trace, started, momentum):
     from functional_fp16._fused.rmsprop import rmsprop_step
 
+    monkeypatch.setenv("FUNCTIONAL_FP16_CPU_KERNEL", kernel)
     g, m = [torch.ones(3, dtype=torch.float16)], [torch.ones(3)]
-    lr = torch.full((1,), -LR)
-    with pytest.raises(TypeError, match="rmsprop_step: started is required with momentum"):
-        rmsprop_step(
-            g, m, [torch.zeros(3)], [torch.zeros(3)], [], [False], None, None, None, lr, None,
-            None, None, 0.9, 1e-8, True, 0.9, False, 1,
-        )  # fmt: skip
+    rmsprop_step(
+        g, m, nu, trace, [], [False], None, None, None, torch.full((1,), -LR), None, None,
+        started, 0.9, 1e-8, True, momentum, False, 1,
+    )  # fmt: skip
+
+
+BAD_OP_CALLS = {
+    "no started": (dict(started=None, momentum=0.9), TypeError, "started is required"),
+    "started not bool": (
+        dict(started=torch.tensor([1]), momentum=0.9),
+        TypeError,
+        "started must be torch.bool",
+    ),
+    "no nu": (dict(nu=[], momentum=0.0, trace=[]), ValueError, "nu has 0 tensors"),
+    "no trace with momentum": (dict(trace=[], momentum=0.9), ValueError, "trace has 0 tensors"),
+    "a trace without momentum": (
+        dict(momentum=0.0, started=None),
+        ValueError,
+        "trace must be empty",
+    ),
+}
+
+
+@pytest.mark.parametrize("kernel", ["c", "cuda-default"])
+@pytest.mark.parametrize("case", sorted(BAD_OP_CALLS))
+def test_the_op_refuses_what_does_not_fit_in_every_kernel(case, kernel, monkeypatch):
+    """Each kernel, the C one through its generic C++ op included, refuses the same calls
+    with the same message, naming the argument, before any kernel runs."""
+    change, error, message = BAD_OP_CALLS[case]
+    kw = dict(nu=[torch.zeros(3)], trace=[torch.zeros(3)], started=torch.tensor([True]))
+    with pytest.raises(error, match=f"rmsprop_step: {message}"):
+        _op_call(kernel, monkeypatch, **{**kw, **change})
 
 
 def test_pieces_are_aligned_slices_of_every_list():

@@ -48,6 +48,7 @@ from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_scalars import count_after
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
+from functional_fp16._util import validate
 from functional_fp16.precision.master_split import holds_residuals
 from functional_fp16.precision.moment_storage import DEFAULT_BLOCK, FLOAT32, MomentFormat
 from functional_fp16.transforms.adam import AdamSpec, bias_corrections, sqrt_rn
@@ -91,7 +92,11 @@ _ORDER = (ClipSpec, DecaySpec, AdamSpec, DecaySpec, LearningRateSpec)
 
 
 def _read(parts: list[tuple[Any, Path]]) -> AdamPlan | None:
-    parts = [(s, p) for s, p in parts if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)]
+    parts = [
+        (s, p)
+        for s, p in parts
+        if not (isinstance(s, DecaySpec) and validate.is_zero(s.weight_decay))
+    ]
     slots: list[tuple[Any, Path] | None] = [None] * len(_ORDER)
     position = 0
     for spec, path in parts:

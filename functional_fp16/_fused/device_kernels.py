@@ -16,6 +16,7 @@ import os
 import torch
 from torch import Tensor
 
+from functional_fp16._fused.op_checks import fail
 from functional_fp16._fused.plain_kernels import largest_magnitudes, stats_generic
 from functional_fp16._fused.step_schema import StepSpec, working_copies
 from functional_fp16._kernels import cpu as c_kernel
@@ -292,7 +293,7 @@ def cpp_step(spec: StepSpec, a: dict, donated: bool):
 def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     """The step through the generic ``functional_fp16_cpu::step``: its states go in
     state-major as one list and come back split, so the outputs read as ``cpp_step``'s."""
-    spec.check(spec.name + ("_" if donated else ""), a)  # what the generic C++ op cannot know
+    _check_block(spec, a, donated)
     states = [x for name in spec.states for x in a[name]]
     master, flat, params, finite, leaves = c_kernel.run_op(
         "step",
@@ -316,9 +317,33 @@ def _cpp_block_step(spec: StepSpec, a: dict, donated: bool):
     return (master, *split, params, finite, leaves)
 
 
+def _check_block(spec: StepSpec, a: dict, donated: bool) -> None:
+    """What the generic C++ op cannot know of a step: which state lists it uses (each one
+    tensor per leaf, the others empty) and its scalars' dtypes (the C++ op checks every
+    tensor's layout, device and the scalars' shapes)."""
+    op = spec.name + ("_" if donated else "")
+    used = spec.check(op, a)
+    n = len(a["grads"])
+    for name in spec.states:
+        if name in used and len(a[name]) != n:
+            fail(op, f"{name} has {len(a[name])} tensors, expected {n} (one per leaf)")
+        if name not in used and a[name]:
+            fail(op, f"{name} must be empty here (it is not used)")
+    given = [name for name in spec.scalars if a[name] is not None]
+    if given != list(spec.scalars[: len(given)]):
+        fail(op, f"{spec.scalars[len(given)]} is required with {given[-1]}", TypeError)
+    for name in given:
+        dtype = torch.bool if name in spec.bool_scalars else torch.float32
+        x = a[name]
+        if not isinstance(x, Tensor) or x.dtype != dtype:
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            fail(op, f"{name} must be {dtype}, got {got}", TypeError)
+
+
 def _block_scalars(scalars: list) -> list[Tensor]:
-    """The per-group scalars as the block convention takes them: float32 (a bool flag as
-    1.0 or 0.0); one not given (``None``: a state not in use) is left out."""
+    """The per-group scalars as the block convention takes them, in order: float32 (a
+    bool flag as 1.0 or 0.0); those not given (``None``: a state not in use) last, left
+    out (checked by :func:`_check_block`)."""
     return [s if s.dtype == torch.float32 else s.float() for s in scalars if s is not None]
 
 

@@ -39,6 +39,7 @@ from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, incremented, register
 from functional_fp16._fused.stored import ROUNDINGS, STORED_DTYPES
+from functional_fp16._util import validate
 from functional_fp16.precision.moment_storage import (
     DEFAULT_BLOCK,
     FLOAT32,
@@ -83,7 +84,11 @@ _ORDER = (ClipSpec, LionSpec, DecaySpec, LearningRateSpec)
 
 
 def _read(parts: list[tuple[Any, Path]]) -> LionPlan | None:
-    parts = [(s, p) for s, p in parts if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)]
+    parts = [
+        (s, p)
+        for s, p in parts
+        if not (isinstance(s, DecaySpec) and validate.is_zero(s.weight_decay))
+    ]
     found: dict[type, tuple[Any, Path]] = {}
     rank = -1
     for spec, path in parts:

@@ -343,6 +343,8 @@ def pieces(lists: list[list[Tensor]], size: int):
     to a piece's size, whatever the number of parameters, in a number of multi-tensor ops
     that grows with the elements, never with the leaves.
     """
+    if any(len(xs) != len(lists[0]) for xs in lists):
+        raise ValueError(f"pieces: lists of {[len(xs) for xs in lists]} tensors, not aligned")
     held, out = 0, [[] for _ in lists]
     for i, first in enumerate(lists[0]):
         n = first.numel()

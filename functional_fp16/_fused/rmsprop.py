@@ -45,6 +45,7 @@ from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
+from functional_fp16._util import validate
 from functional_fp16.precision.moment_storage import FLOAT32
 from functional_fp16.transforms.clipping import ClipSpec
 from functional_fp16.transforms.rmsprop import RmsSpec
@@ -75,12 +76,18 @@ _ORDER = (ClipSpec, RmsSpec, LearningRateSpec, TraceSpec)
 def _plain_trace(spec: TraceSpec) -> bool:
     """A trace the step runs: a float momentum, no dampening, a float32 buffer."""
     return (
-        type(spec.decay) is float and spec.dampening == 0.0 and spec.accumulator_format is FLOAT32
+        type(spec.decay) is float
+        and validate.is_zero(spec.dampening)
+        and spec.accumulator_format is FLOAT32
     )
 
 
 def _read(parts: list[tuple[Any, Path]]) -> RmsPlan | None:
-    parts = [(s, p) for s, p in parts if not (isinstance(s, TraceSpec) and s.decay == 0.0)]
+    # A trace of momentum 0 passes its input through: dropped (a float 0 only; a tensor's
+    # value is not read, and its trace runs as written).
+    parts = [
+        (s, p) for s, p in parts if not (isinstance(s, TraceSpec) and validate.is_zero(s.decay))
+    ]
     found: dict[type, tuple[Any, Path]] = {}
     rank = -1
     for spec, path in parts:
@@ -192,8 +199,9 @@ def _lists(
     working copies are refreshed from the new master once, whole.
 
     Temporaries: four float32 lists of a piece (and the CPU root's float64 one), so at
-    most about 24 MiB whatever the parameters; a donated step's refresh rounds into 2 B a
-    parameter (FP16 working copies).
+    most about 24 MiB whatever the parameters, where the leaves are contiguous (a leaf
+    that is not, larger than a piece, is a piece of its own, whole); a donated step's
+    refresh rounds into 2 B a parameter (FP16 working copies).
     """
     f, w = lr.reshape(()), f32(1.0 - decay)
     keep = None

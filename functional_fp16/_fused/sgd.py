@@ -39,6 +39,7 @@ from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
 from functional_fp16._fused.steps import Fusable, register
 from functional_fp16._fused.stored import STORED_DTYPES
+from functional_fp16._util import validate
 from functional_fp16._util.tree import tree_flatten
 from functional_fp16.precision.moment_storage import (
     DEFAULT_BLOCK,
@@ -94,8 +95,8 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
     parts = [
         (s, p)
         for s, p in parts
-        if not (isinstance(s, DecaySpec) and s.weight_decay == 0.0)
-        and not (isinstance(s, TraceSpec) and s.decay == 0.0)
+        if not (isinstance(s, DecaySpec) and validate.is_zero(s.weight_decay))
+        and not (isinstance(s, TraceSpec) and validate.is_zero(s.decay))
     ]
     order = (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)
     found: dict[type, tuple[Any, Path]] = {}

@@ -147,6 +147,10 @@ def _group_leaves(state, parts: list[list]) -> tuple[str | None, FusedPlan | Non
     indices: dict[int, int] = {}
     for leaf, leaf_parts_ in enumerate(parts):
         chain = [(spec, key) for spec, key, _ in leaf_parts_]
+        if any(isinstance(x, torch.Tensor) for spec, _ in chain for x in spec):
+            # The fused ops take their hyperparameters as numbers (a tensor's value is not
+            # read on the host; ``inject_hyperparams`` is how a value changes between steps)
+            return "a hyperparameter given as a tensor", None
         for fusable in _FUSABLE:
             plan = fusable.read(chain)
             if plan is not None:

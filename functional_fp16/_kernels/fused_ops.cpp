@@ -530,6 +530,14 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
   const size_t n = grads.size();
   TORCH_CHECK(states.size() % n == 0, "states: not a whole number of lists");
   const size_t n_states = states.size() / n;
+  int32_t min_states = 0, max_states = 0, n_hyper = 0;
+  TORCH_CHECK(ff_step_arity(key.c_str(), &min_states, &max_states, &n_hyper) && n_hyper >= 0,
+              "no step named ", key, " takes this op's arguments");
+  TORCH_CHECK(static_cast<int64_t>(n_states) >= min_states &&
+                  static_cast<int64_t>(n_states) <= max_states,
+              "states: ", n_states, " lists, expected ", min_states, " to ", max_states);
+  TORCH_CHECK(static_cast<int64_t>(hyper.size()) == n_hyper, "hyper: ", hyper.size(),
+              " values, expected ", n_hyper);
   for (size_t j = 0; j < n_states; ++j) {
     const TensorList slice(states.begin() + j * n, states.begin() + (j + 1) * n);
     check_like(slice, g, true, "states");

@@ -1995,20 +1995,36 @@ static void ff_sgd_stored_step(const ff_step_args *x) { stored_step(x, STORED_SG
 /* The steps of fused_step.h's convention, by name.                          */
 /* ------------------------------------------------------------------------ */
 
+/* Each step with the number of state lists it takes (at least, at most) and of its
+ * hyperparameters, which the C++ op that calls it checks first (-1: the stored steps,
+ * whose op checks its arguments itself). */
 static const struct {
     const char *name;
     ff_step_fn fn;
+    int32_t min_states, max_states, n_hyper;
 } STEPS[] = {
-    {"lion", ff_lion_step},
-    {"rmsprop", ff_rmsprop_step},
-    {"adam_stored", ff_adam_stored_step},
-    {"lion_stored", ff_lion_stored_step},
-    {"sgd_stored", ff_sgd_stored_step},
+    {"lion", ff_lion_step, 1, 1, 5},
+    {"rmsprop", ff_rmsprop_step, 1, 2, 5},
+    {"adam_stored", ff_adam_stored_step, -1, -1, -1},
+    {"lion_stored", ff_lion_stored_step, -1, -1, -1},
+    {"sgd_stored", ff_sgd_stored_step, -1, -1, -1},
 };
 
 ff_step_fn ff_step_entry(const char *name) {
     for (size_t i = 0; i < sizeof(STEPS) / sizeof(STEPS[0]); ++i)
         if (strcmp(STEPS[i].name, name) == 0) return STEPS[i].fn;
     return NULL;
+}
+
+int ff_step_arity(const char *name, int32_t *min_states, int32_t *max_states,
+                  int32_t *n_hyper) {
+    for (size_t i = 0; i < sizeof(STEPS) / sizeof(STEPS[0]); ++i)
+        if (strcmp(STEPS[i].name, name) == 0) {
+            *min_states = STEPS[i].min_states;
+            *max_states = STEPS[i].max_states;
+            *n_hyper = STEPS[i].n_hyper;
+            return 1;
+        }
+    return 0;
 }
 

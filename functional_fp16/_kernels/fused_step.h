@@ -67,6 +67,11 @@ typedef void (*ff_step_fn)(const ff_step_args *);
 /* The step named `name` ("lion", ...), or NULL. */
 ff_step_fn ff_step_entry(const char *name);
 
+/* The number of state lists the step named `name` takes (at least, at most) and of its
+ * hyperparameters (-1: checked by its own op); 0 where there is no such step. */
+int ff_step_arity(const char *name, int32_t *min_states, int32_t *max_states,
+                  int32_t *n_hyper);
+
 #ifdef __cplusplus
 }
 #endif
