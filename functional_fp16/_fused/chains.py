@@ -29,6 +29,7 @@ from functional_fp16.transforms.sgd import ScaleByScheduleState
 __all__ = [
     "Path",
     "chain_parts",
+    "in_order",
     "cached_plan",
     "lr_state_fits",
     "lr_factor",
@@ -53,6 +54,23 @@ def chain_parts(spec: Any, path: Path = ()) -> list[tuple[Any, Path]] | None:
             return None
         out.extend(inner)
     return out
+
+
+def in_order(parts: list[tuple[Any, Path]], order: tuple[type, ...]) -> dict | None:
+    """``{spec type: (spec, path)}`` of ``parts`` where each part's spec is one of
+    ``order``'s types, each at most once and in that order; ``None`` otherwise (a part
+    the plan does not run, one out of order, or twice)."""
+    found: dict[type, tuple[Any, Path]] = {}
+    rank = -1
+    for spec, path in parts:
+        if type(spec) not in order:
+            return None
+        r = order.index(type(spec))
+        if r <= rank:
+            return None
+        rank = r
+        found[type(spec)] = (spec, path)
+    return found
 
 
 def _typed(spec: Any) -> Any:

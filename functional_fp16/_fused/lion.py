@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._fused import plain_kernels, stored, triton_stored
-from functional_fp16._fused.chains import Path
+from functional_fp16._fused.chains import Path, in_order
 from functional_fp16._fused.groups import INDEX
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
@@ -89,17 +89,8 @@ def _read(parts: list[tuple[Any, Path]]) -> LionPlan | None:
         for s, p in parts
         if not (isinstance(s, DecaySpec) and validate.is_zero(s.weight_decay))
     ]
-    found: dict[type, tuple[Any, Path]] = {}
-    rank = -1
-    for spec, path in parts:
-        if type(spec) not in _ORDER:
-            return None
-        r = _ORDER.index(type(spec))
-        if r <= rank:  # out of order, or twice
-            return None
-        rank = r
-        found[type(spec)] = (spec, path)
-    if LionSpec not in found or LearningRateSpec not in found:
+    found = in_order(parts, _ORDER)
+    if found is None or LionSpec not in found or LearningRateSpec not in found:
         return None
     lion, lion_path = found[LionSpec]
     if lion.mode != "hard":

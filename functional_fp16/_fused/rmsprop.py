@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._fused import op_checks, plain_kernels
-from functional_fp16._fused.chains import Path
+from functional_fp16._fused.chains import Path, in_order
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
@@ -88,17 +88,8 @@ def _read(parts: list[tuple[Any, Path]]) -> RmsPlan | None:
     parts = [
         (s, p) for s, p in parts if not (isinstance(s, TraceSpec) and validate.is_zero(s.decay))
     ]
-    found: dict[type, tuple[Any, Path]] = {}
-    rank = -1
-    for spec, path in parts:
-        if type(spec) not in _ORDER:
-            return None
-        r = _ORDER.index(type(spec))
-        if r <= rank:  # out of order, or twice
-            return None
-        rank = r
-        found[type(spec)] = (spec, path)
-    if RmsSpec not in found or LearningRateSpec not in found:
+    found = in_order(parts, _ORDER)
+    if found is None or RmsSpec not in found or LearningRateSpec not in found:
         return None
     rms, rms_path = found[RmsSpec]
     if rms.bias_correction:

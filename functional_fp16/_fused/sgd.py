@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functional_fp16._fused import op_checks, plain_kernels, stored, triton_stored
-from functional_fp16._fused.chains import Path, chain_parts, lr_state_fits
+from functional_fp16._fused.chains import Path, chain_parts, in_order, lr_state_fits
 from functional_fp16._fused.op_library import define_step
 from functional_fp16._fused.plain_kernels import f32
 from functional_fp16._fused.step_schema import StepSpec
@@ -98,18 +98,8 @@ def _read(parts: list[tuple[Any, Path]]) -> SGDPlan | None:
         if not (isinstance(s, DecaySpec) and validate.is_zero(s.weight_decay))
         and not (isinstance(s, TraceSpec) and validate.is_zero(s.decay))
     ]
-    order = (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec)
-    found: dict[type, tuple[Any, Path]] = {}
-    rank = -1
-    for spec, path in parts:
-        if type(spec) not in order:  # a declared transform the SGD kernel does not run
-            return None
-        r = order.index(type(spec))
-        if r <= rank:  # out of order, or twice
-            return None
-        rank = r
-        found[type(spec)] = (spec, path)
-    if LearningRateSpec not in found or parts[-1][0] is not found[LearningRateSpec][0]:
+    found = in_order(parts, (ClipSpec, DecaySpec, TraceSpec, LearningRateSpec))
+    if found is None or LearningRateSpec not in found:
         return None
     clip = found.get(ClipSpec, (None, None))[0]
     decay = found.get(DecaySpec, (None, None))[0]
