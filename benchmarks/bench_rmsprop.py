@@ -36,22 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
-from bench_recipe import gpt2_tree  # noqa: E402
+from bench_lion import trees  # noqa: E402  (the same two trees as Lion's)
 
 import functional_fp16 as ff  # noqa: E402
 
 TORCH = "GradScaler+RMSprop(foreach)"
-
-
-def trees(smoke: bool) -> dict[str, dict[str, torch.Tensor]]:
-    if smoke:
-        return {
-            "GPT-2, 2 layers": gpt2_tree(layers=2),
-            "flat 10k": {"w": torch.zeros(10_000).half()},
-        }
-    g = torch.Generator().manual_seed(0)
-    flat = (torch.randn(10_300_000, generator=g) * 0.02).half()
-    return {"GPT-2 small's 148 leaves at width 32": gpt2_tree(), "flat 10.3M": {"w": flat}}
 
 
 def rows(params: dict[str, torch.Tensor]) -> dict[str, object]:
