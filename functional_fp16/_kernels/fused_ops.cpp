@@ -89,6 +89,8 @@ struct Leaves {
   std::vector<int64_t> numel;
   std::vector<int32_t> code;
   void add(const std::vector<const Tensor *> &ts, int64_t members) {
+    const size_t n = ptr.size() + ts.size() * static_cast<size_t>(members);
+    ptr.reserve(n), numel.reserve(n), code.reserve(n);
     for (int64_t b = 0; b < members; ++b)
       for (const Tensor *t : ts) {
         const int64_t n = t->numel() / members;
