@@ -765,23 +765,21 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
             float gbuf[BLOCK], pbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
+            float mbuf[BLOCK], bbuf[BLOCK];
+            sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
             if (mo[l] == m[l]) {
                 /* donated: master and momentum in place, on lines the loads just
-                 * brought into cache; the working copy, never read, streamed */
-                sgd_dispatch(h, gbuf, m[l] + s, b_s, mo_s, bo_s, p_is_master ? mo_s : pbuf, n);
-                if (!p_is_master) {
-                    from_f32(pbuf, hbuf, n, pd);
-                    stream_bytes(po_s, hbuf, n * ps);
-                }
+                 * brought into cache (the block's outputs are its own buffers: its
+                 * pointers are restrict) */
+                memcpy(mo_s, mbuf, (size_t)n * 4);
+                if (h->momentum) memcpy(bo_s, bbuf, (size_t)n * 4);
             } else {
-                float mbuf[BLOCK], bbuf[BLOCK];
-                sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
                 stream_bytes(mo_s, mbuf, n * 4);
                 if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
-                if (!p_is_master) {
-                    from_f32(pbuf, hbuf, n, pd);
-                    stream_bytes(po_s, hbuf, n * ps);
-                }
+            }
+            if (!p_is_master) { /* the working copy, never read, streamed */
+                from_f32(pbuf, hbuf, n, pd);
+                stream_bytes(po_s, hbuf, n * ps);
             }
         }
         stream_fence(); /* each thread orders its own streaming stores */
@@ -943,10 +941,13 @@ static void adam_split(const AdamHyper *h, const char *g, int gd, const uint16_t
     uint16_t pq[2 * BLOCK];
     to_f32(g, gbuf, n, gd);
     join_master(p, q, wbuf, n);
-    adam_dispatch(h, gbuf, wbuf, a, v, mbuf, fresh ? abuf : ao, fresh ? vbuf : vo, pbuf, n);
+    adam_dispatch(h, gbuf, wbuf, a, v, mbuf, abuf, vbuf, pbuf, n);
     if (fresh) {
         stream_bytes(ao, abuf, n * 4);
         stream_bytes(vo, vbuf, n * 4);
+    } else {
+        memcpy(ao, abuf, (size_t)n * 4);
+        memcpy(vo, vbuf, (size_t)n * 4);
     }
     store_split(mbuf, po, qo, pq, fresh, n);
 #endif
@@ -1026,12 +1027,13 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
-            if (donated) {
-                adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mo[l] + s, ao[l] + s,
-                              vo[l] + s, p_is_master ? mo[l] + s : pbuf, n);
+            float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
+            adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
+            if (donated) { /* in place, from the block's own buffers (restrict pointers) */
+                memcpy(mo[l] + s, mbuf, (size_t)n * 4);
+                memcpy(ao[l] + s, abuf, (size_t)n * 4);
+                memcpy(vo[l] + s, vbuf, (size_t)n * 4);
             } else {
-                float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
-                adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
                 stream_bytes(mo[l] + s, mbuf, n * 4);
                 stream_bytes(ao[l] + s, abuf, n * 4);
                 stream_bytes(vo[l] + s, vbuf, n * 4);
@@ -1165,8 +1167,9 @@ static void lion_split(const LionHyper *h, const char *g, int gd, const uint16_t
     uint16_t pq[2 * BLOCK];
     to_f32(g, gbuf, n, gd);
     join_master(p, q, wbuf, n);
-    lion_dispatch(h, gbuf, wbuf, a, mbuf, fresh ? abuf : ao, pbuf, n);
+    lion_dispatch(h, gbuf, wbuf, a, mbuf, abuf, pbuf, n);
     if (fresh) stream_bytes(ao, abuf, n * 4);
+    else memcpy(ao, abuf, (size_t)n * 4);
     store_split(mbuf, po, qo, pq, fresh, n);
 #endif
 }
@@ -1224,12 +1227,12 @@ static void ff_lion_step(const ff_step_args *x) {
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
-            if (donated) {
-                lion_dispatch(h, gbuf, m + s, a[l] + s, mo + s, ao[l] + s,
-                              p_is_master ? mo + s : pbuf, n);
+            float mbuf[BLOCK], abuf[BLOCK];
+            lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
+            if (donated) { /* in place, from the block's own buffers (restrict pointers) */
+                memcpy(mo + s, mbuf, (size_t)n * 4);
+                memcpy(ao[l] + s, abuf, (size_t)n * 4);
             } else {
-                float mbuf[BLOCK], abuf[BLOCK];
-                lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
                 stream_bytes(mo + s, mbuf, n * 4);
                 stream_bytes(ao[l] + s, abuf, n * 4);
             }
@@ -1367,24 +1370,22 @@ static void ff_rmsprop_step(const ff_step_args *x) {
                 m_in = jbuf;
             }
             const float *b_in = trace ? b[l] + s : NULL;
-            if (donated && !x->split) {
-                rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mo + s, vo[l] + s,
-                             trace ? bo[l] + s : NULL, p_is_master ? mo + s : pbuf, n);
+            /* the block's outputs are its own buffers (its pointers are restrict), then
+             * copied in place (donated) or streamed */
+            rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
+            if (donated) {
+                memcpy(vo[l] + s, vbuf, (size_t)n * 4);
+                if (trace) memcpy(bo[l] + s, bbuf, (size_t)n * 4);
             } else {
-                rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
-                if (donated) {
-                    memcpy(vo[l] + s, vbuf, (size_t)n * 4);
-                    if (trace) memcpy(bo[l] + s, bbuf, (size_t)n * 4);
-                } else {
-                    stream_bytes(vo[l] + s, vbuf, n * 4);
-                    if (trace) stream_bytes(bo[l] + s, bbuf, n * 4);
-                }
-                if (x->split) {
-                    store_split(mbuf, po_s, (int16_t *)(void *)mo + s, hbuf, !donated, n);
-                    continue;
-                }
-                stream_bytes(mo + s, mbuf, n * 4);
+                stream_bytes(vo[l] + s, vbuf, n * 4);
+                if (trace) stream_bytes(bo[l] + s, bbuf, n * 4);
             }
+            if (x->split) {
+                store_split(mbuf, po_s, (int16_t *)(void *)mo + s, hbuf, !donated, n);
+                continue;
+            }
+            if (donated) memcpy(mo + s, mbuf, (size_t)n * 4);
+            else stream_bytes(mo + s, mbuf, n * 4);
             if (!p_is_master) {
                 from_f32(pbuf, hbuf, n, pd);
                 stream_bytes(po_s, hbuf, n * ps);
@@ -1632,7 +1633,7 @@ static void encode_block(const float *y, float peak, uint8_t *q, float *scale_ou
  * (every stream in flight together, no buffers): rounded to nearest, or stochastically
  * with the salts (SR). */
 static inline __attribute__((always_inline)) void adam_block_bf16(
-    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const AdamHyper *h, const float *restrict g, const float *m,
     const uint16_t *a, const uint16_t *v, float *m_out, uint16_t *a_out, uint16_t *v_out,
     float *p_out, int64_t n, uint32_t salt_a, uint32_t salt_v, const int CLIP, const int L2,
     const int DECOUPLED, const int SR) {
@@ -1684,7 +1685,7 @@ static void adam_bf16_dispatch(const AdamHyper *h, const float *g, const float *
  * the new second moment's root (the denominator's own sqrtf(v')) go to float32 buffers
  * for the block's encoding, with each one's largest finite magnitude (peaks[0], [1]). */
 static inline __attribute__((always_inline)) void adam_block_e4m3(
-    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const AdamHyper *h, const float *restrict g, const float *m,
     const uint8_t *restrict a, const uint8_t *restrict v, float sa, float sv, float *m_out,
     float *restrict na_out, float *restrict nr_out, float *p_out, float *peaks, int64_t n,
     const int CLIP, const int L2, const int DECOUPLED) {
@@ -1942,12 +1943,12 @@ static void stored_step(const ff_step_args *x, const int kind) {
                 if (kind != STORED_ADAM) {
                     decode_moment(st_a, x->s[0][l], st_a == ST_E4M3 ? &x->sc[0][l][q] : NULL,
                                   0, abuf, s, n);
+                    /* restrict blocks: every output a buffer of its own */
                     if (kind == STORED_LION)
-                        lion_dispatch(&hl[grp], gbuf, m_in, abuf, m_to, nabuf,
-                                      p_is_master ? m_to : pbuf, n);
+                        lion_dispatch(&hl[grp], gbuf, m_in, abuf, mbuf, nabuf, pbuf, n);
                     else
-                        sgd_dispatch(&hg[grp], gbuf, m_in, abuf, m_to, nabuf,
-                                     p_is_master ? m_to : pbuf, n);
+                        sgd_dispatch(&hg[grp], gbuf, m_in, abuf, mbuf, nabuf, pbuf, n);
+                    if (in_place) memcpy(m_to, mbuf, (size_t)n * 4);
                 } else if (st_a == ST_E4M3 && st_v == ST_E4M3 && x->root) { /* decoded inline */
                     float peaks[2] = {0.0f, 0.0f};
                     adam_e4m3_dispatch(h, gbuf, m_in, (const uint8_t *)x->s[0][l] + s,
@@ -1965,8 +1966,8 @@ static void stored_step(const ff_step_args *x, const int kind) {
                                   0, abuf, s, n);
                     decode_moment(st_v, x->s[1][l], st_v == ST_E4M3 ? &x->sc[1][l][q] : NULL,
                                   x->root, vbuf, s, n);
-                    adam_dispatch(h, gbuf, m_in, abuf, vbuf, m_to, nabuf, nvbuf,
-                                  p_is_master ? m_to : pbuf, n);
+                    adam_dispatch(h, gbuf, m_in, abuf, vbuf, mbuf, nabuf, nvbuf, pbuf, n);
+                    if (in_place) memcpy(m_to, mbuf, (size_t)n * 4);
                 }
                 encode_moment(st_a, nabuf, x->so[0][l], st_a == ST_E4M3 ? &x->sco[0][l][q] : NULL,
                               0, sr, salt_a, tmp, s, n);
