@@ -144,9 +144,15 @@ def test_a_skipped_step_leaves_every_byte(monkeypatch, kernel, donate, fmt):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_donation_is_the_pure_step(monkeypatch, kernel):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("master", ["float32", "split"])
+def test_donation_is_the_pure_step(monkeypatch, kernel, fmt, master):
+    """A donated step (every state written in place; with a split master, the moments in
+    place and the master through its float32 buffers) is bitwise the pure step, for every
+    stored format."""
     _use(monkeypatch, kernel)
-    state = ff.fp16_init(_params(), _tx("int8", "stochastic"), ff.DynamicLossScale(2.0**10))
+    rounding = "stochastic" if fmt == "int8" else "nearest"
+    state = ff.fp16_init(_params(), _tx(fmt, rounding), ff.DynamicLossScale(2.0**10), master=master)
     donated = tree_map(torch.clone, state)
     for step in range(3):
         grads = stored_step_grads(state, step)

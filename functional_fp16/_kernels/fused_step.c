@@ -528,9 +528,9 @@ typedef struct {
 } Hyper;
 
 /* One block of float32 values, every flag a compile-time constant after inlining. */
-static inline __attribute__((always_inline)) void sgd_block(
-    const Hyper *h, const float *restrict g, const float *restrict m, const float *restrict b,
-    float *restrict m_out, float *restrict b_out, float *restrict p_out, int64_t n,
+static inline __attribute__((always_inline)) void sgd_body(
+    const Hyper *h, const float *g, const float *m, const float *b,
+    float *m_out, float *b_out, float *p_out, int64_t n,
     const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
     const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, wd = h->wd, mu = h->mu,
                 keep = h->keep, take = h->take, factor = h->factor;
@@ -551,6 +551,22 @@ static inline __attribute__((always_inline)) void sgd_block(
     }
 }
 
+/* sgd_body with every pointer restrict: a pure step, each output a buffer of its own. */
+static inline __attribute__((always_inline)) void sgd_block(
+    const Hyper *h, const float *restrict g, const float *restrict m, const float *restrict b, float *restrict m_out, float *restrict b_out,
+    float *restrict p_out, int64_t n, const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    sgd_body(h, g, m, b, m_out, b_out, p_out, n, CLIP, DECAY, MOMENTUM, NESTEROV);
+}
+
+/* sgd_body stepping its state in place (a donated step): each state one restrict
+ * pointer, read and written (every element read before it is written); the working
+ * copy (p_out) a buffer of its own. */
+static inline __attribute__((always_inline)) void sgd_block_in_place(
+    const Hyper *h, const float *restrict g, float *restrict m, float *restrict b,
+    float *restrict p_out, int64_t n, const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    sgd_body(h, g, m, b, m, b, p_out, n, CLIP, DECAY, MOMENTUM, NESTEROV);
+}
+
 /* Every combination of sgd_block's flags (clip, decay, momentum, Nesterov) that a call
  * can make gets a loop of its own. */
 #define SGD_FLAGS(X) \
@@ -562,6 +578,18 @@ static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const f
 #define SGD_CASE(C, D, M, N)                                                       \
     if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
         sgd_block(h, g, m, b, mo, bo, po, n, C, D, M, N);                        \
+        return;                                                                  \
+    }
+    SGD_FLAGS(SGD_CASE)
+#undef SGD_CASE
+}
+
+/* sgd_dispatch of a donated step: the master m and momentum b stepped in place. */
+static void sgd_dispatch_in_place(const Hyper *h, const float *g, float *m, float *b, float *po,
+                                  int64_t n) {
+#define SGD_CASE(C, D, M, N)                                                       \
+    if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
+        sgd_block_in_place(h, g, m, b, po, n, C, D, M, N);                       \
         return;                                                                  \
     }
     SGD_FLAGS(SGD_CASE)
@@ -765,15 +793,13 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
             float gbuf[BLOCK], pbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             float hbuf[BLOCK]; /* the working copy in its dtype (room for float32) */
-            float mbuf[BLOCK], bbuf[BLOCK];
-            sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
-            if (mo[l] == m[l]) {
-                /* donated: master and momentum in place, on lines the loads just
-                 * brought into cache (the block's outputs are its own buffers: its
-                 * pointers are restrict) */
-                memcpy(mo_s, mbuf, (size_t)n * 4);
-                if (h->momentum) memcpy(bo_s, bbuf, (size_t)n * 4);
+            if (mo[l] == m[l] && (!h->momentum || bo[l] == b[l])) {
+                /* donated: master and momentum stepped in place, on lines the loads
+                 * just brought into cache */
+                sgd_dispatch_in_place(h, gbuf, mo_s, bo_s, pbuf, n);
             } else {
+                float mbuf[BLOCK], bbuf[BLOCK];
+                sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
                 stream_bytes(mo_s, mbuf, n * 4);
                 if (h->momentum) stream_bytes(bo_s, bbuf, n * 4);
             }
@@ -827,10 +853,10 @@ typedef struct {
     int clip, has_l2, decoupled, small_w;
 } AdamHyper;
 
-static inline __attribute__((always_inline)) void adam_block(
-    const AdamHyper *h, const float *restrict g, const float *restrict m,
-    const float *restrict a, const float *restrict v, float *restrict m_out,
-    float *restrict a_out, float *restrict v_out, float *restrict p_out, int64_t n,
+static inline __attribute__((always_inline)) void adam_body(
+    const AdamHyper *h, const float *g, const float *m,
+    const float *a, const float *v, float *m_out,
+    float *a_out, float *v_out, float *p_out, int64_t n,
     const int CLIP, const int L2, const int DECOUPLED) {
     const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, l2 = h->l2, b2 = h->b2,
                 c2 = h->c2, sqrt_c2 = h->sqrt_c2, inv_c1 = h->inv_c1, eps = h->eps, wd = h->wd,
@@ -854,6 +880,22 @@ static inline __attribute__((always_inline)) void adam_block(
     }
 }
 
+/* adam_body with every pointer restrict: a pure step, each output a buffer of its own. */
+static inline __attribute__((always_inline)) void adam_block(
+    const AdamHyper *h, const float *restrict g, const float *restrict m, const float *restrict a, const float *restrict v, float *restrict m_out, float *restrict a_out, float *restrict v_out,
+    float *restrict p_out, int64_t n, const int CLIP, const int L2, const int DECOUPLED) {
+    adam_body(h, g, m, a, v, m_out, a_out, v_out, p_out, n, CLIP, L2, DECOUPLED);
+}
+
+/* adam_body stepping its state in place (a donated step): each state one restrict
+ * pointer, read and written (every element read before it is written); the working
+ * copy (p_out) a buffer of its own. */
+static inline __attribute__((always_inline)) void adam_block_in_place(
+    const AdamHyper *h, const float *restrict g, float *restrict m, float *restrict a, float *restrict v,
+    float *restrict p_out, int64_t n, const int CLIP, const int L2, const int DECOUPLED) {
+    adam_body(h, g, m, a, v, m, a, v, p_out, n, CLIP, L2, DECOUPLED);
+}
+
 #define ADAM_FLAGS(X) \
     X(0, 0, 0) X(0, 0, 1) X(0, 1, 0) X(1, 0, 0) X(1, 0, 1) X(1, 1, 0) X(0, 1, 1) X(1, 1, 1)
 
@@ -862,6 +904,18 @@ static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, co
 #define ADAM_CASE(C, L, D)                                                   \
     if (h->clip == C && h->has_l2 == L && h->decoupled == D) {               \
         adam_block(h, g, m, a, v, mo, ao, vo, po, n, C, L, D);               \
+        return;                                                              \
+    }
+    ADAM_FLAGS(ADAM_CASE)
+#undef ADAM_CASE
+}
+
+/* adam_dispatch of a donated step: the master and both moments stepped in place. */
+static void adam_dispatch_in_place(const AdamHyper *h, const float *g, float *m, float *a,
+                                   float *v, float *po, int64_t n) {
+#define ADAM_CASE(C, L, D)                                                   \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {               \
+        adam_block_in_place(h, g, m, a, v, po, n, C, L, D);                  \
         return;                                                              \
     }
     ADAM_FLAGS(ADAM_CASE)
@@ -1027,13 +1081,11 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
-            float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
-            adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
-            if (donated) { /* in place, from the block's own buffers (restrict pointers) */
-                memcpy(mo[l] + s, mbuf, (size_t)n * 4);
-                memcpy(ao[l] + s, abuf, (size_t)n * 4);
-                memcpy(vo[l] + s, vbuf, (size_t)n * 4);
+            if (donated) { /* master and moments stepped in place */
+                adam_dispatch_in_place(h, gbuf, mo[l] + s, ao[l] + s, vo[l] + s, pbuf, n);
             } else {
+                float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
+                adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
                 stream_bytes(mo[l] + s, mbuf, n * 4);
                 stream_bytes(ao[l] + s, abuf, n * 4);
                 stream_bytes(vo[l] + s, vbuf, n * 4);
@@ -1069,10 +1121,10 @@ typedef struct {
     int clip, decoupled;
 } LionHyper;
 
-static inline __attribute__((always_inline)) void lion_block(
-    const LionHyper *h, const float *restrict g, const float *restrict m,
-    const float *restrict a, float *restrict m_out, float *restrict a_out,
-    float *restrict p_out, int64_t n, const int CLIP, const int DECOUPLED) {
+static inline __attribute__((always_inline)) void lion_body(
+    const LionHyper *h, const float *g, const float *m,
+    const float *a, float *m_out, float *a_out,
+    float *p_out, int64_t n, const int CLIP, const int DECOUPLED) {
     const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, w1 = h->w1, b1 = h->b1,
                 w2 = h->w2, b2 = h->b2, wd = h->wd, factor = h->factor;
     for (int64_t i = 0; i < n; ++i) {
@@ -1089,6 +1141,22 @@ static inline __attribute__((always_inline)) void lion_block(
     }
 }
 
+/* lion_body with every pointer restrict: a pure step, each output a buffer of its own. */
+static inline __attribute__((always_inline)) void lion_block(
+    const LionHyper *h, const float *restrict g, const float *restrict m, const float *restrict a, float *restrict m_out, float *restrict a_out,
+    float *restrict p_out, int64_t n, const int CLIP, const int DECOUPLED) {
+    lion_body(h, g, m, a, m_out, a_out, p_out, n, CLIP, DECOUPLED);
+}
+
+/* lion_body stepping its state in place (a donated step): each state one restrict
+ * pointer, read and written (every element read before it is written); the working
+ * copy (p_out) a buffer of its own. */
+static inline __attribute__((always_inline)) void lion_block_in_place(
+    const LionHyper *h, const float *restrict g, float *restrict m, float *restrict a,
+    float *restrict p_out, int64_t n, const int CLIP, const int DECOUPLED) {
+    lion_body(h, g, m, a, m, a, p_out, n, CLIP, DECOUPLED);
+}
+
 #define LION_FLAGS(X) X(0, 1) X(0, 0) X(1, 1) X(1, 0)
 
 static void lion_dispatch(const LionHyper *h, const float *g, const float *m, const float *a,
@@ -1096,6 +1164,18 @@ static void lion_dispatch(const LionHyper *h, const float *g, const float *m, co
 #define LION_CASE(C, D)                                      \
     if (h->clip == C && h->decoupled == D) {                 \
         lion_block(h, g, m, a, mo, ao, po, n, C, D);         \
+        return;                                              \
+    }
+    LION_FLAGS(LION_CASE)
+#undef LION_CASE
+}
+
+/* lion_dispatch of a donated step: the master and the momentum stepped in place. */
+static void lion_dispatch_in_place(const LionHyper *h, const float *g, float *m, float *a,
+                                   float *po, int64_t n) {
+#define LION_CASE(C, D)                                      \
+    if (h->clip == C && h->decoupled == D) {                 \
+        lion_block_in_place(h, g, m, a, po, n, C, D);        \
         return;                                              \
     }
     LION_FLAGS(LION_CASE)
@@ -1227,12 +1307,11 @@ static void ff_lion_step(const ff_step_args *x) {
             }
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
-            float mbuf[BLOCK], abuf[BLOCK];
-            lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
-            if (donated) { /* in place, from the block's own buffers (restrict pointers) */
-                memcpy(mo + s, mbuf, (size_t)n * 4);
-                memcpy(ao[l] + s, abuf, (size_t)n * 4);
+            if (donated) { /* master and momentum stepped in place */
+                lion_dispatch_in_place(h, gbuf, mo + s, ao[l] + s, pbuf, n);
             } else {
+                float mbuf[BLOCK], abuf[BLOCK];
+                lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
                 stream_bytes(mo + s, mbuf, n * 4);
                 stream_bytes(ao[l] + s, abuf, n * 4);
             }
@@ -1271,10 +1350,10 @@ typedef struct {
     int clip, in_sqrt, trace, nesterov;
 } RmsHyper;
 
-static inline __attribute__((always_inline)) void rms_block(
-    const RmsHyper *h, const float *restrict g, const float *restrict m,
-    const float *restrict v, const float *restrict b, float *restrict m_out,
-    float *restrict v_out, float *restrict b_out, float *restrict p_out, int64_t n,
+static inline __attribute__((always_inline)) void rms_body(
+    const RmsHyper *h, const float *g, const float *m,
+    const float *v, const float *b, float *m_out,
+    float *v_out, float *b_out, float *p_out, int64_t n,
     const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
     const float inv = h->inv, cd = h->clip_div, cm = h->clip_mul, rho = h->rho, w = h->w,
                 eps = h->eps, factor = h->factor, keep = h->keep, mu = h->mu;
@@ -1296,6 +1375,22 @@ static inline __attribute__((always_inline)) void rms_block(
     }
 }
 
+/* rms_body with every pointer restrict: a pure step, each output a buffer of its own. */
+static inline __attribute__((always_inline)) void rms_block(
+    const RmsHyper *h, const float *restrict g, const float *restrict m, const float *restrict v, const float *restrict b, float *restrict m_out, float *restrict v_out, float *restrict b_out,
+    float *restrict p_out, int64_t n, const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
+    rms_body(h, g, m, v, b, m_out, v_out, b_out, p_out, n, CLIP, IN_SQRT, TRACE, NESTEROV);
+}
+
+/* rms_body stepping its state in place (a donated step): each state one restrict
+ * pointer, read and written (every element read before it is written); the working
+ * copy (p_out) a buffer of its own. */
+static inline __attribute__((always_inline)) void rms_block_in_place(
+    const RmsHyper *h, const float *restrict g, float *restrict m, float *restrict v, float *restrict b,
+    float *restrict p_out, int64_t n, const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
+    rms_body(h, g, m, v, b, m, v, b, p_out, n, CLIP, IN_SQRT, TRACE, NESTEROV);
+}
+
 #define RMS_FLAGS(X)                                                                    \
     X(0, 0, 0, 0) X(0, 1, 0, 0) X(1, 0, 0, 0) X(1, 1, 0, 0) X(0, 0, 1, 0) X(0, 1, 1, 0) \
     X(1, 0, 1, 0) X(1, 1, 1, 0) X(0, 0, 1, 1) X(0, 1, 1, 1) X(1, 0, 1, 1) X(1, 1, 1, 1)
@@ -1306,6 +1401,19 @@ static void rms_dispatch(const RmsHyper *h, const float *g, const float *m, cons
 #define RMS_CASE(C, S, T, N)                                                       \
     if (h->clip == C && h->in_sqrt == S && h->trace == T && h->nesterov == N) {   \
         rms_block(h, g, m, v, b, mo, vo, bo, po, n, C, S, T, N);                   \
+        return;                                                                    \
+    }
+    RMS_FLAGS(RMS_CASE)
+#undef RMS_CASE
+}
+
+/* rms_dispatch of a donated step: the master, nu and the trace (b: NULL without one)
+ * stepped in place. */
+static void rms_dispatch_in_place(const RmsHyper *h, const float *g, float *m, float *v,
+                                  float *b, float *po, int64_t n) {
+#define RMS_CASE(C, S, T, N)                                                       \
+    if (h->clip == C && h->in_sqrt == S && h->trace == T && h->nesterov == N) {   \
+        rms_block_in_place(h, g, m, v, b, po, n, C, S, T, N);                      \
         return;                                                                    \
     }
     RMS_FLAGS(RMS_CASE)
@@ -1370,22 +1478,24 @@ static void ff_rmsprop_step(const ff_step_args *x) {
                 m_in = jbuf;
             }
             const float *b_in = trace ? b[l] + s : NULL;
-            /* the block's outputs are its own buffers (its pointers are restrict), then
-             * copied in place (donated) or streamed */
-            rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
-            if (donated) {
-                memcpy(vo[l] + s, vbuf, (size_t)n * 4);
-                if (trace) memcpy(bo[l] + s, bbuf, (size_t)n * 4);
-            } else {
-                stream_bytes(vo[l] + s, vbuf, n * 4);
-                if (trace) stream_bytes(bo[l] + s, bbuf, n * 4);
+            if (donated && !x->split) { /* master, nu and trace stepped in place */
+                rms_dispatch_in_place(h, gbuf, mo + s, vo[l] + s, trace ? bo[l] + s : NULL,
+                                      pbuf, n);
+            } else { /* the block's outputs to its buffers, then in place or streamed */
+                rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
+                if (donated) {
+                    memcpy(vo[l] + s, vbuf, (size_t)n * 4);
+                    if (trace) memcpy(bo[l] + s, bbuf, (size_t)n * 4);
+                } else {
+                    stream_bytes(vo[l] + s, vbuf, n * 4);
+                    if (trace) stream_bytes(bo[l] + s, bbuf, n * 4);
+                }
+                if (x->split) {
+                    store_split(mbuf, po_s, (int16_t *)(void *)mo + s, hbuf, !donated, n);
+                    continue;
+                }
+                stream_bytes(mo + s, mbuf, n * 4);
             }
-            if (x->split) {
-                store_split(mbuf, po_s, (int16_t *)(void *)mo + s, hbuf, !donated, n);
-                continue;
-            }
-            if (donated) memcpy(mo + s, mbuf, (size_t)n * 4);
-            else stream_bytes(mo + s, mbuf, n * 4);
             if (!p_is_master) {
                 from_f32(pbuf, hbuf, n, pd);
                 stream_bytes(po_s, hbuf, n * ps);
@@ -1632,8 +1742,8 @@ static void encode_block(const float *y, float peak, uint8_t *q, float *scale_ou
 /* adam_block with both moments in bfloat16, read and written in the element loop itself
  * (every stream in flight together, no buffers): rounded to nearest, or stochastically
  * with the salts (SR). */
-static inline __attribute__((always_inline)) void adam_block_bf16(
-    const AdamHyper *h, const float *restrict g, const float *m,
+static inline __attribute__((always_inline)) void adam_bf16_body(
+    const AdamHyper *h, const float *g, const float *m,
     const uint16_t *a, const uint16_t *v, float *m_out, uint16_t *a_out, uint16_t *v_out,
     float *p_out, int64_t n, uint32_t salt_a, uint32_t salt_v, const int CLIP, const int L2,
     const int DECOUPLED, const int SR) {
@@ -1664,14 +1774,50 @@ static inline __attribute__((always_inline)) void adam_block_bf16(
     }
 }
 
+/* adam_bf16_body with every pointer restrict, in the three ways a stored step calls it:
+ * pure (every output a buffer of its own), donated (master and moments in place) and
+ * donated with a split master (the moments in place, the master joined into a buffer and
+ * stepped into another). */
+static inline __attribute__((always_inline)) void adam_block_bf16(
+    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const uint16_t *restrict a, const uint16_t *restrict v, float *restrict m_out,
+    uint16_t *restrict a_out, uint16_t *restrict v_out, float *restrict p_out, int64_t n,
+    uint32_t salt_a, uint32_t salt_v, const int CLIP, const int L2, const int DECOUPLED,
+    const int SR) {
+    adam_bf16_body(h, g, m, a, v, m_out, a_out, v_out, p_out, n, salt_a, salt_v, CLIP, L2,
+                   DECOUPLED, SR);
+}
+
+static inline __attribute__((always_inline)) void adam_block_bf16_in_place(
+    const AdamHyper *h, const float *restrict g, float *restrict m, uint16_t *restrict a,
+    uint16_t *restrict v, float *restrict p_out, int64_t n, uint32_t salt_a, uint32_t salt_v,
+    const int CLIP, const int L2, const int DECOUPLED, const int SR) {
+    adam_bf16_body(h, g, m, a, v, m, a, v, p_out, n, salt_a, salt_v, CLIP, L2, DECOUPLED, SR);
+}
+
+static inline __attribute__((always_inline)) void adam_block_bf16_moments_in_place(
+    const AdamHyper *h, const float *restrict g, const float *restrict m, uint16_t *restrict a,
+    uint16_t *restrict v, float *restrict m_out, float *restrict p_out, int64_t n,
+    uint32_t salt_a, uint32_t salt_v, const int CLIP, const int L2, const int DECOUPLED,
+    const int SR) {
+    adam_bf16_body(h, g, m, a, v, m_out, a, v, p_out, n, salt_a, salt_v, CLIP, L2, DECOUPLED,
+                   SR);
+}
+
 static void adam_bf16_dispatch(const AdamHyper *h, const float *g, const float *m,
                                const uint16_t *a, const uint16_t *v, float *mo, uint16_t *ao,
                                uint16_t *vo, float *po, int64_t n, int sr, uint32_t salt_a,
                                uint32_t salt_v) {
-#define BF16_CASE(C, L, D, S)                                                          \
-    if (h->clip == C && h->has_l2 == L && h->decoupled == D && sr == S) {              \
-        adam_block_bf16(h, g, m, a, v, mo, ao, vo, po, n, salt_a, salt_v, C, L, D, S); \
-        return;                                                                        \
+#define BF16_CASE(C, L, D, S)                                                                \
+    if (h->clip == C && h->has_l2 == L && h->decoupled == D && sr == S) {                    \
+        if (mo == m)                                                                         \
+            adam_block_bf16_in_place(h, g, mo, ao, vo, po, n, salt_a, salt_v, C, L, D, S);   \
+        else if (ao == a)                                                                    \
+            adam_block_bf16_moments_in_place(h, g, m, ao, vo, mo, po, n, salt_a, salt_v, C,  \
+                                             L, D, S);                                       \
+        else                                                                                 \
+            adam_block_bf16(h, g, m, a, v, mo, ao, vo, po, n, salt_a, salt_v, C, L, D, S);   \
+        return;                                                                              \
     }
 #define BF16_SR(C, L, D) BF16_CASE(C, L, D, 0) BF16_CASE(C, L, D, 1)
     BF16_SR(0, 0, 0) BF16_SR(0, 0, 1) BF16_SR(0, 1, 0) BF16_SR(1, 0, 0)
@@ -1935,7 +2081,7 @@ static void stored_step(const ff_step_args *x, const int kind) {
                     adam_bf16_dispatch(h, gbuf, m_in, (const uint16_t *)x->s[0][l] + s,
                                        (const uint16_t *)x->s[1][l] + s, m_to,
                                        (uint16_t *)x->so[0][l] + s, (uint16_t *)x->so[1][l] + s,
-                                       p_is_master ? m_to : pbuf, n, sr, salt_a, salt_v);
+                                       pbuf, n, sr, salt_a, salt_v);
                     finish_segment(mo_s, mbuf, donated, po_s, pbuf, hbuf, p_is_master, pd, ps, split, n);
                     continue;
                 }
