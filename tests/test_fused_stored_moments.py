@@ -62,8 +62,8 @@ def _params(seed=0):
 MASK = {"w": True, "v": True, "t": True, "n": True, "b": False}
 
 
-def _tx(fmt: str, rounding: str, l2: bool = False):
-    kw = dict(FORMATS[fmt], moment_rounding=rounding)
+def _tx(fmt: str, rounding: str, l2: bool = False, formats: dict = FORMATS):
+    kw = dict(formats[fmt], moment_rounding=rounding)
     if fmt.startswith("lion"):
         return ff.chain(ff.clip_by_global_norm(1.0), ff.lion(1e-4, weight_decay=0.1, **kw))
     if fmt.startswith("sgd"):  # SGD's trace keeps no count: it rounds to nearest
@@ -143,16 +143,21 @@ def test_a_skipped_step_leaves_every_byte(monkeypatch, kernel, donate, fmt):
     assert_bitwise_unchanged(kept, before)
 
 
+# Adam with both moments in E4M3 codes: the C kernel's decoded-inline step, in place.
+DONATED_FORMATS = {**FORMATS, "adam_e4m3": dict(mu_dtype="e4m3", nu_dtype="e4m3")}
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(DONATED_FORMATS))
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("master", ["float32", "split"])
-def test_donation_is_the_pure_step(monkeypatch, kernel, fmt, master):
+def test_donation_is_the_pure_step(monkeypatch, kernel, fmt, rounding, master):
     """A donated step (every state written in place; with a split master, the moments in
     place and the master through its float32 buffers) is bitwise the pure step, for every
-    stored format."""
+    stored format and rounding."""
     _use(monkeypatch, kernel)
-    rounding = "stochastic" if fmt == "int8" else "nearest"
-    state = ff.fp16_init(_params(), _tx(fmt, rounding), ff.DynamicLossScale(2.0**10), master=master)
+    tx = _tx(fmt, rounding, formats=DONATED_FORMATS)
+    state = ff.fp16_init(_params(), tx, ff.DynamicLossScale(2.0**10), master=master)
     donated = tree_map(torch.clone, state)
     for step in range(3):
         grads = stored_step_grads(state, step)

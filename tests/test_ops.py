@@ -731,6 +731,22 @@ def _recipe_state_and_grads(n_leaves=12):
     return ff.fp16_init(params, tx, ff.DynamicLossScale(init_scale=2.0**10)), grads
 
 
+_NEEDS_OPS = pytest.mark.skipif(
+    not cpu_kernel.ops_available(), reason="the C++ op library is not built here"
+)
+
+
+@_NEEDS_OPS
+def test_the_cpp_ops_find_pythons_gil_functions():
+    """Loaded into Python, the op library finds the GIL's functions (declared weakly), so
+    its ops release their inputs in one hold of the GIL rather than a tensor at a time."""
+    import ctypes
+
+    library = ctypes.CDLL(str(cpu_kernel._build_ops()))  # the loaded library, not a copy
+    assert library.ff_releases_together() == 1
+
+
+@_NEEDS_OPS
 def test_the_cpp_ops_keep_no_reference_to_their_inputs():
     """The C++ ops release their inputs' references together after the kernel has run
     (``ReleasingInputsTogether``): every input is released, none is kept. The gradients'
@@ -754,10 +770,10 @@ def test_the_cpp_ops_keep_no_reference_to_their_inputs():
     assert bool(new.grads_finite)
 
 
+@_NEEDS_OPS
 def test_the_cpp_ops_run_from_a_thread_as_from_the_main_one():
-    """The ops release their inputs under the GIL they take back once: an update in
-    another Python thread (which holds the GIL when it calls the op, as the main thread
-    does) finishes, bitwise the main thread's, while the main thread waits on it."""
+    """An update in another Python thread, whose ops take back the GIL from that thread's
+    own state to release their inputs, finishes and is bitwise the main thread's."""
     import threading
 
     state, grads = _recipe_state_and_grads()

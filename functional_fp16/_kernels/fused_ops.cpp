@@ -61,6 +61,21 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
                     int32_t threads);
 }
 
+// Python's C API, declared weakly: defined where the library is loaded into a Python
+// process, null where it is not (a C++ program: then no tensor has a Python object).
+extern "C" {
+__attribute__((weak)) int Py_IsInitialized(void);
+__attribute__((weak)) int PyGILState_Ensure(void);  // returns a PyGILState_STATE
+__attribute__((weak)) void PyGILState_Release(int);
+}
+
+// Whether the library found Python's GIL functions when it was loaded (then the ops
+// release their inputs in one hold of the GIL; see ReleasingInputsTogether).
+extern "C" int ff_releases_together(void) {
+  return Py_IsInitialized != nullptr && PyGILState_Ensure != nullptr &&
+         PyGILState_Release != nullptr;
+}
+
 namespace {
 
 using at::Tensor;
@@ -1171,12 +1186,19 @@ bool leaves_match(const TensorList &xs, const Tensor &layout) {
   return p == end;
 }
 
-// Python's C API, declared weakly: defined where the library is loaded into a Python
-// process, null where it is not (a C++ program: then no tensor has a Python object).
-extern "C" {
-__attribute__((weak)) int Py_IsInitialized(void);
-__attribute__((weak)) int PyGILState_Ensure(void);  // returns a PyGILState_STATE
-__attribute__((weak)) void PyGILState_Release(int);
+// Whether releasing `inputs` gives back a Python object: some tensor among them (alone,
+// optional or in a list) has one.
+bool holds_python_objects(const std::vector<c10::IValue> &inputs) {
+  const auto has = [](const Tensor &t) {
+    return t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr;
+  };
+  for (const c10::IValue &v : inputs) {
+    if (v.isTensor() && has(v.toTensor())) return true;
+    if (v.isTensorList())
+      for (const c10::IValue &t : v.toListRef())
+        if (has(t.toTensor())) return true;
+  }
+  return false;
 }
 
 // The ops' kernels, boxed: each runs the unboxed kernel `Fn` on the stack and then
@@ -1188,7 +1210,10 @@ __attribute__((weak)) void PyGILState_Release(int);
 // (`c10::TensorImpl::decref_pyobject`), which takes the GIL: once per tensor, about
 // 0.17 us each, 100 us for the 600 tensors of one step. PyTorch's own bindings
 // release their argument vectors after taking the GIL back; here the kernel keeps the
-// inputs until it has run and releases them in one hold of the GIL.
+// inputs until it has run and releases them in one hold of the GIL. It takes the GIL
+// only where releasing them would: where some input tensor has a Python object (a call
+// from C++ on tensors Python never saw takes no GIL). A kernel that throws releases them
+// as the dispatcher would, a tensor at a time.
 template <class Fn>
 struct ReleasingInputsTogether final : c10::OperatorKernel {
   void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
@@ -1197,8 +1222,7 @@ struct ReleasingInputsTogether final : c10::OperatorKernel {
     const size_t n = op.schema().arguments().size();
     std::vector<c10::IValue> inputs(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
     kernel.callBoxed(op, keys, stack);
-    if (Py_IsInitialized != nullptr && PyGILState_Ensure != nullptr &&
-        PyGILState_Release != nullptr && Py_IsInitialized()) {
+    if (ff_releases_together() && Py_IsInitialized() && holds_python_objects(inputs)) {
       const int state = PyGILState_Ensure();
       inputs.clear();
       PyGILState_Release(state);
