@@ -553,8 +553,9 @@ static inline __attribute__((always_inline)) void sgd_body(
 
 /* sgd_body with every pointer restrict: a pure step, each output a buffer of its own. */
 static inline __attribute__((always_inline)) void sgd_block(
-    const Hyper *h, const float *restrict g, const float *restrict m, const float *restrict b, float *restrict m_out, float *restrict b_out,
-    float *restrict p_out, int64_t n, const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    const Hyper *h, const float *restrict g, const float *restrict m, const float *restrict b,
+    float *restrict m_out, float *restrict b_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
     sgd_body(h, g, m, b, m_out, b_out, p_out, n, CLIP, DECAY, MOMENTUM, NESTEROV);
 }
 
@@ -563,7 +564,8 @@ static inline __attribute__((always_inline)) void sgd_block(
  * copy (p_out) a buffer of its own. */
 static inline __attribute__((always_inline)) void sgd_block_in_place(
     const Hyper *h, const float *restrict g, float *restrict m, float *restrict b,
-    float *restrict p_out, int64_t n, const int CLIP, const int DECAY, const int MOMENTUM, const int NESTEROV) {
+    float *restrict p_out, int64_t n, const int CLIP, const int DECAY, const int MOMENTUM,
+    const int NESTEROV) {
     sgd_body(h, g, m, b, m, b, p_out, n, CLIP, DECAY, MOMENTUM, NESTEROV);
 }
 
@@ -573,28 +575,20 @@ static inline __attribute__((always_inline)) void sgd_block_in_place(
     X(0, 0, 1, 0) X(0, 0, 0, 0) X(1, 0, 1, 0) X(0, 1, 1, 0) X(1, 1, 1, 0) X(0, 0, 1, 1) \
     X(0, 1, 1, 1) X(1, 0, 1, 1) X(1, 1, 1, 1) X(1, 0, 0, 0) X(0, 1, 0, 0) X(1, 1, 0, 0)
 
+/* In place where mo == m: a donated step, every state in place (the outputs are the
+ * inputs); else every output a buffer of its own. po is never a state. */
 static void sgd_dispatch(const Hyper *h, const float *g, const float *m, const float *b,
                          float *mo, float *bo, float *po, int64_t n) {
 #define SGD_CASE(C, D, M, N)                                                       \
     if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
-        sgd_block(h, g, m, b, mo, bo, po, n, C, D, M, N);                        \
+        if (mo == m) sgd_block_in_place(h, g, mo, bo, po, n, C, D, M, N);        \
+        else sgd_block(h, g, m, b, mo, bo, po, n, C, D, M, N);                   \
         return;                                                                  \
     }
     SGD_FLAGS(SGD_CASE)
 #undef SGD_CASE
 }
 
-/* sgd_dispatch of a donated step: the master m and momentum b stepped in place. */
-static void sgd_dispatch_in_place(const Hyper *h, const float *g, float *m, float *b, float *po,
-                                  int64_t n) {
-#define SGD_CASE(C, D, M, N)                                                       \
-    if (h->clip == C && h->decay == D && h->momentum == M && h->nesterov == N) { \
-        sgd_block_in_place(h, g, m, b, po, n, C, D, M, N);                       \
-        return;                                                                  \
-    }
-    SGD_FLAGS(SGD_CASE)
-#undef SGD_CASE
-}
 
 #if defined(FF_SPLIT_LANES)
 /* sgd_block's step on a split master in registers: lanes i .. i + 15 (k: those in range)
@@ -796,7 +790,7 @@ void ff_sgd_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *co
             if (mo[l] == m[l] && (!h->momentum || bo[l] == b[l])) {
                 /* donated: master and momentum stepped in place, on lines the loads
                  * just brought into cache */
-                sgd_dispatch_in_place(h, gbuf, mo_s, bo_s, pbuf, n);
+                sgd_dispatch(h, gbuf, mo_s, bo_s, mo_s, bo_s, pbuf, n);
             } else {
                 float mbuf[BLOCK], bbuf[BLOCK];
                 sgd_dispatch(h, gbuf, m[l] + s, b_s, mbuf, bbuf, pbuf, n);
@@ -882,8 +876,10 @@ static inline __attribute__((always_inline)) void adam_body(
 
 /* adam_body with every pointer restrict: a pure step, each output a buffer of its own. */
 static inline __attribute__((always_inline)) void adam_block(
-    const AdamHyper *h, const float *restrict g, const float *restrict m, const float *restrict a, const float *restrict v, float *restrict m_out, float *restrict a_out, float *restrict v_out,
-    float *restrict p_out, int64_t n, const int CLIP, const int L2, const int DECOUPLED) {
+    const AdamHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict a, const float *restrict v, float *restrict m_out,
+    float *restrict a_out, float *restrict v_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int L2, const int DECOUPLED) {
     adam_body(h, g, m, a, v, m_out, a_out, v_out, p_out, n, CLIP, L2, DECOUPLED);
 }
 
@@ -891,36 +887,29 @@ static inline __attribute__((always_inline)) void adam_block(
  * pointer, read and written (every element read before it is written); the working
  * copy (p_out) a buffer of its own. */
 static inline __attribute__((always_inline)) void adam_block_in_place(
-    const AdamHyper *h, const float *restrict g, float *restrict m, float *restrict a, float *restrict v,
-    float *restrict p_out, int64_t n, const int CLIP, const int L2, const int DECOUPLED) {
+    const AdamHyper *h, const float *restrict g, float *restrict m, float *restrict a,
+    float *restrict v, float *restrict p_out, int64_t n, const int CLIP, const int L2,
+    const int DECOUPLED) {
     adam_body(h, g, m, a, v, m, a, v, p_out, n, CLIP, L2, DECOUPLED);
 }
 
 #define ADAM_FLAGS(X) \
     X(0, 0, 0) X(0, 0, 1) X(0, 1, 0) X(1, 0, 0) X(1, 0, 1) X(1, 1, 0) X(0, 1, 1) X(1, 1, 1)
 
+/* In place where mo == m: a donated step, every state in place (the outputs are the
+ * inputs); else every output a buffer of its own. po is never a state. */
 static void adam_dispatch(const AdamHyper *h, const float *g, const float *m, const float *a,
                           const float *v, float *mo, float *ao, float *vo, float *po, int64_t n) {
 #define ADAM_CASE(C, L, D)                                                   \
     if (h->clip == C && h->has_l2 == L && h->decoupled == D) {               \
-        adam_block(h, g, m, a, v, mo, ao, vo, po, n, C, L, D);               \
+        if (mo == m) adam_block_in_place(h, g, mo, ao, vo, po, n, C, L, D);  \
+        else adam_block(h, g, m, a, v, mo, ao, vo, po, n, C, L, D);          \
         return;                                                              \
     }
     ADAM_FLAGS(ADAM_CASE)
 #undef ADAM_CASE
 }
 
-/* adam_dispatch of a donated step: the master and both moments stepped in place. */
-static void adam_dispatch_in_place(const AdamHyper *h, const float *g, float *m, float *a,
-                                   float *v, float *po, int64_t n) {
-#define ADAM_CASE(C, L, D)                                                   \
-    if (h->clip == C && h->has_l2 == L && h->decoupled == D) {               \
-        adam_block_in_place(h, g, m, a, v, po, n, C, L, D);                  \
-        return;                                                              \
-    }
-    ADAM_FLAGS(ADAM_CASE)
-#undef ADAM_CASE
-}
 
 #if defined(FF_SPLIT_LANES)
 /* adam_block's step on a split master in registers (as sgd_lanes). */
@@ -1082,7 +1071,8 @@ void ff_adam_update(int64_t n_leaves, int64_t n_groups, void *const *g, float *c
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)g[l] + s * gs, gbuf, n, gd);
             if (donated) { /* master and moments stepped in place */
-                adam_dispatch_in_place(h, gbuf, mo[l] + s, ao[l] + s, vo[l] + s, pbuf, n);
+                float *mo_s = mo[l] + s, *ao_s = ao[l] + s, *vo_s = vo[l] + s;
+                adam_dispatch(h, gbuf, mo_s, ao_s, vo_s, mo_s, ao_s, vo_s, pbuf, n);
             } else {
                 float mbuf[BLOCK], abuf[BLOCK], vbuf[BLOCK];
                 adam_dispatch(h, gbuf, m[l] + s, a[l] + s, v[l] + s, mbuf, abuf, vbuf, pbuf, n);
@@ -1143,7 +1133,8 @@ static inline __attribute__((always_inline)) void lion_body(
 
 /* lion_body with every pointer restrict: a pure step, each output a buffer of its own. */
 static inline __attribute__((always_inline)) void lion_block(
-    const LionHyper *h, const float *restrict g, const float *restrict m, const float *restrict a, float *restrict m_out, float *restrict a_out,
+    const LionHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict a, float *restrict m_out, float *restrict a_out,
     float *restrict p_out, int64_t n, const int CLIP, const int DECOUPLED) {
     lion_body(h, g, m, a, m_out, a_out, p_out, n, CLIP, DECOUPLED);
 }
@@ -1159,28 +1150,20 @@ static inline __attribute__((always_inline)) void lion_block_in_place(
 
 #define LION_FLAGS(X) X(0, 1) X(0, 0) X(1, 1) X(1, 0)
 
+/* In place where mo == m: a donated step, every state in place (the outputs are the
+ * inputs); else every output a buffer of its own. po is never a state. */
 static void lion_dispatch(const LionHyper *h, const float *g, const float *m, const float *a,
                           float *mo, float *ao, float *po, int64_t n) {
 #define LION_CASE(C, D)                                      \
     if (h->clip == C && h->decoupled == D) {                 \
-        lion_block(h, g, m, a, mo, ao, po, n, C, D);         \
+        if (mo == m) lion_block_in_place(h, g, mo, ao, po, n, C, D);         \
+        else lion_block(h, g, m, a, mo, ao, po, n, C, D);                    \
         return;                                              \
     }
     LION_FLAGS(LION_CASE)
 #undef LION_CASE
 }
 
-/* lion_dispatch of a donated step: the master and the momentum stepped in place. */
-static void lion_dispatch_in_place(const LionHyper *h, const float *g, float *m, float *a,
-                                   float *po, int64_t n) {
-#define LION_CASE(C, D)                                      \
-    if (h->clip == C && h->decoupled == D) {                 \
-        lion_block_in_place(h, g, m, a, po, n, C, D);        \
-        return;                                              \
-    }
-    LION_FLAGS(LION_CASE)
-#undef LION_CASE
-}
 
 #if defined(FF_SPLIT_LANES)
 /* lion_block's step on a split master in registers (as sgd_lanes). */
@@ -1308,7 +1291,7 @@ static void ff_lion_step(const ff_step_args *x) {
             float gbuf[BLOCK], pbuf[BLOCK], hbuf[BLOCK];
             to_f32((const char *)x->g[l] + s * gs, gbuf, n, gd);
             if (donated) { /* master and momentum stepped in place */
-                lion_dispatch_in_place(h, gbuf, mo + s, ao[l] + s, pbuf, n);
+                lion_dispatch(h, gbuf, mo + s, ao[l] + s, mo + s, ao[l] + s, pbuf, n);
             } else {
                 float mbuf[BLOCK], abuf[BLOCK];
                 lion_dispatch(h, gbuf, m + s, a[l] + s, mbuf, abuf, pbuf, n);
@@ -1377,8 +1360,10 @@ static inline __attribute__((always_inline)) void rms_body(
 
 /* rms_body with every pointer restrict: a pure step, each output a buffer of its own. */
 static inline __attribute__((always_inline)) void rms_block(
-    const RmsHyper *h, const float *restrict g, const float *restrict m, const float *restrict v, const float *restrict b, float *restrict m_out, float *restrict v_out, float *restrict b_out,
-    float *restrict p_out, int64_t n, const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
+    const RmsHyper *h, const float *restrict g, const float *restrict m,
+    const float *restrict v, const float *restrict b, float *restrict m_out,
+    float *restrict v_out, float *restrict b_out, float *restrict p_out, int64_t n,
+    const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
     rms_body(h, g, m, v, b, m_out, v_out, b_out, p_out, n, CLIP, IN_SQRT, TRACE, NESTEROV);
 }
 
@@ -1386,8 +1371,9 @@ static inline __attribute__((always_inline)) void rms_block(
  * pointer, read and written (every element read before it is written); the working
  * copy (p_out) a buffer of its own. */
 static inline __attribute__((always_inline)) void rms_block_in_place(
-    const RmsHyper *h, const float *restrict g, float *restrict m, float *restrict v, float *restrict b,
-    float *restrict p_out, int64_t n, const int CLIP, const int IN_SQRT, const int TRACE, const int NESTEROV) {
+    const RmsHyper *h, const float *restrict g, float *restrict m, float *restrict v,
+    float *restrict b, float *restrict p_out, int64_t n, const int CLIP, const int IN_SQRT,
+    const int TRACE, const int NESTEROV) {
     rms_body(h, g, m, v, b, m, v, b, p_out, n, CLIP, IN_SQRT, TRACE, NESTEROV);
 }
 
@@ -1395,30 +1381,21 @@ static inline __attribute__((always_inline)) void rms_block_in_place(
     X(0, 0, 0, 0) X(0, 1, 0, 0) X(1, 0, 0, 0) X(1, 1, 0, 0) X(0, 0, 1, 0) X(0, 1, 1, 0) \
     X(1, 0, 1, 0) X(1, 1, 1, 0) X(0, 0, 1, 1) X(0, 1, 1, 1) X(1, 0, 1, 1) X(1, 1, 1, 1)
 
+/* In place where mo == m: a donated step, every state in place (the outputs are the
+ * inputs); else every output a buffer of its own. po is never a state. */
 static void rms_dispatch(const RmsHyper *h, const float *g, const float *m, const float *v,
                          const float *b, float *mo, float *vo, float *bo, float *po,
                          int64_t n) {
 #define RMS_CASE(C, S, T, N)                                                       \
     if (h->clip == C && h->in_sqrt == S && h->trace == T && h->nesterov == N) {   \
-        rms_block(h, g, m, v, b, mo, vo, bo, po, n, C, S, T, N);                   \
+        if (mo == m) rms_block_in_place(h, g, mo, vo, bo, po, n, C, S, T, N);     \
+        else rms_block(h, g, m, v, b, mo, vo, bo, po, n, C, S, T, N);              \
         return;                                                                    \
     }
     RMS_FLAGS(RMS_CASE)
 #undef RMS_CASE
 }
 
-/* rms_dispatch of a donated step: the master, nu and the trace (b: NULL without one)
- * stepped in place. */
-static void rms_dispatch_in_place(const RmsHyper *h, const float *g, float *m, float *v,
-                                  float *b, float *po, int64_t n) {
-#define RMS_CASE(C, S, T, N)                                                       \
-    if (h->clip == C && h->in_sqrt == S && h->trace == T && h->nesterov == N) {   \
-        rms_block_in_place(h, g, m, v, b, po, n, C, S, T, N);                      \
-        return;                                                                    \
-    }
-    RMS_FLAGS(RMS_CASE)
-#undef RMS_CASE
-}
 
 static void ff_rmsprop_step(const ff_step_args *x) {
     const int64_t per_group = x->n_leaves / x->n_groups;
@@ -1479,8 +1456,8 @@ static void ff_rmsprop_step(const ff_step_args *x) {
             }
             const float *b_in = trace ? b[l] + s : NULL;
             if (donated && !x->split) { /* master, nu and trace stepped in place */
-                rms_dispatch_in_place(h, gbuf, mo + s, vo[l] + s, trace ? bo[l] + s : NULL,
-                                      pbuf, n);
+                float *bo_s = trace ? bo[l] + s : NULL;
+                rms_dispatch(h, gbuf, mo + s, vo[l] + s, bo_s, mo + s, vo[l] + s, bo_s, pbuf, n);
             } else { /* the block's outputs to its buffers, then in place or streamed */
                 rms_dispatch(h, gbuf, m_in, v[l] + s, b_in, mbuf, vbuf, bbuf, pbuf, n);
                 if (donated) {
