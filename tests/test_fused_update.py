@@ -273,6 +273,56 @@ def test_pure_outputs_never_alias_live_tensors_and_dropped_ones_are_reused():
     assert torch.equal(view, keep_view)  # and the view's values were never overwritten
 
 
+OWNED_OUTPUT_TXS = {
+    "momentum": ff.sgd(0.05, momentum=0.9),
+    "recipe": optimiser_matrix()["recipe"],
+    "lion": ff.lion(1e-3, weight_decay=0.1),
+    "rmsprop": ff.rmsprop(1e-3, momentum=0.9),
+    "adam_bf16_moments": ff.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+}
+
+
+def _storage(x: torch.Tensor) -> tuple[int, int]:
+    return x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("master", ["float32", "split"])
+@pytest.mark.parametrize("name", list(OWNED_OUTPUT_TXS))
+def test_every_pure_output_owns_exactly_its_bytes(name, master):
+    """Each tensor of a pure update's new state has a storage of its own holding exactly
+    its bytes (offset 0), as a tensor made by ``torch.empty`` has: a checkpoint stores it
+    without a copy, and no output aliases another (the C kernel carves a state part's
+    leaves from one block, each with its own storage)."""
+    state = ff.fp16_init(random_tree(), OWNED_OUTPUT_TXS[name], master=master)
+    new = ff.fp16_update(state, matrix_grads(state, 0, 0))
+    outputs = [x for x in tree_leaves((new.params, new.master, new.opt_state)) if x.numel()]
+    for x in outputs:
+        assert x.storage_offset() == 0
+        assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    assert len({_storage(x)[0] for x in outputs}) == len(outputs)
+
+
+def test_a_kept_part_keeps_its_own_memory_only():
+    """Holding a dropped state's params (a user's copy for an average or a comparison)
+    keeps their memory alive and intact, and only theirs: the same state's master and
+    momentum are reused by the next updates."""
+    s0 = ff.fp16_init({"w": torch.randn(100_000), "b": torch.randn(10)}, ff.sgd(0.1, momentum=0.9))
+    grads = matrix_grads(s0, 0, 0)
+    s1 = ff.fp16_update(s0, grads)
+    s2 = ff.fp16_update(s1, grads)
+    kept = s1.params
+    values = tree_map(torch.clone, kept)
+    master_ptrs = {x.data_ptr() for x in tree_leaves((s1.master, s1.opt_state))}
+    del s1
+    gc.collect()
+    s3 = ff.fp16_update(s2, grads)
+    s4 = ff.fp16_update(s3, grads)
+    now = {x.data_ptr() for x in tree_leaves((s3, s4))}
+    assert not now & {x.data_ptr() for x in tree_leaves(kept)}
+    assert now & master_ptrs
+    assert_bitwise(kept, values)
+
+
 def test_channels_last_and_strided_gradients():
     params = {"conv": torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)}
     state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))

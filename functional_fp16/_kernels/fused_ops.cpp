@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -275,22 +276,56 @@ BlockCache &block_cache() {
 
 void BlockCache::release(void *ctx) { block_cache().give_back(static_cast<Block *>(ctx)); }
 
-// Outputs like `like`, each with a storage of its own (outputs of a functional op
-// never alias each other) from the block cache, made without a dispatcher call each.
-TensorList outputs(const std::vector<const Tensor *> &like) {
+// One state part's memory: a block from the block cache that the part's leaves are
+// carved from, given back when the last of their storages is freed.
+struct PartBlock {
+  c10::DataPtr block;
+  std::atomic<size_t> users;
+};
+
+void release_leaf(void *ctx) {
+  auto *part = static_cast<PartBlock *>(ctx);
+  if (part->users.fetch_sub(1, std::memory_order_acq_rel) == 1) delete part;
+}
+
+// Outputs like `like`, in parts of the given counts (the master's leaves, each moment's,
+// the params'). Each output has a storage of its own, of exactly its bytes (outputs of a
+// functional op never alias each other, and a checkpoint stores each leaf's bytes only),
+// made without a dispatcher call; a part's storages are carved, 64-byte aligned, from one
+// block of the block cache: one look-up a part instead of one a leaf, and the part's
+// leaves side by side in memory. The block lives while any of its leaves does.
+TensorList outputs(const std::vector<const Tensor *> &like, std::initializer_list<size_t> parts) {
+  constexpr size_t align = 64;
+  auto padded = [](const Tensor *t) {
+    return (static_cast<size_t>(t->numel()) * t->element_size() + align - 1) / align * align;
+  };
   size_t total = 0;
-  for (const Tensor *t : like) total += static_cast<size_t>(t->numel()) * t->element_size();
+  for (const Tensor *t : like) total += padded(t);
   BlockCache &cache = block_cache();
   cache.expect(total);
   TensorList out;
   out.reserve(like.size());
-  for (const Tensor *t : like) {
-    const size_t bytes = static_cast<size_t>(t->numel()) * t->element_size();
-    c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &cache, false);
-    auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), t->key_set(), t->dtype());
-    impl->set_sizes_and_strides(t->sizes(), t->strides());
-    out.emplace_back(std::move(impl));
+  size_t first = 0;
+  for (size_t count : parts) {
+    TORCH_CHECK(first + count <= like.size(), "outputs: parts beyond the tensors");
+    if (count == 0) continue;
+    size_t bytes_of_part = 0;
+    for (size_t i = first; i < first + count; ++i) bytes_of_part += padded(like[i]);
+    auto *part = new PartBlock{cache.allocate(bytes_of_part), count};
+    char *base = static_cast<char *>(part->block.get());
+    for (size_t i = first; i < first + count; ++i) {
+      const Tensor *t = like[i];
+      const size_t bytes = static_cast<size_t>(t->numel()) * t->element_size();
+      c10::DataPtr data(base, part, &release_leaf, c10::Device(c10::DeviceType::CPU));
+      c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), &cache, false);
+      auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), t->key_set(), t->dtype());
+      impl->set_sizes_and_strides(t->sizes(), t->strides());
+      out.emplace_back(std::move(impl));
+      base += padded(t);
+    }
+    first += count;
   }
+  TORCH_CHECK(first == like.size(), "outputs: parts short of the tensors");
   return out;
 }
 
@@ -416,7 +451,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> sgd(
     std::vector<const Tensor *> like = refs(master);
     for (const Tensor &t : trace) like.push_back(&t);
     for (const Tensor &t : params) like.push_back(&t);
-    TensorList all = outputs(like);
+    TensorList all = outputs(like, {master.size(), trace.size(), params.size()});
     const size_t nm = master.size(), nt = trace.size();
     m_out.assign(all.begin(), all.begin() + nm);
     t_out.assign(all.begin() + nm, all.begin() + nm + nt);
@@ -490,7 +525,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
     std::vector<const Tensor *> like = refs(master);
     for (const TensorList *l : {&mu, &nu, &params})
       for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like);
+    TensorList all = outputs(like, {master.size(), mu.size(), nu.size(), params.size()});
     const size_t n = master.size();
     m_out.assign(all.begin(), all.begin() + n);
     a_out.assign(all.begin() + n, all.begin() + 2 * n);
@@ -572,7 +607,7 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
     std::vector<const Tensor *> like = refs(master);
     for (const TensorList *l : {&states, &params})
       for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like);
+    TensorList all = outputs(like, {n, states.size(), params.size()});
     m_out.assign(all.begin(), all.begin() + n);
     s_out.assign(all.begin() + n, all.begin() + n + states.size());
     p_new.assign(all.begin() + n + states.size(), all.end());
@@ -715,7 +750,7 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> store
     std::vector<const Tensor *> like = refs(master);
     for (const TensorList *l : {&states, &scales, &params})
       for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like);
+    TensorList all = outputs(like, {n, states.size(), scales.size(), params.size()});
     size_t from = 0;
     auto take = [&](size_t count_) {
       TensorList part(all.begin() + from, all.begin() + from + count_);
