@@ -209,11 +209,12 @@ std::vector<const Tensor *> working(const TensorList &master, const TensorList &
 // A pure update returns a new state in fresh memory every step. Allocated
 // tensor by tensor through the dispatcher, that costs more than the update of
 // a small tree; for large leaves glibc maps and faults fresh pages every step.
-// The outputs' storages come from this allocator instead: a block freed (when
-// its last tensor, view or Python storage object is gone) goes back to a free
-// list by size, and the next request of that size takes it, as CUDA's caching
-// allocator does. At most twice the bytes of the largest call are kept free, so
-// a loop `state = fp16_update(state, grads)` keeps about one dropped state.
+// The outputs come from this allocator instead, one block a state part (see
+// `outputs`): a block freed (when the last storage carved from it is gone) goes
+// back to a free list by size, and the next request of that size takes it, as
+// CUDA's caching allocator does. At most twice the bytes of the largest call are
+// kept free, so a loop `state = fp16_update(state, grads)` keeps about one
+// dropped state.
 class BlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
