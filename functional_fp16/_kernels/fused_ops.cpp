@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -277,8 +278,8 @@ BlockCache &block_cache() {
 
 void BlockCache::release(void *ctx) { block_cache().give_back(static_cast<Block *>(ctx)); }
 
-// One state part's memory: a block from the block cache that the part's leaves are
-// carved from, given back when the last of their storages is freed.
+// The small leaves of one state part: one block from the block cache that their
+// storages are carved from, given back when the last of them is freed.
 struct PartBlock {
   c10::DataPtr block;
   std::atomic<size_t> users;
@@ -289,19 +290,28 @@ void release_leaf(void *ctx) {
   if (part->users.fetch_sub(1, std::memory_order_acq_rel) == 1) delete part;
 }
 
-// Outputs like `like`, in parts of the given counts (the master's leaves, each moment's,
-// the params'). Each output has a storage of its own, of exactly its bytes (outputs of a
-// functional op never alias each other, and a checkpoint stores each leaf's bytes only),
-// made without a dispatcher call; a part's storages are carved, 64-byte aligned, from one
-// block of the block cache: one look-up a part instead of one a leaf, and the part's
-// leaves side by side in memory. The block lives while any of its leaves does.
-TensorList outputs(const std::vector<const Tensor *> &like, std::initializer_list<size_t> parts) {
-  constexpr size_t align = 64;
-  auto padded = [](const Tensor *t) {
-    return (static_cast<size_t>(t->numel()) * t->element_size() + align - 1) / align * align;
+// Leaves of at least this many bytes take a block of their own; smaller ones share their
+// part's. A leaf kept alive keeps its part's small leaves' block, so what a kept leaf can
+// hold beyond itself is bounded by the part's small leaves.
+constexpr size_t kCarvedBelow = 256 * 1024;
+constexpr size_t kAlign = 64;
+
+// Outputs like `like`, in parts of the given counts (the master's leaves, each state's,
+// the params'), made without a dispatcher call. Each output has a storage of its own
+// holding exactly its bytes at offset 0, as one from `torch.empty` (outputs of a functional
+// op never alias each other, and a checkpoint stores each leaf's bytes, no more); an
+// empty one has no memory. The storages come from the block cache: a large leaf's a block
+// of its own, a part's small leaves' carved, 64-byte aligned, from one block of the part
+// (one look-up a part instead of one a leaf, and the leaves side by side in memory).
+TensorList outputs(const std::vector<const Tensor *> &like, const std::vector<size_t> &parts) {
+  const c10::Device cpu(c10::DeviceType::CPU);
+  auto bytes_of = [](const Tensor *t) {
+    TORCH_INTERNAL_ASSERT(t->is_non_overlapping_and_dense());
+    return static_cast<size_t>(t->numel()) * t->element_size();
   };
+  auto carved = [](size_t bytes) { return bytes > 0 && bytes < kCarvedBelow; };
   size_t total = 0;
-  for (const Tensor *t : like) total += padded(t);
+  for (const Tensor *t : like) total += (bytes_of(t) + kAlign - 1) / kAlign * kAlign;
   BlockCache &cache = block_cache();
   cache.expect(total);
   TensorList out;
@@ -309,25 +319,42 @@ TensorList outputs(const std::vector<const Tensor *> &like, std::initializer_lis
   size_t first = 0;
   for (size_t count : parts) {
     TORCH_CHECK(first + count <= like.size(), "outputs: parts beyond the tensors");
-    if (count == 0) continue;
-    size_t bytes_of_part = 0;
-    for (size_t i = first; i < first + count; ++i) bytes_of_part += padded(like[i]);
-    auto *part = new PartBlock{cache.allocate(bytes_of_part), count};
-    char *base = static_cast<char *>(part->block.get());
+    size_t small = 0;
+    for (size_t i = first; i < first + count; ++i)
+      if (carved(bytes_of(like[i]))) small += (bytes_of(like[i]) + kAlign - 1) / kAlign * kAlign;
+    // The part's block is held by `hold` (one user) while its leaves are made; each
+    // carved leaf adds a user before its storage takes it, so a throw frees what it must.
+    PartBlock *part = small ? new PartBlock{cache.allocate(small), 1} : nullptr;
+    std::unique_ptr<PartBlock, void (*)(PartBlock *)> hold(part, [](PartBlock *b) {
+      if (b != nullptr) release_leaf(b);
+    });
+    char *base = part ? static_cast<char *>(part->block.get()) : nullptr;
     for (size_t i = first; i < first + count; ++i) {
       const Tensor *t = like[i];
-      const size_t bytes = static_cast<size_t>(t->numel()) * t->element_size();
-      c10::DataPtr data(base, part, &release_leaf, c10::Device(c10::DeviceType::CPU));
+      const size_t bytes = bytes_of(t);
+      c10::DataPtr data(nullptr, cpu);  // empty: no memory
+      if (carved(bytes)) {
+        part->users.fetch_add(1, std::memory_order_relaxed);
+        data = c10::DataPtr(base, part, &release_leaf, cpu);
+        base += (bytes + kAlign - 1) / kAlign * kAlign;
+      } else if (bytes > 0) {
+        data = cache.allocate(bytes);
+      }
       c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), &cache, false);
       auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), t->key_set(), t->dtype());
       impl->set_sizes_and_strides(t->sizes(), t->strides());
       out.emplace_back(std::move(impl));
-      base += padded(t);
     }
     first += count;
   }
   TORCH_CHECK(first == like.size(), "outputs: parts short of the tensors");
   return out;
+}
+
+// Counts of `total` tensors in runs of `n` (the states of a step, each one per leaf).
+std::vector<size_t> runs_of(size_t n, size_t total) {
+  TORCH_CHECK(n > 0 ? total % n == 0 : total == 0, "states: not a whole number per leaf");
+  return std::vector<size_t>(n > 0 ? total / n : 0, n);
 }
 
 // A step's decision: per group whether it applies, and per leaf (members * L of them,
@@ -608,7 +635,10 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
     std::vector<const Tensor *> like = refs(master);
     for (const TensorList *l : {&states, &params})
       for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like, {n, states.size(), params.size()});
+    std::vector<size_t> parts = runs_of(n, states.size());  // each state a part
+    parts.insert(parts.begin(), n);
+    parts.push_back(params.size());
+    TensorList all = outputs(like, parts);
     m_out.assign(all.begin(), all.begin() + n);
     s_out.assign(all.begin() + n, all.begin() + n + states.size());
     p_new.assign(all.begin() + n + states.size(), all.end());
@@ -751,7 +781,11 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> store
     std::vector<const Tensor *> like = refs(master);
     for (const TensorList *l : {&states, &scales, &params})
       for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like, {n, states.size(), scales.size(), params.size()});
+    std::vector<size_t> parts = runs_of(n, states.size());  // each state a part
+    parts.insert(parts.begin(), n);
+    parts.push_back(scales.size());
+    parts.push_back(params.size());
+    TensorList all = outputs(like, parts);
     size_t from = 0;
     auto take = [&](size_t count_) {
       TensorList part(all.begin() + from, all.begin() + from + count_);
