@@ -210,10 +210,10 @@ std::vector<const Tensor *> working(const TensorList &master, const TensorList &
 // A pure update returns a new state in fresh memory every step. Allocated
 // tensor by tensor through the dispatcher, that costs more than the update of
 // a small tree; for large leaves glibc maps and faults fresh pages every step.
-// The outputs come from this allocator instead, one block a state part (see
-// `outputs`): a block freed (when the last storage carved from it is gone) goes
-// back to a free list by size, and the next request of that size takes it, as
-// CUDA's caching allocator does. At most twice the bytes of the largest call are
+// The outputs come from this allocator instead (see `outputs`: a state part's
+// small leaves share one block, a larger leaf takes one of its own): a block freed
+// (when the last storage in it is gone) goes back to a free list by size, and the
+// next request of that size takes it, as CUDA's caching allocator does. At most twice the bytes of the largest call are
 // kept free, so a loop `state = fp16_update(state, grads)` keeps about one
 // dropped state.
 class BlockCache final : public c10::Allocator {
@@ -305,13 +305,15 @@ constexpr size_t kAlign = 64;
 // (one look-up a part instead of one a leaf, and the leaves side by side in memory).
 TensorList outputs(const std::vector<const Tensor *> &like, const std::vector<size_t> &parts) {
   const c10::Device cpu(c10::DeviceType::CPU);
-  auto bytes_of = [](const Tensor *t) {
-    TORCH_INTERNAL_ASSERT(t->is_non_overlapping_and_dense());
-    return static_cast<size_t>(t->numel()) * t->element_size();
-  };
+  auto padded = [](size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
   auto carved = [](size_t bytes) { return bytes > 0 && bytes < kCarvedBelow; };
+  std::vector<size_t> bytes(like.size());
   size_t total = 0;
-  for (const Tensor *t : like) total += (bytes_of(t) + kAlign - 1) / kAlign * kAlign;
+  for (size_t i = 0; i < like.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(like[i]->is_non_overlapping_and_dense());
+    bytes[i] = static_cast<size_t>(like[i]->numel()) * like[i]->element_size();
+    total += padded(bytes[i]);
+  }
   BlockCache &cache = block_cache();
   cache.expect(total);
   TensorList out;
@@ -321,7 +323,7 @@ TensorList outputs(const std::vector<const Tensor *> &like, const std::vector<si
     TORCH_CHECK(first + count <= like.size(), "outputs: parts beyond the tensors");
     size_t small = 0;
     for (size_t i = first; i < first + count; ++i)
-      if (carved(bytes_of(like[i]))) small += (bytes_of(like[i]) + kAlign - 1) / kAlign * kAlign;
+      if (carved(bytes[i])) small += padded(bytes[i]);
     // The part's block is held by `hold` (one user) while its leaves are made; each
     // carved leaf adds a user before its storage takes it, so a throw frees what it must.
     PartBlock *part = small ? new PartBlock{cache.allocate(small), 1} : nullptr;
@@ -331,16 +333,16 @@ TensorList outputs(const std::vector<const Tensor *> &like, const std::vector<si
     char *base = part ? static_cast<char *>(part->block.get()) : nullptr;
     for (size_t i = first; i < first + count; ++i) {
       const Tensor *t = like[i];
-      const size_t bytes = bytes_of(t);
       c10::DataPtr data(nullptr, cpu);  // empty: no memory
-      if (carved(bytes)) {
+      if (carved(bytes[i])) {
         part->users.fetch_add(1, std::memory_order_relaxed);
         data = c10::DataPtr(base, part, &release_leaf, cpu);
-        base += (bytes + kAlign - 1) / kAlign * kAlign;
-      } else if (bytes > 0) {
-        data = cache.allocate(bytes);
+        base += padded(bytes[i]);
+      } else if (bytes[i] > 0) {
+        data = cache.allocate(bytes[i]);
       }
-      c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), &cache, false);
+      c10::Storage storage(c10::Storage::use_byte_size_t(), bytes[i], std::move(data), &cache,
+                           false);
       auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), t->key_set(), t->dtype());
       impl->set_sizes_and_strides(t->sizes(), t->strides());
       out.emplace_back(std::move(impl));
