@@ -213,9 +213,9 @@ std::vector<const Tensor *> working(const TensorList &master, const TensorList &
 // The outputs come from this allocator instead (see `outputs`: a state part's
 // small leaves share one block, a larger leaf takes one of its own): a block freed
 // (when the last storage in it is gone) goes back to a free list by size, and the
-// next request of that size takes it, as CUDA's caching allocator does. At most twice the bytes of the largest call are
-// kept free, so a loop `state = fp16_update(state, grads)` keeps about one
-// dropped state.
+// next request of that size takes it, as CUDA's caching allocator does. At most
+// twice the bytes of the largest call are kept free, so a loop
+// `state = fp16_update(state, grads)` keeps about one dropped state.
 class BlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
@@ -353,10 +353,27 @@ TensorList outputs(const std::vector<const Tensor *> &like, const std::vector<si
   return out;
 }
 
-// Counts of `total` tensors in runs of `n` (the states of a step, each one per leaf).
-std::vector<size_t> runs_of(size_t n, size_t total) {
-  TORCH_CHECK(n > 0 ? total % n == 0 : total == 0, "states: not a whole number per leaf");
-  return std::vector<size_t>(n > 0 ? total / n : 0, n);
+// A pure step's new tensors like `lists` (the master, each optimiser state, the params,
+// ...), one list of outputs for each. A list of whole runs of `n` (the master, a state
+// list holding several states state-major) is a part per run, any other one part.
+std::vector<TensorList> fresh_like(size_t n, std::initializer_list<const TensorList *> lists) {
+  std::vector<const Tensor *> like;
+  std::vector<size_t> parts;
+  for (const TensorList *l : lists) {
+    for (const Tensor &t : *l) like.push_back(&t);
+    if (n > 0 && l->size() % n == 0)
+      parts.insert(parts.end(), l->size() / n, n);
+    else
+      parts.push_back(l->size());
+  }
+  const TensorList all = outputs(like, parts);
+  std::vector<TensorList> out;
+  auto from = all.begin();
+  for (const TensorList *l : lists) {
+    out.emplace_back(from, from + static_cast<std::ptrdiff_t>(l->size()));
+    from += static_cast<std::ptrdiff_t>(l->size());
+  }
+  return out;
 }
 
 // A step's decision: per group whether it applies, and per leaf (members * L of them,
@@ -478,14 +495,8 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> sgd(
     check_disjoint(written, g.size());
     m_out = master, t_out = trace, p_new = params;
   } else {
-    std::vector<const Tensor *> like = refs(master);
-    for (const Tensor &t : trace) like.push_back(&t);
-    for (const Tensor &t : params) like.push_back(&t);
-    TensorList all = outputs(like, {master.size(), trace.size(), params.size()});
-    const size_t nm = master.size(), nt = trace.size();
-    m_out.assign(all.begin(), all.begin() + nm);
-    t_out.assign(all.begin() + nm, all.begin() + nm + nt);
-    p_new.assign(all.begin() + nm + nt, all.end());
+    auto fresh = fresh_like(master.size(), {&master, &trace, &params});
+    m_out = std::move(fresh[0]), t_out = std::move(fresh[1]), p_new = std::move(fresh[2]);
   }
   size_t j = 0;
   for (size_t i = 0; i < master.size(); ++i) p_out.push_back(separate[i] ? &p_new[j++] : &m_out[i]);
@@ -552,15 +563,9 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> adam(
     check_disjoint(written, g.size());
     m_out = master, a_out = mu, v_out = nu, p_new = params;
   } else {
-    std::vector<const Tensor *> like = refs(master);
-    for (const TensorList *l : {&mu, &nu, &params})
-      for (const Tensor &t : *l) like.push_back(&t);
-    TensorList all = outputs(like, {master.size(), mu.size(), nu.size(), params.size()});
-    const size_t n = master.size();
-    m_out.assign(all.begin(), all.begin() + n);
-    a_out.assign(all.begin() + n, all.begin() + 2 * n);
-    v_out.assign(all.begin() + 2 * n, all.begin() + 3 * n);
-    p_new.assign(all.begin() + 3 * n, all.end());
+    auto fresh = fresh_like(master.size(), {&master, &mu, &nu, &params});
+    m_out = std::move(fresh[0]), a_out = std::move(fresh[1]), v_out = std::move(fresh[2]);
+    p_new = std::move(fresh[3]);
   }
   std::vector<const Tensor *> p_out;
   size_t j = 0;
@@ -634,16 +639,8 @@ std::tuple<TensorList, TensorList, TensorList, Tensor, Tensor> step(
     check_disjoint(written, g.size());
     m_out = master, s_out = states, p_new = params;
   } else {
-    std::vector<const Tensor *> like = refs(master);
-    for (const TensorList *l : {&states, &params})
-      for (const Tensor &t : *l) like.push_back(&t);
-    std::vector<size_t> parts = runs_of(n, states.size());  // each state a part
-    parts.insert(parts.begin(), n);
-    parts.push_back(params.size());
-    TensorList all = outputs(like, parts);
-    m_out.assign(all.begin(), all.begin() + n);
-    s_out.assign(all.begin() + n, all.begin() + n + states.size());
-    p_new.assign(all.begin() + n + states.size(), all.end());
+    auto fresh = fresh_like(n, {&master, &states, &params});
+    m_out = std::move(fresh[0]), s_out = std::move(fresh[1]), p_new = std::move(fresh[2]);
   }
   std::vector<const Tensor *> p_out;
   size_t k = 0;
@@ -780,22 +777,9 @@ std::tuple<TensorList, TensorList, TensorList, TensorList, Tensor, Tensor> store
     check_disjoint(written, g.size());
     m_out = master, s_out = states, sc_out = scales, p_new = params;
   } else {
-    std::vector<const Tensor *> like = refs(master);
-    for (const TensorList *l : {&states, &scales, &params})
-      for (const Tensor &t : *l) like.push_back(&t);
-    std::vector<size_t> parts = runs_of(n, states.size());  // each state a part
-    parts.insert(parts.begin(), n);
-    parts.push_back(scales.size());
-    parts.push_back(params.size());
-    TensorList all = outputs(like, parts);
-    size_t from = 0;
-    auto take = [&](size_t count_) {
-      TensorList part(all.begin() + from, all.begin() + from + count_);
-      from += count_;
-      return part;
-    };
-    m_out = take(n), s_out = take(states.size()), sc_out = take(scales.size());
-    p_new = take(params.size());
+    auto fresh = fresh_like(n, {&master, &states, &scales, &params});
+    m_out = std::move(fresh[0]), s_out = std::move(fresh[1]), sc_out = std::move(fresh[2]);
+    p_new = std::move(fresh[3]);
   }
   std::vector<const Tensor *> p_out;
   size_t k = 0;
