@@ -84,8 +84,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.dtensors import is_dtensor
 from functional_fp16._util.tree import NAMESPACE, PyTree, describe_tensor, tree_leaves, tree_paths
 from functional_fp16.checkpoint import _read
 from functional_fp16.checkpoint.atomic_file import (
@@ -192,7 +192,7 @@ class _Writer:
         if optree.tree_is_leaf(tree, namespace=NAMESPACE):
             return self.leaf(tree, path)
         if isinstance(tree, FP16State) and any(
-            isinstance(x, DTensor) for x in optree.tree_leaves(tree, namespace=NAMESPACE)
+            is_dtensor(x) for x in optree.tree_leaves(tree, namespace=NAMESPACE)
         ):
             raise TypeError(
                 f"tree{path} holds DTensors (a sharded or FSDP2 state): save it with "
@@ -314,7 +314,7 @@ def load_checkpoint(
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
+    return x.to_local() if is_dtensor(x) else x
 
 
 def check_split_masters(path: Any, tree: PyTree) -> None:

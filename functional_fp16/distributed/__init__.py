@@ -76,18 +76,14 @@ The top layer of the package: it may import every other subpackage, and none
 imports it (the root ``functional_fp16`` re-exports a few of its names).
 """
 
+import importlib
+
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
     agree_finite,
     all_reduce_mean,
     tree_all_reduce_mean,
 )
-from functional_fp16.distributed.checkpoints import (
-    load_checkpoint_broadcast,
-    save_checkpoint_rank0,
-)
-from functional_fp16.distributed.dcp_reader import CheckedReader
-from functional_fp16.distributed.dcp_state import load_dcp_state, save_dcp_state, state_to_dcp
 from functional_fp16.distributed.process_group import (
     DistInfo,
     ProcessGroup,
@@ -100,8 +96,6 @@ from functional_fp16.distributed.process_group import (
     shutdown,
 )
 from functional_fp16.distributed.replicas import broadcast_state, check_same_tree
-from functional_fp16.distributed.sharded_step import sharded_update
-from functional_fp16.distributed.sharding import is_sharded, shard_state, unshard_state
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -132,7 +126,22 @@ __all__ = [
     "sharded_update",
 ]
 
-_LAZY = {"load_checkpoint_sharded"}
+# The names whose modules import DTensor or torch.distributed.checkpoint (a second or
+# so between them): each module is loaded on the first use of one of its names, not
+# with the package.
+_LAZY = {
+    "CheckedReader": "dcp_reader",
+    "load_dcp_state": "dcp_state",
+    "save_dcp_state": "dcp_state",
+    "state_to_dcp": "dcp_state",
+    "load_checkpoint_sharded": "sharded_checkpoints",
+    "load_checkpoint_broadcast": "checkpoints",
+    "save_checkpoint_rank0": "checkpoints",
+    "sharded_update": "sharded_step",
+    "is_sharded": "sharding",
+    "shard_state": "sharding",
+    "unshard_state": "sharding",
+}
 _RETIRED = {
     "save_checkpoint_sharded": (
         "save_checkpoint_sharded was retired with its format: a sharded state's FP32 tensors "
@@ -147,16 +156,13 @@ _RETIRED = {
 
 
 def __getattr__(name: str):
-    # The old-format reader imports torch.distributed.checkpoint (most of a
-    # second); it is loaded on first use, not with the package.
     if name in _LAZY:
-        from functional_fp16.distributed import sharded_checkpoints
-
-        return getattr(sharded_checkpoints, name)
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
     if name in _RETIRED:
         raise AttributeError(_RETIRED[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _LAZY)
+    return sorted(set(globals()) | set(_LAZY))

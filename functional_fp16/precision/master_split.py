@@ -48,8 +48,8 @@ FP32 master keeps the finite value); a NaN stays NaN.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.dtensors import is_dtensor
 from functional_fp16._util.layout import dense_without_overlap
 
 __all__ = ["MASTER_FORMS", "RESIDUAL_DTYPE", "check_master_form", "join", "residual_unit"]
@@ -164,9 +164,9 @@ def valid_residuals(params: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
 
 def _placed_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a DTensor placed like ``like`` (a plain ``like``: ``local`` itself)."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return local
-    return DTensor.from_local(
+    return type(like).from_local(
         local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
     )
 
@@ -174,7 +174,7 @@ def _placed_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def split_leaf(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`split` of one leaf; a DTensor's on its local shard, params and residuals
     placed like it."""
-    local = master.to_local() if isinstance(master, DTensor) else master
+    local = master.to_local() if is_dtensor(master) else master
     params, residual = split(local)
     return _placed_like(master, params), _placed_like(master, residual)
 
@@ -182,6 +182,6 @@ def split_leaf(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def join_leaf(params: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """:func:`join` of one leaf; DTensors on their local shards, the master placed like
     the params."""
-    if isinstance(params, DTensor):
+    if is_dtensor(params):
         return _placed_like(params, join(params.to_local(), residual.to_local()))
     return join(params, residual)

@@ -43,8 +43,8 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.dtensors import is_dtensor
 from functional_fp16._util.tree import NAMESPACE, PyTree, child_steps
 from functional_fp16.transforms.base import GradientTransformation
 from functional_fp16.update.mesh_reduce import describe_mesh
@@ -173,7 +173,7 @@ def describe_leaf(x: Any) -> str:
     global shape, placements and mesh (``a float16 DTensor of shape (8, 4) on cpu,
     (Shard(dim=0),) on a mesh ('dp',) of shape (2,) over ranks [0, 1]``: see
     :func:`~functional_fp16.update.mesh_reduce.describe_mesh`), what every rank holds alike."""
-    if isinstance(x, DTensor):
+    if is_dtensor(x):
         return (
             f"a {x.dtype} DTensor of shape {tuple(x.shape)} on {x.device.type}, "
             f"{tuple(x.placements)} on {describe_mesh(x.device_mesh)}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.dtensors import is_dtensor
 from functional_fp16._util.tree import tree_flatten
 
 __all__ = [
@@ -81,7 +81,7 @@ def finite_everywhere(tree, flags: torch.Tensor) -> torch.Tensor:
     ``flags`` as they are. So a parameter that is not finite on one rank's shard is refused
     by every rank of the mesh, naming it, whether or not the mesh spans the default group."""
     leaves = tree_flatten(tree)[0]
-    if not (dist.is_initialized() and leaves and isinstance(leaves[0], DTensor)):
+    if not (dist.is_initialized() and leaves and is_dtensor(leaves[0])):
         return flags
     groups = agreement_groups(root_mesh(leaves[0].device_mesh))
     return all_reduce(flags.to(torch.int32), dist.ReduceOp.MIN, groups).to(torch.bool)

@@ -24,8 +24,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from functional_fp16._util.dtensors import is_dtensor
 from functional_fp16._util.tree import (
     PyTree,
     describe_tensor,
@@ -238,7 +238,7 @@ def check_params(params: PyTree, *, name: str = "params") -> list[torch.Tensor]:
 
 
 def _shard(x):
-    return x.to_local() if isinstance(x, DTensor) else x
+    return x.to_local() if is_dtensor(x) else x
 
 
 def _check_param_values(params: PyTree, master: PyTree, working: PyTree) -> None:

@@ -14,15 +14,14 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from functional_fp16._kernels import cpu as c_kernel
 from functional_fp16._util.cache import remember
+from functional_fp16._util.dtensors import any_dtensor
 from functional_fp16._util.tree import PyTree, check_like, tree_flatten, tree_map
 from functional_fp16.update.batching import is_batched, per_member
 from functional_fp16.update.decision import Decision, FiniteHook, SumHook
 from functional_fp16.update.dispatch import IMPLEMENTATIONS, route
-from functional_fp16.update.dtensor import dtensor_update, holds_dtensors, local_state
 from functional_fp16.update.state import FP16State
 from functional_fp16.update.state_check import check_disjoint, check_state, mark_checked
 
@@ -98,16 +97,16 @@ def fp16_update(
     try:
         signature = _check_state(state)
     except (TypeError, ValueError) as err:
-        if not (isinstance(state, FP16State) and holds_dtensors(state)):
+        if not (isinstance(state, FP16State) and _params_are_dtensors(state)):
             raise
         # On a mesh, a refusal that only some ranks reach is agreed on first.
-        dtensor_update(
+        _dtensor_module().dtensor_update(
             state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
             error=err, impl=impl, donate=donate,
         )  # fmt: skip
         raise  # pragma: no cover - dtensor_update raises
     if _holds_dtensors(state, signature):  # the same update on the local shards
-        new = dtensor_update(
+        new = _dtensor_module().dtensor_update(
             state, grads, fp16_update, loss=loss, agree=agree, global_sum=global_sum,
             signature=signature, impl=impl, donate=donate,
             check=lambda: _check_call(state, grads, signature, impl, loss, agree, global_sum,
@@ -176,10 +175,22 @@ def _holds_dtensors(state: FP16State, signature) -> bool:
     return found == "dtensor"
 
 
+def _params_are_dtensors(state: FP16State) -> bool:
+    return any_dtensor(tree_flatten(state.params)[0])
+
+
+def _dtensor_module():
+    """:mod:`functional_fp16.update.dtensor`, imported with DTensor's own module (about a
+    second) only once a state of DTensors arrives."""
+    from functional_fp16.update import dtensor
+
+    return dtensor
+
+
 def _dtensor_kind(state: FP16State) -> str:
-    if holds_dtensors(state):
+    if _params_are_dtensors(state):
         return "dtensor"
-    if any(isinstance(m, DTensor) for m in tree_flatten(state.master)[0]):
+    if any_dtensor(tree_flatten(state.master)[0]):
         return "sharded"
     return "plain"
 
@@ -296,5 +307,5 @@ def update_path(state: FP16State, impl: str = "auto") -> str:
     """
     _check_state(state)
     if _holds_dtensors(state, None):  # what runs on the local shards
-        return route(local_state(state)[0], impl).name
+        return route(_dtensor_module().local_state(state)[0], impl).name
     return route(state, impl).name

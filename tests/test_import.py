@@ -1,0 +1,75 @@
+"""What ``import functional_fp16`` loads: DTensor's and DCP's modules only where used.
+
+``torch.distributed.tensor`` (with sympy) and ``torch.distributed.checkpoint`` take
+about a second to import between them, and most programs never make a DTensor. The
+package recognises DTensors without importing their module
+(:mod:`functional_fp16._util.dtensors`) and loads the distributed modules that need
+them on the first use of one of their names. Each check runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch.distributed.tensor", "torch.distributed.checkpoint")
+
+
+def _fresh(code: str) -> dict:
+    """Runs ``code`` in a new interpreter; returns the JSON it prints last."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_and_updating_a_plain_state_loads_no_dtensor_module():
+    got = _fresh(
+        f"""
+        import json, sys, torch
+        import functional_fp16 as ff
+        from functional_fp16._util.dtensors import is_dtensor
+        after_import = [m for m in {HEAVY!r} if m in sys.modules]
+        params = {{"w": torch.ones(4, 3, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}}
+        grads = {{k: torch.full_like(v, 2.0) for k, v in params.items()}}
+        for tx in (ff.sgd(0.1, momentum=0.9), ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))):
+            for impl in ("auto", "foreach", "reference"):
+                state = ff.fp16_init(params, tx)
+                state = ff.fp16_update(ff.fp16_update(state, grads, impl=impl), grads, impl=impl)
+                ff.update_path(state, impl)
+        flags = [is_dtensor(torch.ones(1)), is_dtensor(None)]
+        print(json.dumps({{"after_import": after_import, "flags": flags,
+                           "after_update": [m for m in {HEAVY!r} if m in sys.modules]}}))
+        """
+    )
+    assert got == {"after_import": [], "flags": [False, False], "after_update": []}
+
+
+def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
+    got = _fresh(
+        f"""
+        import json, sys
+        import functional_fp16.distributed as ffd
+        before = [m for m in {HEAVY!r} if m in sys.modules]
+        ffd.shard_state
+        missing = object()
+        after_one = [m for m in {HEAVY!r} if m in sys.modules]
+        missing = [n for n in ffd.__all__ if getattr(ffd, n, missing) is missing]
+        names = {{}}
+        exec("from functional_fp16.distributed import *", names)
+        print(json.dumps({{"before": before, "after_one": after_one, "missing": missing,
+                           "star": sorted(set(ffd.__all__) - set(names)),
+                           "dir": sorted(set(ffd.__all__) - set(dir(ffd)))}}))
+        """
+    )
+    assert got["before"] == [] and "torch.distributed.tensor" in got["after_one"], got
+    assert got["missing"] == [] and got["star"] == [] and got["dir"] == [], got
