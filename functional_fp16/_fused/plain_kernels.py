@@ -235,12 +235,12 @@ _DERIVED_LOCK = threading.Lock()  # updates in several threads share it
 def _kept(x: Tensor) -> bool:
     """Whether a value derived from ``x`` may be kept: a plain tensor (a DTensor holds its
     mesh, whose process group the cache would keep alive into interpreter exit), in plain
-    eager mode, not a trace, a transform or a CUDA graph's capture (which must record
-    every launch that makes it)."""
+    eager mode, not a trace, a transform, or, for a CUDA tensor, a CUDA graph's capture
+    (which must record every launch that makes it; only CUDA's launches are captured)."""
     return type(x) is Tensor and not (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
-        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        or (x.is_cuda and torch.cuda.is_current_stream_capturing())
     )
 
 
