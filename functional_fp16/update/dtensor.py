@@ -66,18 +66,12 @@ from functional_fp16.update.mesh_reduce import (
 from functional_fp16.update.state_check import check_state, mark_checked
 
 __all__ = [
-    "holds_dtensors",
     "dtensor_update",
     "local_state",
     "plan",
     "mesh_hooks",
     "checked_locally",
 ]
-
-
-def holds_dtensors(state) -> bool:
-    """Whether ``state.params`` holds DTensor leaves."""
-    return any(isinstance(x, DTensor) for x in tree_flatten(state.params)[0])
 
 
 def _is_replicate(x) -> bool:
