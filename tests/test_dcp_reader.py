@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 import functional_fp16 as ff
 from functional_fp16 import distributed as ffd
-from functional_fp16.distributed import dcp_reader
+from functional_fp16.distributed import dcp_reader, dcp_state
 from tests import _forged_dcp as F
 from tests.helpers import bit_snapshot, bits
 
@@ -175,7 +175,7 @@ def test_the_reader_plugs_into_dcp_load_as_its_storage_reader(clean):
     import torch.distributed.checkpoint as dcp
 
     target = {"master": {k: torch.empty_like(v) for k, v in F.make_state().master.items()}}
-    with ffd.dcp_state.one_process_is_intended():
+    with dcp_state.one_process_is_intended():
         dcp.load(target, storage_reader=dcp_reader.CheckedReader(clean), no_dist=True)
     for k, v in F.make_state().master.items():
         assert torch.equal(bits(target["master"][k]), bits(v))

@@ -37,7 +37,6 @@ def test_importing_the_package_and_updating_a_plain_state_loads_no_dtensor_modul
         f"""
         import json, sys, torch
         import functional_fp16 as ff
-        from functional_fp16._util.dtensors import is_dtensor
         after_import = [m for m in {HEAVY!r} if m in sys.modules]
         params = {{"w": torch.ones(4, 3, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}}
         grads = {{k: torch.full_like(v, 2.0) for k, v in params.items()}}
@@ -46,12 +45,11 @@ def test_importing_the_package_and_updating_a_plain_state_loads_no_dtensor_modul
                 state = ff.fp16_init(params, tx)
                 state = ff.fp16_update(ff.fp16_update(state, grads, impl=impl), grads, impl=impl)
                 ff.update_path(state, impl)
-        flags = [is_dtensor(torch.ones(1)), is_dtensor(None)]
-        print(json.dumps({{"after_import": after_import, "flags": flags,
+        print(json.dumps({{"after_import": after_import,
                            "after_update": [m for m in {HEAVY!r} if m in sys.modules]}}))
         """
     )
-    assert got == {"after_import": [], "flags": [False, False], "after_update": []}
+    assert got == {"after_import": [], "after_update": []}
 
 
 def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
@@ -61,9 +59,9 @@ def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
         import functional_fp16.distributed as ffd
         before = [m for m in {HEAVY!r} if m in sys.modules]
         ffd.shard_state
-        missing = object()
+        absent = object()
         after_one = [m for m in {HEAVY!r} if m in sys.modules]
-        missing = [n for n in ffd.__all__ if getattr(ffd, n, missing) is missing]
+        missing = [n for n in ffd.__all__ if getattr(ffd, n, absent) is absent]
         names = {{}}
         exec("from functional_fp16.distributed import *", names)
         print(json.dumps({{"before": before, "after_one": after_one, "missing": missing,
@@ -73,3 +71,23 @@ def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
     )
     assert got["before"] == [] and "torch.distributed.tensor" in got["after_one"], got
     assert got["missing"] == [] and got["star"] == [] and got["dir"] == [], got
+
+
+def test_dtensors_are_recognised_once_their_module_is_loaded():
+    got = _fresh(
+        """
+        import json, torch
+        import torch.distributed as dist
+        from functional_fp16._util.dtensors import any_dtensor, is_dtensor
+        plain = torch.ones(4)
+        before = [is_dtensor(plain), any_dtensor([plain])]
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        dt = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        after = [is_dtensor(plain), is_dtensor(dt), any_dtensor([plain, dt]), any_dtensor([plain])]
+        dist.destroy_process_group()
+        print(json.dumps({"before": before, "after": after}))
+        """
+    )
+    assert got == {"before": [False, False], "after": [False, True, True, False]}

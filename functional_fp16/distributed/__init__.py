@@ -76,7 +76,7 @@ The top layer of the package: it may import every other subpackage, and none
 imports it (the root ``functional_fp16`` re-exports a few of its names).
 """
 
-import importlib
+from importlib import import_module as _import_module
 
 from functional_fp16.distributed.all_reduce import (
     DEFAULT_BUCKET_BYTES,
@@ -157,7 +157,7 @@ _RETIRED = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        module = _import_module(f"{__name__}.{_LAZY[name]}")
         return getattr(module, name)
     if name in _RETIRED:
         raise AttributeError(_RETIRED[name])
