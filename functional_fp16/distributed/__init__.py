@@ -142,6 +142,9 @@ _LAZY = {
     "shard_state": "sharding",
     "unshard_state": "sharding",
 }
+# The modules loaded with those names (and row_shards, which sharding imports): an
+# attribute of the package once imported, and on first access before that.
+_LAZY_MODULES = frozenset(_LAZY.values()) | {"row_shards"}
 _RETIRED = {
     "save_checkpoint_sharded": (
         "save_checkpoint_sharded was retired with its format: a sharded state's FP32 tensors "
@@ -159,10 +162,12 @@ def __getattr__(name: str):
     if name in _LAZY:
         module = _import_module(f"{__name__}.{_LAZY[name]}")
         return getattr(module, name)
+    if name in _LAZY_MODULES:
+        return _import_module(f"{__name__}.{name}")
     if name in _RETIRED:
         raise AttributeError(_RETIRED[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _LAZY_MODULES)
