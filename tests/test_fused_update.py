@@ -28,7 +28,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import functional_fp16 as ff
-from functional_fp16._fused import memory, op_library, steps
+from functional_fp16._fused import op_library, steps
 from functional_fp16._fused.op_library import grad_stats
 from functional_fp16._kernels import cpu as cpu_kernel
 from functional_fp16._util.finite import grads_finite
@@ -251,12 +251,11 @@ def test_without_a_compiler_it_warns_once_and_runs_the_plain_kernel(monkeypatch,
 
 
 def test_pure_outputs_never_alias_live_tensors_and_dropped_ones_are_reused():
-    # The plain kernel's pool starts empty: storages earlier tests dropped would otherwise
-    # serve these updates first, and s1's own would not be the ones reused.
-    memory.POOL.clear()
     tx = ff.sgd(0.1, momentum=0.9)
-    # 100,000 parameters: FP32 buffers of 400 KB, which the pool (not malloc) serves
-    s0 = ff.fp16_init({"w": torch.randn(100_000), "b": torch.randn(10)}, tx)
+    # FP32 buffers of 400 KB, which the pool (the plain kernel's) or the block cache (the C
+    # kernel's) serves, reusing a dropped buffer of the same size: a size no other test uses,
+    # so that buffers other tests dropped cannot serve these updates before s1's own.
+    s0 = ff.fp16_init({"w": torch.randn(100_007), "b": torch.randn(10)}, tx)
     keep = clone(s0)
     grads = matrix_grads(s0, 0, 0)
     s1 = ff.fp16_update(s0, grads)
