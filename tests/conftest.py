@@ -18,6 +18,34 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    # pytest-xdist's --dist loadscope deals the modules out in collection order
+    # (see pytest_collection_modifyitems), not by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that hold a ``slow`` or ``distributed`` test (minutes of processes and
+    compiles) are collected first, each module's tests in their order.
+
+    Under ``pytest-xdist``'s ``--dist loadscope`` a worker takes a whole module at a time,
+    in collection order: with the long modules dealt out first, the many short ones even
+    out the workers' loads at the end, where a long module dealt last would leave one
+    worker running it alone.
+    """
+
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    long = {
+        module(item)
+        for item in items
+        if any(mark.name in ("slow", "distributed") for mark in item.iter_markers())
+    }
+    items.sort(key=lambda item: module(item) not in long)  # stable: modules stay whole
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -173,6 +173,7 @@ def test_one_launch_an_update_on_cudas_default(monkeypatch):
     assert names.count(triton_bookkeeping.LAUNCH_LABEL) == 1, names
 
 
+@pytest.mark.slow
 def test_the_triton_cases_pass_in_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter's process")

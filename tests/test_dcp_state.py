@@ -74,6 +74,7 @@ def test_a_save_killed_in_one_process_leaves_a_loadable_checkpoint(point, tmp_pa
     assert_holds(ckpt, 2)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("who", "point"), [(1, "data"), (0, "metadata"), (0, "swapped")])
 def test_a_save_killed_at_two_ranks_leaves_a_loadable_checkpoint(who, point, tmp_path):
     run = launch_workers(
@@ -178,6 +179,7 @@ def hostile(tmp_path_factory) -> list[dict]:
     return [torch.load(run.out / f"hostile_rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.distributed
 def test_one_damaged_rank_makes_every_rank_raise_promptly(hostile):
     from tests._dcp_workers import HOSTILE_CASES, SHARED_CASES
 

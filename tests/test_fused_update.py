@@ -374,6 +374,30 @@ def test_a_kept_small_leaf_does_not_keep_the_large_ones():
     assert torch.equal(kept.view(torch.int16), value.view(torch.int16))
 
 
+@C_OUTPUTS
+def test_blocks_of_a_state_dropped_long_ago_make_room_for_the_current_ones():
+    """The block cache keeps at most twice its largest call's bytes free; once a larger
+    tree's dropped states fill that, the next tree's dropped blocks still take the
+    oldest ones' place, and its next updates reuse them."""
+    big = {f"w{i}": torch.randn(1_000_003 + i) for i in range(2)}  # sizes no other test uses
+    b0 = ff.fp16_init(big, ff.sgd(0.1, momentum=0.9))
+    b_grads = matrix_grads(b0, 0, 0)
+    b1 = ff.fp16_update(b0, b_grads)
+    b2 = ff.fp16_update(b1, b_grads)
+    del b0, b1, b2  # two states' blocks: twice the call, what the cache keeps
+    gc.collect()
+    s1, s2, grads = _kept_state_case()
+    large = [x for x in tree_leaves(s1) if x.nbytes >= 256 * 1024]  # blocks of their own
+    dropped, sizes = {x.data_ptr() for x in large}, [x.nbytes for x in large]
+    del s1, large
+    gc.collect()
+    # Had those blocks gone back to malloc, these requests of their sizes would take them.
+    decoys = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    s3 = ff.fp16_update(s2, grads)
+    assert len(dropped) == 3 and dropped <= _addresses(s3)
+    assert not dropped & _addresses(decoys)
+
+
 def test_channels_last_and_strided_gradients():
     params = {"conv": torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)}
     state = ff.fp16_init(params, ff.sgd(0.1, momentum=0.9))

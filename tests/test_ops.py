@@ -1,7 +1,8 @@
 """The fused steps as ``torch.library`` ops: ``opcheck``, ``torch.compile``, ``vmap``.
 
-* ``torch.library.opcheck`` (schema, fake kernel, autograd registration,
-  ``aot_dispatch_dynamic``) on every op across parameter dtypes and flags;
+* ``torch.library.opcheck`` (schema, fake kernel, autograd registration) on every op
+  across parameter dtypes and flags, and ``aot_dispatch_dynamic`` once per structure of
+  the arguments (see :func:`_opcheck`);
 * the compiled update calls the op: kernel calls are counted over 20 steps
   that include skipped steps and loss-scale changes, with ``fullgraph=True``
   and recompilation made an error;
@@ -55,6 +56,23 @@ def _scalars(skip=False, clip=False, started=True):
     return s, torch.tensor([started])
 
 
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _opcheck(op, args, kwargs, *, trace: bool) -> None:
+    """``torch.library.opcheck``; with ``trace``, also ``test_aot_dispatch_dynamic``.
+
+    That check (nine tenths of opcheck's time) traces the op through AOTAutograd with
+    symbolic shapes, where the fake kernel stands for it: what it sees is the arguments'
+    structure (which tensors and lists are given, their dtypes, shapes and layouts). Cases
+    that differ only in float hyperparameters or in the values in a tensor (a skipped step's
+    ``apply``) trace alike, so the tests below trace one case of each structure; every case
+    goes through the other three checks.
+    """
+    utils = (*OPCHECK_TESTS, "test_aot_dispatch_dynamic") if trace else OPCHECK_TESTS
+    torch.library.opcheck(op, args, kwargs, test_utils=utils)
+
+
 SGD_FLAGS = [
     dict(weight_decay=0.0, momentum=0.9, dampening=0.0, nesterov=False),
     dict(weight_decay=1e-2, momentum=0.9, dampening=0.1, nesterov=False),
@@ -76,9 +94,11 @@ def test_opcheck_sgd(param_dtype, flags, skip, clip):
     s, started = _scalars(skip, clip)
     args = (grads, master, trace, own, separate)
     kwargs = dict(**s, started=started if hyper["momentum"] else None, **hyper, members=1)
-    torch.library.opcheck(sgd_step, args, kwargs)
+    # flags 1 and 2 differ from 0 in floats only; 3 has no momentum (no trace, no started)
+    trace_aot = not skip and flags in (0, 3)
+    _opcheck(sgd_step, args, kwargs, trace=trace_aot)
     copies = ([m.clone() for m in master], [t.clone() for t in trace], [p.clone() for p in own])
-    torch.library.opcheck(sgd_step_, (grads, *copies, separate), kwargs)
+    _opcheck(sgd_step_, (grads, *copies, separate), kwargs, trace=trace_aot)
 
 
 @pytest.mark.parametrize("param_dtype", DTYPES)
@@ -109,9 +129,11 @@ def test_opcheck_adam(param_dtype, decay, skip, given, monkeypatch):
         decoupled=1e-2 if decay == "decoupled" else 0.0,
         members=1,
     )
-    torch.library.opcheck(adam_step, (grads, master, mu, nu, own, separate), kwargs)
+    # the decays differ in floats only; a skipped case has no clip factors (another structure)
+    trace_aot = decay == "decoupled"
+    _opcheck(adam_step, (grads, master, mu, nu, own, separate), kwargs, trace=trace_aot)
     copies = [[x.clone() for x in xs] for xs in (master, mu, nu, own)]
-    torch.library.opcheck(adam_step_, (grads, *copies, separate), kwargs)
+    _opcheck(adam_step_, (grads, *copies, separate), kwargs, trace=trace_aot)
 
 
 @pytest.mark.parametrize("kernel", ["c", "generic"])
@@ -139,9 +161,10 @@ def test_opcheck_lion(param_dtype, decay, skip):
     mu = [torch.randn_like(m) for m in master]
     s, _ = _scalars(skip, clip=not skip)
     kwargs = dict(**s, b1=0.9, b2=0.99, decoupled=decay, members=1)
-    torch.library.opcheck(lion_step, (grads, master, mu, own, separate), kwargs)
+    trace_aot = decay != 0.0  # the decays differ in a float only; skip also drops the clip
+    _opcheck(lion_step, (grads, master, mu, own, separate), kwargs, trace=trace_aot)
     copies = [[x.clone() for x in xs] for xs in (master, mu, own)]
-    torch.library.opcheck(lion_step_, (grads, *copies, separate), kwargs)
+    _opcheck(lion_step_, (grads, *copies, separate), kwargs, trace=trace_aot)
 
 
 RMS_FLAGS = [
@@ -164,15 +187,16 @@ def test_opcheck_rmsprop(param_dtype, flags, skip):
     s, started = _scalars(skip, clip=not skip)
     kwargs = dict(**s, started=started if on else None, decay=0.9, eps=1e-8, **RMS_FLAGS[flags])
     kwargs["members"] = 1
-    torch.library.opcheck(rmsprop_step, (grads, master, nu, trace, own, separate), kwargs)
+    trace_aot = flags in (0, 1)  # 2 differs from 1 in floats and flags; skip drops the clip
+    _opcheck(rmsprop_step, (grads, master, nu, trace, own, separate), kwargs, trace=trace_aot)
     copies = [[x.clone() for x in xs] for xs in (master, nu, trace, own)]
-    torch.library.opcheck(rmsprop_step_, (grads, *copies, separate), kwargs)
+    _opcheck(rmsprop_step_, (grads, *copies, separate), kwargs, trace=trace_aot)
 
 
 @pytest.mark.parametrize("sum_squares", [False, True])
 def test_opcheck_grad_stats(sum_squares):
     grads, _, _ = _leaves(torch.float16)
-    torch.library.opcheck(grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares))
+    _opcheck(grad_stats, (grads, torch.tensor([0.5]), 1, 1, sum_squares), {}, trace=True)
 
 
 @pytest.mark.parametrize("kernel", ["c", "generic"])

@@ -274,6 +274,7 @@ def test_the_cpp_kernel_refuses_what_it_cannot_read():
 
 
 @in_parent
+@pytest.mark.slow
 def test_the_triton_cases_pass_in_the_interpreter():
     run_cases_in_interpreter(
         __file__, "test_the_triton_cases_pass_in_the_interpreter", 3, skips=True

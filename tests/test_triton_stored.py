@@ -37,6 +37,7 @@ in_child = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter's
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_cases_pass_in_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter's process")

@@ -32,6 +32,8 @@
 #include <atomic>
 #include <memory>
 #include <cstring>
+#include <deque>
+#include <list>
 #include <mutex>
 #include <unordered_map>
 #include <cmath>
@@ -215,7 +217,10 @@ std::vector<const Tensor *> working(const TensorList &master, const TensorList &
 // (when the last storage in it is gone) goes back to a free list by size, and the
 // next request of that size takes it, as CUDA's caching allocator does. At most
 // twice the bytes of the largest call are kept free, so a loop
-// `state = fp16_update(state, grads)` keeps about one dropped state.
+// `state = fp16_update(state, grads)` keeps about one dropped state. A block freed
+// when that much is kept already makes room by releasing the oldest free blocks: the
+// blocks of a state dropped long ago (another model's, an earlier tree's sizes) never
+// stop the current loop's from being kept.
 class BlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
@@ -223,9 +228,11 @@ class BlockCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = free_.find(n);
-      if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
+      if (it != free_.end() && !it->second.empty()) {  // the newest of that size
+        auto block = it->second.back();
         it->second.pop_back();
+        p = block->second;
+        order_.erase(block);
         cached_ -= n;
       }
     }
@@ -251,21 +258,34 @@ class BlockCache final : public c10::Allocator {
 
   static void release(void *ctx);
 
+  using Free = std::list<std::pair<size_t, void *>>;  // (bytes, memory)
+
   std::mutex mutex_;
-  std::unordered_map<size_t, std::vector<void *>> free_;
+  Free order_;  // the free blocks, oldest first
+  std::unordered_map<size_t, std::deque<Free::iterator>> free_;  // by size, oldest first
   size_t cached_ = 0;
   size_t limit_ = 0;
 
   friend BlockCache &block_cache();
   void give_back(Block *b) {
+    std::vector<void *> released;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (cached_ + b->size <= limit_) {
-        free_[b->size].push_back(b->ptr);
+      if (b->size <= limit_) {
+        while (cached_ + b->size > limit_) {  // the oldest free block goes
+          auto [bytes, ptr] = order_.front();
+          free_[bytes].pop_front();  // the oldest of its size: the same block
+          order_.pop_front();
+          cached_ -= bytes;
+          released.push_back(ptr);
+        }
+        order_.emplace_back(b->size, b->ptr);
+        free_[b->size].push_back(std::prev(order_.end()));
         cached_ += b->size;
         b->ptr = nullptr;
       }
     }
+    for (void *ptr : released) c10::free_cpu(ptr);
     if (b->ptr != nullptr) c10::free_cpu(b->ptr);
     delete b;
   }
