@@ -12,6 +12,9 @@ recipe donated                  the same with ``donate=True``
 recipe compiled                 ``torch.compile(fp16_update, fullgraph=True)``, pure
 recipe compiled, no size        the same with ``options={"size_asserts": False}``: Inductor
 asserts                         then does not check each of the op's ~600 outputs per call
+recipe pure / compiled, one     the recipe, eager and compiled, on the same parameters as one
+tensor                          (1, n) tensor: what a compiled call adds beside the per-tensor
+                                work (its frame, its guards on the state's static parts)
 nanoGPT AdamW(fused)            FP32 params, ``scaler.unscale_`` + ``clip_grad_norm_(foreach)``
                                 + ``AdamW(fused=True)`` with two param groups (decay / none),
                                 the learning rate set per group + ``step`` + ``update``
@@ -144,6 +147,8 @@ def _grads(params, seed=1):
 def rows_148(smoke: bool):
     params = gpt2_tree(layers=2 if smoke else 12)
     grads = _grads(params)
+    flat = {"w": torch.cat([v.reshape(-1) for v in params.values()]).reshape(1, -1)}
+    flat_grads = _grads(flat)
     rows = {
         "recipe pure": Ours(params, grads, recipe()),
         "recipe donated": Ours(params, grads, recipe(), donate=True),
@@ -151,6 +156,8 @@ def rows_148(smoke: bool):
         "recipe compiled, no size asserts": Ours(
             params, grads, recipe(), compiled={"size_asserts": False}
         ),
+        "recipe pure, one tensor": Ours(flat, flat_grads, recipe()),
+        "recipe compiled, one tensor": Ours(flat, flat_grads, recipe(), compiled={}),
         "nanoGPT AdamW(fused)": Stock(params, grads, "adamw"),
         "sgd pure": Ours(params, grads, ff.sgd(0.05, momentum=0.9)),
         "sgd donated": Ours(params, grads, ff.sgd(0.05, momentum=0.9), donate=True),
@@ -161,6 +168,8 @@ def rows_148(smoke: bool):
         "recipe donated": "nanoGPT AdamW(fused)",
         "recipe compiled": "recipe pure",
         "recipe compiled, no size asserts": "recipe pure",
+        "recipe pure, one tensor": "recipe pure",
+        "recipe compiled, one tensor": "recipe pure, one tensor",
         "sgd pure": "GradScaler+SGD(fused)",
         "sgd donated": "GradScaler+SGD(fused)",
     }
