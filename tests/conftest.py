@@ -20,7 +20,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_configure(config):
     # pytest-xdist's --dist loadscope deals the modules out in collection order
-    # (see pytest_collection_modifyitems), not by their number of tests.
+    # (see pytest_collection_modifyitems), not by their number of tests; this overrides
+    # --loadscope-reorder (xdist's default) on the command line.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 

@@ -65,8 +65,8 @@ def _opcheck(op, args, kwargs, *, trace: bool) -> None:
     That check (nine tenths of opcheck's time) traces the op through AOTAutograd with
     symbolic shapes, where the fake kernel stands for it: what it sees is the arguments'
     structure (which tensors and lists are given, their dtypes, shapes and layouts). Cases
-    that differ only in float hyperparameters or in the values in a tensor (a skipped step's
-    ``apply``) trace alike, so the tests below trace one case of each structure; every case
+    that differ only in non-tensor hyperparameters (floats and flags, constants of the
+    trace) or in the values in a tensor (a skipped step's ``apply``) trace alike, so the tests below trace one case of each structure; every case
     goes through the other three checks.
     """
     utils = (*OPCHECK_TESTS, "test_aot_dispatch_dynamic") if trace else OPCHECK_TESTS
@@ -94,7 +94,8 @@ def test_opcheck_sgd(param_dtype, flags, skip, clip):
     s, started = _scalars(skip, clip)
     args = (grads, master, trace, own, separate)
     kwargs = dict(**s, started=started if hyper["momentum"] else None, **hyper, members=1)
-    # flags 1 and 2 differ from 0 in floats only; 3 has no momentum (no trace, no started)
+    # flags 1 and 2 differ from 0 in non-tensor arguments; 3 has no momentum (no trace, no
+    # started)
     trace_aot = not skip and flags in (0, 3)
     _opcheck(sgd_step, args, kwargs, trace=trace_aot)
     copies = ([m.clone() for m in master], [t.clone() for t in trace], [p.clone() for p in own])

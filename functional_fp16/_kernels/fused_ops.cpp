@@ -231,6 +231,7 @@ class BlockCache final : public c10::Allocator {
       if (it != free_.end() && !it->second.empty()) {  // the newest of that size
         auto block = it->second.back();
         it->second.pop_back();
+        if (it->second.empty()) free_.erase(it);
         p = block->second;
         order_.erase(block);
         cached_ -= n;
@@ -267,25 +268,38 @@ class BlockCache final : public c10::Allocator {
   size_t limit_ = 0;
 
   friend BlockCache &block_cache();
-  void give_back(Block *b) {
-    std::vector<void *> released;
+  // Called by a storage's deleter: never throws. Where keeping the block would need
+  // memory that is not there, the block is freed instead.
+  void give_back(Block *b) noexcept {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (b->size <= limit_) {
-        while (cached_ + b->size > limit_) {  // the oldest free block goes
+        try {
+          auto &slot = free_[b->size];
+          order_.emplace_back(b->size, b->ptr);
+          try {
+            slot.push_back(std::prev(order_.end()));
+          } catch (...) {
+            order_.pop_back();
+            throw;
+          }
+          cached_ += b->size;
+          b->ptr = nullptr;
+        } catch (...) {
+          auto it = free_.find(b->size);
+          if (it != free_.end() && it->second.empty()) free_.erase(it);
+        }
+        while (cached_ > limit_) {  // the oldest free blocks go (never the one just kept)
           auto [bytes, ptr] = order_.front();
-          free_[bytes].pop_front();  // the oldest of its size: the same block
+          auto it = free_.find(bytes);
+          it->second.pop_front();  // the oldest of its size: the same block
+          if (it->second.empty()) free_.erase(it);
           order_.pop_front();
           cached_ -= bytes;
-          released.push_back(ptr);
+          c10::free_cpu(ptr);
         }
-        order_.emplace_back(b->size, b->ptr);
-        free_[b->size].push_back(std::prev(order_.end()));
-        cached_ += b->size;
-        b->ptr = nullptr;
       }
     }
-    for (void *ptr : released) c10::free_cpu(ptr);
     if (b->ptr != nullptr) c10::free_cpu(b->ptr);
     delete b;
   }
