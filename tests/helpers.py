@@ -488,6 +488,26 @@ def stored_step_grads(state, seed, bad=None):
     return out
 
 
+def fresh_json(code: str, env: dict | None = None) -> dict:
+    """Runs ``code`` (dedented) in a new interpreter at the repository's root, with
+    ``env`` added to the environment; returns the JSON it prints last."""
+    import json
+    import os
+    import subprocess
+    import textwrap
+
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_cases_in_interpreter(test_file: str, runner: str, at_least: int, skips=False) -> str:
     """Runs the cases of ``test_file`` but ``runner`` (the test calling this) in a child
     pytest with ``TRITON_INTERPRET=1`` (Triton interprets only where that was set before

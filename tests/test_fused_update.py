@@ -21,11 +21,7 @@ multiply-adds, the bound is one ulp of the result itself.
 import functools
 import gc
 import io
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -43,6 +39,7 @@ from tests.helpers import (
     TX_NAMES,
     assert_within_one_operation_ulp,
     count_c_kernel_calls,
+    fresh_json,
     fused_adam_excess,
     matrix_grads,
     optimiser_matrix,
@@ -418,12 +415,7 @@ def test_blocks_of_a_state_dropped_long_ago_make_room_for_the_current_ones():
     tree's dropped states fill that, the next tree's dropped blocks still take the
     oldest ones' place, and its next update reuses them. In a fresh interpreter: the
     cache is the process's, and earlier tests leave it in any state."""
-    env = {**os.environ, "FUNCTIONAL_FP16_CPU_KERNEL": "c"}
-    run = subprocess.run(
-        [sys.executable, "-c", _LONG_AGO], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert run.returncode == 0, run.stderr
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = fresh_json(_LONG_AGO, env={"FUNCTIONAL_FP16_CPU_KERNEL": "c"})
     assert got == {"path": "fused", "dropped": 3, "reused": 3, "decoyed": 0}, got
 
 

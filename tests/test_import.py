@@ -9,31 +9,13 @@ them on the first use of one of their names. Each check runs in a fresh interpre
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from tests.helpers import fresh_json
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch.distributed.tensor", "torch.distributed.checkpoint")
 
 
-def _fresh(code: str) -> dict:
-    """Runs ``code`` in a new interpreter; returns the JSON it prints last."""
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_importing_the_package_and_updating_a_plain_state_loads_no_dtensor_module():
-    got = _fresh(
+    got = fresh_json(
         f"""
         import json, sys, torch
         import functional_fp16 as ff
@@ -53,7 +35,7 @@ def test_importing_the_package_and_updating_a_plain_state_loads_no_dtensor_modul
 
 
 def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
-    got = _fresh(
+    got = fresh_json(
         f"""
         import json, sys
         import functional_fp16.distributed as ffd
@@ -85,7 +67,7 @@ def test_every_distributed_name_resolves_and_loads_its_module_on_first_use():
 
 
 def test_dtensors_are_recognised_once_their_module_is_loaded():
-    got = _fresh(
+    got = fresh_json(
         """
         import json, torch
         import torch.distributed as dist

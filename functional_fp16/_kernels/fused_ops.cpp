@@ -228,7 +228,7 @@ class BlockCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = free_.find(n);
-      if (it != free_.end() && !it->second.empty()) {  // the newest of that size
+      if (it != free_.end()) {  // the newest of that size (no size's list is left empty)
         auto block = it->second.back();
         it->second.pop_back();
         if (it->second.empty()) free_.erase(it);
