@@ -46,9 +46,13 @@ def placements(name: str):
 
 def distribute(tree, mesh, sharded_only=False):
     """``tree`` over ``mesh``: ``Shard(0)``, and ``Replicate`` for ``REPLICATED`` (unless
-    ``sharded_only``)."""
+    ``sharded_only``). Every rank builds the same tree (seeded generators), so each cuts its
+    own shard locally (``src_data_rank=None``): no scatter from rank 0, one collective a leaf
+    fewer on every call."""
     return {
-        k: distribute_tensor(v, mesh, [Shard(0)] if sharded_only else placements(k))
+        k: distribute_tensor(
+            v, mesh, [Shard(0)] if sharded_only else placements(k), src_data_rank=None
+        )
         for k, v in tree.items()
     }
 
