@@ -192,7 +192,7 @@ def rows_10m(smoke: bool):
 
 
 def table(title, rows, peers, reps, warmup):
-    times = C.time_interleaved(rows, reps=reps, warmup=warmup)
+    times = C.time_interleaved(rows, reps=reps, warmup=warmup, shuffle=True)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     lines = [
         f"### {title}",
