@@ -9,8 +9,9 @@ killed and the tests that read it fail with the workers' logs.
 The workers are forked from a server process that has imported torch, the library and
 the worker modules once (``multiprocessing``'s ``forkserver``, one a test process), so
 that a launch does not pay the imports again in every rank (about 4 s of CPU a rank on
-a 2-vCPU machine). The server runs no torch op, so it holds no thread pool and no
-process group: each worker starts as a fresh interpreter would, from its environment.
+a 2-vCPU machine). The server runs no torch op and joins no process group (a fork of
+it is what a ``DataLoader`` worker is of its parent): each worker reads its environment
+and joins its group as a fresh interpreter would.
 Where ``forkserver`` is not available the workers are fresh interpreters
 (``python -m tests.<module> OUT_DIR``).
 """
