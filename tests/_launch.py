@@ -19,6 +19,7 @@ Where ``forkserver`` is not available the workers are fresh interpreters
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import os
 import runpy
@@ -54,16 +55,13 @@ PRELOAD = [
     "torch.distributed.tensor",
     "functional_fp16",
     "functional_fp16.distributed",
-    "tests._agreement_workers",
-    "tests._dcp_workers",
-    "tests._dist_workers",
-    "tests._dtensor_workers",
-    "tests._shard_workers",
+    *sorted(f"tests.{p.stem}" for p in Path(__file__).parent.glob("_*_workers.py")),
 ]
-"""What the fork server imports before it forks a worker (a module it cannot import is
-imported by the worker itself)."""
+"""What the fork server imports before it forks a worker: torch, the library and every
+worker module of the tests (a module it cannot import is imported by the worker itself)."""
 
 
+@functools.cache
 def _context():
     """``multiprocessing``'s ``forkserver`` context with :data:`PRELOAD`, or ``None``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():

@@ -66,8 +66,9 @@ def _opcheck(op, args, kwargs, *, trace: bool) -> None:
     symbolic shapes, where the fake kernel stands for it: what it sees is the arguments'
     structure (which tensors and lists are given, their dtypes, shapes and layouts). Cases
     that differ only in non-tensor hyperparameters (floats and flags, constants of the
-    trace) or in the values in a tensor (a skipped step's ``apply``) trace alike, so the tests below trace one case of each structure; every case
-    goes through the other three checks.
+    trace) or in the values in a tensor (a skipped step's ``apply``) trace alike, so the
+    tests below trace one case of each structure; every case goes through the other three
+    checks.
     """
     utils = (*OPCHECK_TESTS, "test_aot_dispatch_dynamic") if trace else OPCHECK_TESTS
     torch.library.opcheck(op, args, kwargs, test_utils=utils)
